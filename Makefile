@@ -1,0 +1,26 @@
+# The two commands of the README: `make demo` and `make test` (each sets itself up first).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(abspath $(VENV))/bin
+INSTALLED := $(VENV)/.installed
+RUN := PATH="$(BIN):$$PATH"
+
+.PHONY: setup demo test lint
+
+$(INSTALLED): requirements.txt requirements-test.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements-test.txt
+	touch $@
+
+setup: $(INSTALLED)
+
+demo: $(INSTALLED)
+	$(RUN) snakemake --profile profiles/local --configfile sample/config.yaml all
+	$(RUN) python -m workflow.summary --print results/summary.csv
+
+test: $(INSTALLED)
+	$(RUN) python -m pytest -q -n 2 tests
+
+lint: $(INSTALLED)
+	$(RUN) snakemake --lint

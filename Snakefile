@@ -1,0 +1,27 @@
+# snakebert: raw Wikipedia (+ optional BookCorpus) -> pretrained BERT -> SQuAD score.
+# The table of contents of the workflow; every stage lives in rules/<stage>.smk.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/download.smk"
+include: "rules/extract.smk"
+include: "rules/format.smk"
+include: "rules/shard.smk"
+include: "rules/vocab.smk"
+include: "rules/tokenize.smk"
+include: "rules/encode.smk"
+include: "rules/pretrain.smk"
+include: "rules/squad.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    input:
+        all_targets(),
+    default_target: True

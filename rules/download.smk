@@ -1,0 +1,1 @@
+# rules for the download stage

@@ -1,0 +1,22 @@
+"""Command-line plumbing shared by every stage: logging to the rule's log and one-line errors."""
+import logging
+import sys
+from typing import Callable, Sequence
+
+
+class UserError(Exception):
+    """Bad input, config or environment. The message names the file/key/line at fault."""
+
+
+def run(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
+    """Run a stage's `main`; a UserError becomes `error: <message>` on stderr and exit status 1."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        main(argv)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
