@@ -1,1 +1,63 @@
-# rules for the encode stage
+# Stages 7-8: masked-LM + next-sentence instances per tokenized shard (NVIDIA's HDF5 schema), then the
+# directory a trainer reads, data/hdf5_seq{seq}: both splits hard-linked from data/encoded_seq{seq} + manifest.json.
+
+
+def max_predictions_per_seq(wildcards):
+    """max_predictions_per_seq of the phase whose max_seq_length is wildcards.seq."""
+    return config["encode"][phase_of_seq(wildcards)]["max_predictions_per_seq"]
+
+
+def encoded_shards(wildcards):
+    """Every encoded shard, both splits, of sequence length wildcards.seq."""
+    return [
+        f"data/encoded_seq{wildcards.seq}/{split}/shard_{index}.hdf5"
+        for split in SPLITS
+        for index in shard_indices(split)
+    ]
+
+
+rule encode:
+    input:
+        tokenized="data/tokenized/{split}/shard_{index}.npz",
+        vocab="data/vocab.txt",
+    output:
+        "data/encoded_seq{seq}/{split}/shard_{index}.hdf5",
+    params:
+        max_predictions_per_seq=max_predictions_per_seq,
+        dupe_factor=config["encode"]["dupe_factor"],
+        masked_lm_prob=config["encode"]["masked_lm_prob"],
+        short_seq_prob=config["encode"]["short_seq_prob"],
+        whole_word_masking="--whole-word-masking" if config["encode"]["whole_word_masking"] else "--no-whole-word-masking",
+        compression=config["encode"]["compression"],
+        seed=config["seed"],
+    log:
+        "logs/encode/seq{seq}/{split}/shard_{index}.log",
+    threads: 1
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.encode --tokenized {input.tokenized} --vocab {input.vocab} --output {output}"
+        " --max-seq-length {wildcards.seq} --max-predictions-per-seq {params.max_predictions_per_seq}"
+        " --dupe-factor {params.dupe_factor} --masked-lm-prob {params.masked_lm_prob}"
+        " --short-seq-prob {params.short_seq_prob} {params.whole_word_masking} --compression {params.compression}"
+        " --seed {params.seed} --split {wildcards.split} --shard-index {wildcards.index} 2> {log}"
+
+
+rule hdf5_dir:
+    input:
+        encoded_shards,
+    output:
+        directory("data/hdf5_seq{seq}"),
+    params:
+        n_training_shards=config["shard"]["n_training_shards"],
+        n_test_shards=config["shard"]["n_test_shards"],
+    log:
+        "logs/hdf5_dir/seq{seq}.log",
+    threads: 4
+    conda:
+        "../envs/data.yaml"
+    shell:
+        # The encoded directory, not {input}: thousands of paths would overflow one shell argument.
+        "python -m workflow.hdf5_dir --encoded data/encoded_seq{wildcards.seq}"
+        " --n-training-shards {params.n_training_shards} --n-test-shards {params.n_test_shards}"
+        " --threads {threads} --output {output} 2> {log}"

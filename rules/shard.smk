@@ -1,1 +1,30 @@
-# rules for the shard stage
+# Stage 4: balanced, deterministic training/test text shards (one sentence per line, blank line between documents).
+
+
+# the formatted corpora the shards are cut from: Wikipedia, plus BookCorpus when enabled
+CORPORA = ["wikipedia"] + (["bookcorpus"] if config["bookcorpus"]["enabled"] else [])
+
+
+rule shard:
+    input:
+        expand("data/formatted/{source}.txt", source=CORPORA),
+    output:
+        training=expand("data/shards/training/shard_{index}.txt", index=shard_indices("training")),
+        test=expand("data/shards/test/shard_{index}.txt", index=shard_indices("test")),
+    params:
+        n_training_shards=config["shard"]["n_training_shards"],
+        n_test_shards=config["shard"]["n_test_shards"],
+        test_fraction=config["shard"]["test_fraction"],
+        seed=config["seed"],
+        style=config["format"]["style"],
+        punkt_model=config["format"]["punkt_model"] or "",
+    log:
+        "logs/shard/shard.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.shard --input {input:q} --input-style {params.style}"
+        " --punkt-model={params.punkt_model:q}"
+        " --training-dir data/shards/training --test-dir data/shards/test"
+        " --n-training-shards {params.n_training_shards} --n-test-shards {params.n_test_shards}"
+        " --test-fraction {params.test_fraction} --seed {params.seed} 2> {log}"

@@ -1,1 +1,19 @@
-# rules for the tokenize stage
+# Stage 6: each text shard is WordPiece-tokenized once; both pretraining phases encode the same tokenized shards.
+
+
+rule tokenize:
+    input:
+        text="data/shards/{split}/shard_{index}.txt",
+        vocab="data/vocab.txt",
+    output:
+        "data/tokenized/{split}/shard_{index}.npz",
+    params:
+        lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",
+    log:
+        "logs/tokenize/{split}/shard_{index}.log",
+    threads: 1
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.tokenize --text {input.text} --vocab {input.vocab} --output {output}"
+        " {params.lowercase} --threads {threads} 2> {log}"

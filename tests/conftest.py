@@ -1,0 +1,125 @@
+"""Shared pytest fixtures: a real loopback HTTP server (with Range support and a one-shot connection cut)."""
+import os
+import re
+import socket
+import sys
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "sample"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+class LoopbackServer:
+    """A real `http.server` on 127.0.0.1 serving one directory.
+
+    - honours `Range: bytes=N-` / `bytes=N-M` requests (206 + Content-Range), like dumps.wikimedia.org;
+    - `cut_once(name, after_bytes)` makes the next GET of `/name` announce the full length but close
+      the connection after `after_bytes` body bytes (a dropped download);
+    - `requests` records `(path, range_header_or_None)` of every GET, in order.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.requests: list[tuple[str, str | None]] = []
+        self._cuts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(SimpleHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output quiet
+                pass
+
+            def do_GET(self):
+                name = self.path.split("?", 1)[0].lstrip("/")
+                range_header = self.headers.get("Range")
+                with server._lock:
+                    server.requests.append(("/" + name, range_header))
+                    cut = server._cuts.pop(name, None)
+                path = server.directory / name
+                if not path.is_file():
+                    self.send_error(404)
+                    return
+                data = path.read_bytes()
+                start, end = 0, len(data) - 1
+                status = 200
+                if range_header:
+                    match = re.fullmatch(r"bytes=(\d+)-(\d*)", range_header.strip())
+                    if not match:
+                        self.send_error(400)
+                        return
+                    start = int(match.group(1))
+                    end = int(match.group(2)) if match.group(2) else len(data) - 1
+                    if start >= len(data):
+                        self.send_response(416)
+                        self.send_header("Content-Range", f"bytes */{len(data)}")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                    end = min(end, len(data) - 1)
+                    status = 206
+                body = data[start : end + 1]
+                self.send_response(status)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Accept-Ranges", "bytes")
+                self.send_header("Content-Length", str(len(body)))
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+                self.end_headers()
+                if cut is not None:
+                    self.wfile.write(body[:cut])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    return
+                self.wfile.write(body)
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+
+    def cut_once(self, name: str, after_bytes: int) -> None:
+        """The next GET of `name` sends only `after_bytes` body bytes, then drops the connection."""
+        with self._lock:
+            self._cuts[name] = after_bytes
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+@pytest.fixture
+def http_server(tmp_path):
+    """Factory: `http_server(directory)` -> a running LoopbackServer (stopped after the test)."""
+    servers = []
+
+    def start(directory=tmp_path):
+        server = LoopbackServer(directory)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def sample_dir():
+    """The bundled sample data (read-only: copy before modifying)."""
+    return SAMPLE
+
+
+@pytest.fixture(scope="session")
+def repo_env():
+    """Environment for subprocesses running `python -m workflow.<stage>` from anywhere."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env

@@ -1,0 +1,114 @@
+"""Stage 1: downloads over real HTTP (127.0.0.1) and file://, resumed with Range, verified before promotion."""
+import hashlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from workflow.cli import UserError
+from workflow.download import fetch, fetch_books
+
+DUMP = "enwiki-sample-pages-articles.xml.bz2"
+
+
+@pytest.fixture
+def served(tmp_path, sample_dir, http_server):
+    """A loopback server over a copy of the sample dump, its md5sums list and a books URL list."""
+    root = tmp_path / "site"
+    root.mkdir()
+    shutil.copy(sample_dir / DUMP, root)
+    shutil.copy(sample_dir / "enwiki-sample-md5sums.txt", root)
+    return http_server(root)
+
+
+def test_http_download_verifies_md5_and_promotes(served, sample_dir, tmp_path):
+    destination = tmp_path / "out" / "wikipedia.xml.bz2"
+    fetch(f"{served.url}/{DUMP}", destination, f"{served.url}/enwiki-sample-md5sums.txt")
+    assert destination.read_bytes() == (sample_dir / DUMP).read_bytes()
+    assert not destination.with_name("wikipedia.xml.bz2.part").exists()
+
+
+def test_file_url_and_plain_path_both_work(sample_dir, tmp_path):
+    expected = (sample_dir / DUMP).read_bytes()
+    by_url = fetch((sample_dir / DUMP).as_uri(), tmp_path / "a.bz2", (sample_dir / "enwiki-sample-md5sums.txt").as_uri())
+    by_path = fetch(str(sample_dir / DUMP), tmp_path / "b.bz2", str(sample_dir / "enwiki-sample-md5sums.txt"))
+    assert by_url.read_bytes() == expected and by_path.read_bytes() == expected
+
+
+def test_dropped_connection_is_resumed_with_a_range_request(served, sample_dir, tmp_path):
+    served.cut_once(DUMP, 10_000)
+    destination = tmp_path / "wikipedia.xml.bz2"
+    fetch(f"{served.url}/{DUMP}", destination, f"{served.url}/enwiki-sample-md5sums.txt")
+    assert destination.read_bytes() == (sample_dir / DUMP).read_bytes()
+    gets = [request for request in served.requests if request[0] == f"/{DUMP}"]
+    assert gets == [(f"/{DUMP}", None), (f"/{DUMP}", "bytes=10000-")]
+
+
+def test_interrupted_run_leaves_part_and_next_run_resumes_it(served, sample_dir, tmp_path):
+    served.cut_once(DUMP, 7_000)
+    destination = tmp_path / "wikipedia.xml.bz2"
+    part = tmp_path / "wikipedia.xml.bz2.part"
+    with pytest.raises(UserError, match=r"download interrupted after 7000 bytes.*rerun to resume"):
+        fetch(f"{served.url}/{DUMP}", destination, retries=0)
+    assert not destination.exists() and part.stat().st_size == 7_000
+    fetch(f"{served.url}/{DUMP}", destination, f"{served.url}/enwiki-sample-md5sums.txt")
+    assert destination.read_bytes() == (sample_dir / DUMP).read_bytes()
+    assert served.requests[-1] == (f"/{DUMP}", "bytes=7000-")
+
+
+def test_bad_checksum_is_rejected_and_nothing_promoted(served, tmp_path):
+    (served.directory / "bad-md5sums.txt").write_text(f"{'0' * 32}  {DUMP}\n")
+    destination = tmp_path / "wikipedia.xml.bz2"
+    with pytest.raises(UserError, match=r"md5 mismatch \(expected 0{32}, got [0-9a-f]{32}\); nothing kept"):
+        fetch(f"{served.url}/{DUMP}", destination, f"{served.url}/bad-md5sums.txt")
+    assert list(tmp_path.glob("wikipedia*")) == []
+
+
+def test_sha1_list_is_accepted(served, sample_dir, tmp_path):
+    sha1 = hashlib.sha1((sample_dir / DUMP).read_bytes()).hexdigest()
+    (served.directory / "sha1sums.txt").write_text(f"{'1' * 40}  other.xml.bz2\n{sha1}  {DUMP}\n")
+    destination = fetch(f"{served.url}/{DUMP}", tmp_path / "w.bz2", f"{served.url}/sha1sums.txt")
+    assert hashlib.sha1(destination.read_bytes()).hexdigest() == sha1
+
+
+def test_checksum_list_not_naming_the_file_is_an_error(served, tmp_path):
+    (served.directory / "other-md5sums.txt").write_text(f"{'0' * 32}  something-else.xml.bz2\n")
+    with pytest.raises(UserError, match=f"no md5/sha1 checksum line for '{DUMP}'"):
+        fetch(f"{served.url}/{DUMP}", tmp_path / "w.bz2", f"{served.url}/other-md5sums.txt")
+    assert list(tmp_path.glob("w.bz2*")) == []
+
+
+def test_cli_error_is_one_line_naming_the_url(served, tmp_path, repo_env):
+    url = f"{served.url}/missing.xml.bz2"
+    result = subprocess.run(
+        [sys.executable, "-m", "workflow.download", "file", "--url", url, "--checksum-url=", "--output", str(tmp_path / "x")],
+        capture_output=True, text=True, env=repo_env,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == f"error: {url}: HTTP 404 Not Found"
+    assert "Traceback" not in result.stderr and not (tmp_path / "x").exists()
+
+
+def test_books_from_a_directory_and_from_a_url_list(served, sample_dir, tmp_path):
+    books = sorted(sample_dir.glob("books/*.txt"))
+    copied = fetch_books(str(sample_dir / "books"), tmp_path / "from-dir")
+    assert sorted(p.name for p in copied.iterdir()) == [b.name for b in books]
+    lines = []
+    for book in books:
+        shutil.copy(book, served.directory)
+        lines.append(f"{served.url}/{book.name}  {hashlib.md5(book.read_bytes()).hexdigest()}")
+    (served.directory / "books.txt").write_text("# BookCorpus sample\n" + "\n".join(lines) + "\n")
+    served.cut_once(books[0].name, 500)
+    fetched = fetch_books(f"{served.url}/books.txt", tmp_path / "from-urls")
+    for book in books:
+        assert (fetched / book.name).read_bytes() == book.read_bytes()
+    assert not (tmp_path / "from-urls.part").exists()
+
+
+def test_a_complete_part_left_before_the_rename_is_verified_and_promoted(served, sample_dir, tmp_path):
+    (tmp_path / "wikipedia.xml.bz2.part").write_bytes((sample_dir / DUMP).read_bytes())
+    destination = fetch(f"{served.url}/{DUMP}", tmp_path / "wikipedia.xml.bz2", f"{served.url}/enwiki-sample-md5sums.txt")
+    assert destination.read_bytes() == (sample_dir / DUMP).read_bytes()
+    size = (sample_dir / DUMP).stat().st_size
+    assert served.requests[-1] == (f"/{DUMP}", f"bytes={size}-")  # answered 416: nothing left to send

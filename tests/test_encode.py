@@ -1,0 +1,405 @@
+"""Stages 7-8: masked-LM/NSP instances with Google/NVIDIA semantics in NVIDIA's HDF5 schema, deterministic
+whatever the parallelism, the data/hdf5_seq{L} directory and its manifest, clear errors."""
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from workflow.encode import EncodeSettings, Vocab, build_batch, encode_shard, plan_instances, shard_rng
+from workflow.hdf5_dir import build_hdf5_dir
+from workflow.tokenize import load_tokenized, tokenize_shard
+from workflow.vocab import train_vocab
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = {
+    "input_ids": (np.int32, "L"),
+    "input_mask": (np.int8, "L"),
+    "segment_ids": (np.int8, "L"),
+    "masked_lm_positions": (np.int32, "P"),
+    "masked_lm_ids": (np.int32, "P"),
+    "next_sentence_labels": (np.int8, None),
+}
+NOUNS = "river castle engine village council railway album treaty island museum composer bridge harbour".split()
+VERBS = "built crossed recorded signed governed painted restored founded visited described opened".split()
+OTHER = "the a of in on with and during after before near its their ancient northern famous unbelievably".split()
+
+
+def corpus_text(n_documents: int, seed: int) -> str:
+    """Shard-format text: documents of 1-30 sentences of 2-60 words (a few very long), blank line between."""
+    rng = random.Random(seed)
+    documents = []
+    for _ in range(n_documents):
+        sentences = []
+        for _ in range(rng.choice([1, 2, 3]) if rng.random() < 0.15 else rng.randint(4, 30)):
+            n_words = rng.randint(150, 250) if rng.random() < 0.02 else rng.randint(2, 60)
+            words = [rng.choice(NOUNS + VERBS + OTHER * 2) for _ in range(n_words)]
+            sentences.append(" ".join(words).capitalize() + rng.choice([".", "!", "?", ", indeed."]))
+        documents.append("\n".join(sentences))
+    return "\n\n".join(documents) + "\n"
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    """A trained vocab and one tokenized shard: (vocab path, tokenized path, Vocab)."""
+    directory = tmp_path_factory.mktemp("encode")
+    text = directory / "shard_0.txt"
+    text.write_text(corpus_text(300, seed=1), encoding="utf-8")
+    train_vocab([text], directory / "vocab.txt", size=300, lowercase=True)
+    tokenize_shard(text, directory / "vocab.txt", directory / "shard_0.npz")
+    return directory / "vocab.txt", directory / "shard_0.npz", Vocab.read(directory / "vocab.txt")
+
+
+def build(shard, settings: EncodeSettings, seed: int = 7):
+    """(plan, arrays, flat ids, document offsets in tokens) of a whole shard, built in memory."""
+    _, tokenized, vocab = shard
+    ids, sentence_offsets, document_offsets = load_tokenized(tokenized)
+    plan_rng, mask_rng = shard_rng(seed, "training", 0)
+    plan = plan_instances(sentence_offsets, document_offsets, settings, plan_rng)
+    arrays = build_batch(np.append(ids, 0).astype(ids.dtype), plan, settings, vocab, mask_rng)
+    return plan, arrays, ids, sentence_offsets[document_offsets]
+
+
+def originals(arrays) -> np.ndarray:
+    """input_ids with the masked positions restored from masked_lm_ids."""
+    restored = arrays["input_ids"].copy()
+    rows, slots = np.nonzero(arrays["masked_lm_positions"])
+    restored[rows, arrays["masked_lm_positions"][rows, slots]] = arrays["masked_lm_ids"][rows, slots]
+    return restored
+
+
+@pytest.mark.parametrize("length,predictions", [(128, 20), (32, 5)])
+def test_instances_are_cls_a_sep_b_sep_from_the_shard_tokens(shard, length, predictions):
+    settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=predictions)
+    plan, arrays, ids, document_starts = build(shard, settings)
+    vocab = shard[2]
+    restored = originals(arrays)
+    n_tokens = arrays["input_mask"].sum(axis=1)
+    assert (n_tokens <= length).all() and n_tokens.max() == length
+    for row, (a_start, a_end, b_start, b_end, is_random) in enumerate(plan):
+        n, len_a = n_tokens[row], a_end - a_start
+        assert (arrays["input_mask"][row, :n] == 1).all() and (arrays["input_mask"][row, n:] == 0).all()
+        expected = np.concatenate([[vocab.cls], ids[a_start:a_end], [vocab.sep], ids[b_start:b_end], [vocab.sep]])
+        assert np.array_equal(restored[row, :n], expected)
+        assert (arrays["input_ids"][row, n:] == 0).all()
+        segments = arrays["segment_ids"][row]
+        assert (segments[: len_a + 2] == 0).all() and (segments[len_a + 2 : n] == 1).all() and (segments[n:] == 0).all()
+        assert len_a >= 1 and b_end - b_start >= 1
+        doc_a = np.searchsorted(document_starts, a_start, side="right")
+        doc_b = np.searchsorted(document_starts, b_start, side="right")
+        assert np.searchsorted(document_starts, a_end - 1, side="right") == doc_a  # A within one document
+        assert np.searchsorted(document_starts, b_end - 1, side="right") == doc_b
+        if is_random:
+            assert doc_b != doc_a  # B from another document
+        else:
+            assert doc_b == doc_a and b_start >= a_end  # B is A's continuation
+    assert np.array_equal(arrays["next_sentence_labels"], plan[:, 4])
+
+
+def test_masking_rate_and_80_10_10_split_and_positions(shard):
+    settings = EncodeSettings(max_seq_length=64, max_predictions_per_seq=10, dupe_factor=10)
+    plan, arrays, ids, _ = build(shard, settings)
+    vocab = shard[2]
+    positions, masked_ids = arrays["masked_lm_positions"], arrays["masked_lm_ids"]
+    n_tokens = arrays["input_mask"].sum(axis=1)
+    valid = positions > 0
+    expected = np.minimum(10, np.maximum(1, np.rint(n_tokens * 0.15)))
+    assert np.array_equal(valid.sum(axis=1), expected)  # Google's count: round(15% of tokens), capped
+    assert abs(valid.sum() / n_tokens.sum() - 0.15) < 0.01
+    # Valid positions ascending, then zero padding; never [CLS], [SEP] or padding.
+    assert (np.diff(valid.astype(int), axis=1) <= 0).all()
+    assert (np.diff(positions, axis=1)[valid[:, 1:]] > 0).all()
+    assert (masked_ids[~valid] == 0).all()
+    rows = np.nonzero(valid)[0]
+    at = positions[valid]
+    restored = originals(arrays)
+    assert (at < n_tokens[rows]).all() and (at > 0).all()
+    assert not np.isin(restored[rows, at], [vocab.cls, vocab.sep]).any()
+    assert np.array_equal(restored[rows, at], masked_ids[valid])  # labels are the original tokens
+    # 80% [MASK], 10% random, 10% unchanged (a random token equal to the original counts as unchanged).
+    now = arrays["input_ids"][rows, at]
+    n = len(at)
+    share_mask = (now == vocab.mask).mean()
+    share_same = (now == masked_ids[valid]).mean()
+    sigma = np.sqrt(0.1 * 0.9 / n)
+    assert n > 20_000
+    assert abs(share_mask - 0.8) < 4 * np.sqrt(0.8 * 0.2 / n)
+    assert abs(share_same - (0.1 + 0.1 / vocab.size)) < 4 * sigma
+    assert abs(1 - share_mask - share_same - 0.1) < 4 * sigma
+
+
+def test_next_sentence_labels_are_about_half_random(shard):
+    # Documents of many short sentences: every chunk has >= 2 sentences, so B is random exactly half the time.
+    sentence_offsets = np.arange(0, 400 * 60 * 10 + 1, 10)
+    document_offsets = np.arange(0, 400 * 60 + 1, 60)
+    settings = EncodeSettings(max_seq_length=128, max_predictions_per_seq=20, short_seq_prob=0.0)
+    labels = plan_instances(sentence_offsets, document_offsets, settings, shard_rng(1, "test", 0)[0])[:, 4]
+    assert len(labels) > 10_000
+    assert abs(labels.mean() - 0.5) < 4 * np.sqrt(0.25 / len(labels)) + 0.01, labels.mean()
+    # On the varied shard, Google's rule (a one-sentence chunk always takes a random B) adds a little.
+    _, arrays, _, _ = build(shard, EncodeSettings(max_seq_length=128, max_predictions_per_seq=20, dupe_factor=10))
+    assert 0.48 < arrays["next_sentence_labels"].mean() < 0.62
+
+
+def test_short_seq_prob_makes_some_instances_short(shard):
+    settings = EncodeSettings(max_seq_length=128, max_predictions_per_seq=20, short_seq_prob=0.0)
+    _, full, _, _ = build(shard, settings)
+    _, mixed, _, _ = build(shard, EncodeSettings(max_seq_length=128, max_predictions_per_seq=20, short_seq_prob=0.5))
+    assert mixed["input_mask"].sum(axis=1).mean() < 0.9 * full["input_mask"].sum(axis=1).mean()
+    assert len(mixed["input_mask"]) > 1.2 * len(full["input_mask"])  # the same text cut into more instances
+
+
+@pytest.fixture(scope="module")
+def split_shard(tmp_path_factory):
+    """A shard tokenized with a tiny vocab, so most words are several WordPieces."""
+    directory = tmp_path_factory.mktemp("split")
+    text = directory / "shard_0.txt"
+    text.write_text(corpus_text(60, seed=2), encoding="utf-8")
+    train_vocab([text], directory / "vocab.txt", size=100, lowercase=True)
+    tokenize_shard(text, directory / "vocab.txt", directory / "shard_0.npz")
+    return directory / "vocab.txt", directory / "shard_0.npz", Vocab.read(directory / "vocab.txt")
+
+
+def test_whole_word_masking_masks_every_piece_of_a_word(split_shard):
+    vocab = split_shard[2]
+    settings = EncodeSettings(max_seq_length=64, max_predictions_per_seq=10, whole_word_masking=True)
+    plan, arrays, _, _ = build(split_shard, settings)
+    restored = originals(arrays)
+    continues = vocab.continues_word[restored] & (arrays["input_mask"] == 1)
+    assert continues.sum() > 1000  # the small vocab splits many words
+    masked = np.zeros_like(restored, dtype=bool)
+    rows, slots = np.nonzero(arrays["masked_lm_positions"])
+    masked[rows, arrays["masked_lm_positions"][rows, slots]] = True
+    n_tokens = arrays["input_mask"].sum(axis=1)
+    limit = np.minimum(10, np.maximum(1, np.rint(n_tokens * 0.15)))
+    assert (masked.sum(axis=1) <= limit).all() and masked.sum() > 0.9 * limit.sum()
+    special = np.isin(restored, [vocab.cls, vocab.sep])
+    # A continuation piece is masked exactly when the piece before it is (unless [SEP] separates them).
+    inner = continues[:, 1:] & ~special[:, :-1]
+    assert np.array_equal(masked[:, 1:][inner], masked[:, :-1][inner])
+
+
+@pytest.fixture(scope="module")
+def encoded(shard, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("encoded")
+    vocab, tokenized, _ = shard
+    settings = EncodeSettings(max_seq_length=128, max_predictions_per_seq=20)
+    encode_shard(tokenized, vocab, directory / "a.hdf5", settings, seed=12345, split="training", shard_index=0)
+    return directory, settings
+
+
+def test_hdf5_file_has_nvidia_schema_and_settings(encoded):
+    directory, settings = encoded
+    with h5py.File(directory / "a.hdf5", "r") as handle:
+        assert set(handle) == set(SCHEMA)
+        n = handle["next_sentence_labels"].shape[0]
+        assert n > 1000
+        for name, (dtype, width) in SCHEMA.items():
+            dataset = handle[name]
+            assert dataset.dtype == dtype, name
+            shape = (n,) if width is None else (n, {"L": 128, "P": 20}[width])
+            assert dataset.shape == shape, name
+            if width:
+                assert dataset.chunks[1] == shape[1]  # row-shaped chunks: a row read touches one chunk
+        assert handle.attrs["max_seq_length"] == 128 and handle.attrs["n_instances"] == n
+        assert handle.attrs["seed"] == 12345 and handle.attrs["split"] == "training"
+        ids = handle["input_ids"][:]
+        assert (ids[:, 0] == ids[0, 0]).all()  # [CLS] first
+
+
+def test_same_seed_same_bytes_other_seed_or_shard_differs(shard, encoded):
+    directory, settings = encoded
+    vocab, tokenized, _ = shard
+    encode_shard(tokenized, vocab, directory / "b.hdf5", settings, seed=12345, split="training", shard_index=0)
+    encode_shard(tokenized, vocab, directory / "c.hdf5", settings, seed=54321, split="training", shard_index=0)
+    encode_shard(tokenized, vocab, directory / "d.hdf5", settings, seed=12345, split="test", shard_index=0)
+    digest = {name: hashlib.sha256((directory / f"{name}.hdf5").read_bytes()).hexdigest() for name in "abcd"}
+    assert digest["a"] == digest["b"]
+    assert len({digest["a"], digest["c"], digest["d"]}) == 3
+
+
+def test_hdf5_dir_links_shards_and_writes_manifest(shard, encoded, tmp_path):
+    directory, settings = encoded
+    source = tmp_path / "encoded_seq128"
+    for split in ("training", "test"):
+        (source / split).mkdir(parents=True)
+        shutil.copyfile(directory / "a.hdf5", source / split / "shard_0.hdf5")
+    manifest = build_hdf5_dir(source, {"training": 1, "test": 1}, tmp_path / "hdf5_seq128")
+    written = json.loads((tmp_path / "hdf5_seq128" / "manifest.json").read_text())
+    assert written == manifest
+    n = h5py.File(directory / "a.hdf5", "r")["input_ids"].shape[0]
+    assert manifest["n_instances"] == {"training": n, "test": n}
+    assert manifest["settings"]["max_seq_length"] == 128 and manifest["settings"]["seed"] == 12345
+    for entry in manifest["shards"]:
+        linked = tmp_path / "hdf5_seq128" / entry["path"]
+        assert os.path.samefile(linked, source / entry["path"])  # hard link, no copy
+        assert hashlib.sha256(linked.read_bytes()).hexdigest() == entry["sha256"]
+
+
+def run_stage(module, *args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd)
+
+
+def test_vocab_without_mask_is_a_one_line_error(shard, tmp_path):
+    vocab, tokenized, _ = shard
+    bad = tmp_path / "vocab.txt"
+    bad.write_text("".join(t + "\n" for t in vocab.read_text().split("\n") if t and t != "[MASK]"))
+    output = tmp_path / "out.hdf5"
+    result = run_stage("workflow.encode", "--tokenized", tokenized, "--vocab", bad, "--output", output,
+                       "--max-seq-length", 128, "--max-predictions-per-seq", 20, "--split", "training",
+                       "--shard-index", 0)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == f"error: {bad}: vocab lacks the special token(s) [MASK]"
+    assert not output.exists()
+
+
+def unwritable_dirs(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    yield blocker / "sub"  # a parent that is a file: fails even for root
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        yield locked
+
+
+def test_unwritable_output_dir_is_a_clear_error_and_nothing_is_promoted(shard, tmp_path):
+    vocab, tokenized, _ = shard
+    for directory in unwritable_dirs(tmp_path):
+        output = directory / "shard_0.hdf5"
+        result = run_stage("workflow.encode", "--tokenized", tokenized, "--vocab", vocab, "--output", output,
+                           "--max-seq-length", 128, "--max-predictions-per-seq", 20, "--split", "training",
+                           "--shard-index", 0)
+        assert result.returncode == 1
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: {output}: cannot write"), last
+        assert not output.exists() and not list(directory.parent.glob("**/.shard_0.hdf5.tmp-*"))
+
+
+# --- the real DAG ------------------------------------------------------------------------------------------------
+
+
+def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+               "--configfile", str(workdir / "test-config.yaml"), "--allowed-rules", "vocab", "tokenize", "encode",
+               "hdf5_dir", "--quiet", "rules", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=workdir)
+
+
+def make_workdir(workdir: Path, vocab: Path, n_training: int = 3, n_test: int = 1) -> None:
+    for split, count in (("training", n_training), ("test", n_test)):
+        (workdir / "data" / "shards" / split).mkdir(parents=True)
+        for index in range(count):
+            seed = 100 * (split == "test") + index
+            (workdir / "data" / "shards" / split / f"shard_{index}.txt").write_text(corpus_text(40, seed))
+    shutil.copyfile(REPO / "config.yaml", workdir / "config.yaml")
+    (workdir / "test-config.yaml").write_text(
+        f"shard: {{n_training_shards: {n_training}, n_test_shards: {n_test}}}\n"
+        f"vocab: {{file: {vocab}}}\n"
+        "encode: {dupe_factor: 2, phase1: {max_seq_length: 64, max_predictions_per_seq: 10}}\n"
+    )
+
+
+def tree_digest(directory: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def test_snakemake_hdf5_seq_target_is_byte_identical_with_1_or_2_jobs(shard, tmp_path):
+    vocab = shard[0]
+    trees = []
+    for jobs in ("1", "2"):
+        workdir = tmp_path / f"j{jobs}"
+        make_workdir(workdir, vocab)
+        result = snakemake(workdir, "--cores", jobs, "data/hdf5_seq64")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert not (workdir / "data" / "encoded_seq512").exists()  # phase-1 target builds phase-1 data only
+        trees.append(tree_digest(workdir / "data" / "hdf5_seq64"))
+    assert trees[0] == trees[1]
+    assert sorted(trees[0]) == ["manifest.json", "test/shard_0.hdf5"] + [f"training/shard_{i}.hdf5" for i in range(3)]
+    manifest = json.loads((tmp_path / "j1" / "data" / "hdf5_seq64" / "manifest.json").read_text())
+    assert manifest["settings"]["max_seq_length"] == 64 and manifest["settings"]["dupe_factor"] == 2
+    assert manifest["n_instances"]["training"] == sum(e["n_instances"] for e in manifest["shards"][:3])
+    assert all(trees[0][entry["path"]] == entry["sha256"] for entry in manifest["shards"])
+
+
+def test_snakemake_other_seed_changes_the_data(shard, tmp_path):
+    vocab = shard[0]
+    workdir = tmp_path / "w"
+    make_workdir(workdir, vocab, n_training=1, n_test=1)
+    assert snakemake(workdir, "--cores", "2", "data/hdf5_seq64").returncode == 0
+    before = tree_digest(workdir / "data" / "hdf5_seq64")
+    result = snakemake(workdir, "--cores", "2", "data/hdf5_seq64", "--config", "seed=7")
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = tree_digest(workdir / "data" / "hdf5_seq64")
+    assert before["training/shard_0.hdf5"] != after["training/shard_0.hdf5"]
+
+
+def reference_pairs(documents: list[list[int]], settings: EncodeSettings, rng: random.Random) -> list[tuple]:
+    """Google's create_instances_from_document, sentence by sentence, on sentence lengths: (len_a, len_b, random)."""
+    max_num_tokens = settings.max_seq_length - 3
+    pairs = []
+    for _ in range(settings.dupe_factor):
+        for index, document in enumerate(documents):
+            target = max_num_tokens
+            if rng.random() < settings.short_seq_prob:
+                target = rng.randint(2, max_num_tokens)
+            chunk, length, i = [], 0, 0
+            while i < len(document):
+                chunk.append(document[i])
+                length += document[i]
+                if i == len(document) - 1 or length >= target:
+                    a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
+                    len_a = sum(chunk[:a_end])
+                    if len(chunk) == 1 or rng.random() < 0.5:
+                        is_random = True
+                        other = index
+                        while other == index and len(documents) > 1:
+                            other = rng.randint(0, len(documents) - 1)
+                        start = rng.randint(0, len(documents[other]) - 1)
+                        len_b = 0
+                        for sentence in documents[other][start:]:
+                            len_b += sentence
+                            if len_b >= target - len_a:
+                                break
+                        i -= len(chunk) - a_end
+                    else:
+                        is_random, len_b = False, sum(chunk[a_end:])
+                    while len_a + len_b > max_num_tokens:
+                        if len_a > len_b:
+                            len_a -= 1
+                        else:
+                            len_b -= 1
+                    pairs.append((len_a, len_b, is_random))
+                    chunk, length = [], 0
+                i += 1
+    return pairs
+
+
+@pytest.mark.parametrize("length", [64, 128, 512])
+def test_pairing_statistics_match_a_sentence_by_sentence_reference(shard, length):
+    settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=20, dupe_factor=10)
+    _, sentence_offsets, document_offsets = load_tokenized(shard[1])
+    sentence_lengths = np.diff(sentence_offsets)
+    documents = [sentence_lengths[s:e].tolist() for s, e in zip(document_offsets[:-1], document_offsets[1:])]
+    reference = np.array(reference_pairs(documents, settings, random.Random(3)))
+    plan = plan_instances(sentence_offsets, document_offsets, settings, shard_rng(3, "training", 0)[0])
+    ours = np.stack([plan[:, 1] - plan[:, 0], plan[:, 3] - plan[:, 2], plan[:, 4]], axis=1)
+    assert abs(len(ours) / len(reference) - 1) < 0.03
+    for column in range(3):  # mean length of A, of B, share of random B
+        mean, spread = reference[:, column].mean(), reference[:, column].std() / np.sqrt(len(reference))
+        assert abs(ours[:, column].mean() - mean) < 5 * spread + 0.01 * mean, column
+    # The vectorised truncation equals Google's token-by-token loop.
+    assert (ours[:, 0] + ours[:, 1] <= length - 3).all()

@@ -1,0 +1,123 @@
+"""Stage 2: real wikiextractor on the sample dump; its quirks handled; bad dumps fail in one line with no output."""
+import bz2
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from workflow.extract import extract
+
+DUMP = "enwiki-sample-pages-articles.xml.bz2"
+
+
+@pytest.fixture(scope="module")
+def articles(tmp_path_factory, sample_dir):
+    output = tmp_path_factory.mktemp("extract") / "wikipedia.jsonl"
+    count = extract(sample_dir / DUMP, output, processes=2)
+    records = [json.loads(line) for line in output.read_text(encoding="utf-8").splitlines()]
+    assert count == len(records)
+    return {record["title"]: record for record in records}
+
+
+def run_cli(dump, output, env):
+    return subprocess.run(
+        [sys.executable, "-m", "workflow.extract", "--input", str(dump), "--output", str(output), "--processes", "2"],
+        capture_output=True, text=True, env=env,
+    )
+
+
+def assert_one_line_error(result, dump, output, pattern):
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(f"error: {re.escape(str(dump))}: {pattern}", errors[0]), result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(output.parent.iterdir()) == [dump] or not output.exists()
+    assert not output.exists() and [p for p in output.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_every_article_and_only_articles_are_extracted(articles):
+    assert len(articles) == 41  # 40 generated articles + "Telephone exchange"
+    assert {"Alderbrook", "Marsh piper", "Telephone exchange", "Harwell & Sons Ltd."} <= set(articles)
+    assert "Alderbrook, England" not in articles  # the redirect
+    assert not any(":" in title for title in articles)  # Talk:, User:, Category:, File:, Template:
+    text = "\n".join(record["text"] for record in articles.values())
+    for marker in ("TALKPAGEMARKER", "USERPAGEMARKER", "CATEGORYMARKER", "FILEPAGEMARKER", "Converts units"):
+        assert marker not in text
+
+
+def test_records_are_id_title_text_without_the_wrong_revid(articles):
+    record = articles["Alderbrook"]
+    assert set(record) == {"id", "title", "text"}
+    assert record["id"] == "1001"
+
+
+def test_text_is_not_html_escaped(articles):
+    telephone = articles["Telephone exchange"]["text"]
+    assert "Companies such as AT&T and the General Post Office" in telephone
+    assert '"R&D" labs' in telephone
+    assert "&amp;" not in "".join(r["text"] + r["title"] for r in articles.values())
+
+
+def test_markup_is_gone_and_templates_expanded(articles):
+    text = "\n".join(record["text"] for record in articles.values())
+    for markup in ("[[", "]]", "{{", "}}", "<ref", "</ref>", "{|", "|}", "'''", "thumb|", "Category:", "Infobox"):
+        assert markup not in text, markup
+    # {{convert|16|km|mi|abbr=on}} expands through the dump's own Template:Convert
+    assert re.search(r"\bAlderbrook lies \d+ km south-east of Port Ellery", articles["Alderbrook"]["text"])
+    assert "Vale of Marrow district" in articles["Alderbrook"]["text"]  # [[target|label]] -> label
+
+
+def test_truncated_bz2_is_a_one_line_error_and_no_output(tmp_path, sample_dir, repo_env):
+    dump = tmp_path / "truncated.xml.bz2"
+    data = (sample_dir / DUMP).read_bytes()
+    dump.write_bytes(data[: len(data) // 2])
+    output = tmp_path / "out.jsonl"
+    assert_one_line_error(run_cli(dump, output, repo_env), dump, output, r"truncated bz2 \(.*end-of-stream.*\)")
+
+
+def test_truncation_past_the_first_megabyte_is_caught_from_wikiextractor(tmp_path, sample_dir, repo_env):
+    # a multistream bz2 (as Wikimedia publishes) whose first stream is intact and > 1 MB, the second cut short
+    xml = (sample_dir / "enwiki-sample-pages-articles.xml").read_text(encoding="utf-8")
+    head, pages = xml.split("</siteinfo>\n", 1)
+    pages = pages.replace("</mediawiki>\n", "")
+    first = bz2.compress((head + "</siteinfo>\n" + pages * 12).encode())
+    second = bz2.compress((pages + "</mediawiki>\n").encode())
+    dump = tmp_path / "multistream.xml.bz2"
+    dump.write_bytes(first + second[: len(second) // 2])
+    output = tmp_path / "out.jsonl"
+    assert_one_line_error(run_cli(dump, output, repo_env), dump, output, r"truncated or corrupt bz2 \(EOFError: .*\)")
+
+
+def test_corrupt_bz2_is_a_one_line_error(tmp_path, sample_dir, repo_env):
+    data = bytearray((sample_dir / DUMP).read_bytes())
+    data[5000] ^= 0xFF
+    dump = tmp_path / "corrupt.xml.bz2"
+    dump.write_bytes(bytes(data))
+    output = tmp_path / "out.jsonl"
+    assert_one_line_error(run_cli(dump, output, repo_env), dump, output, r"corrupt bz2 \(Invalid data stream\)")
+
+
+@pytest.mark.parametrize(
+    "xml, reason",
+    [
+        ('<?xml version="1.0"?>\n<rss version="2.0"><channel><title>news</title></channel></rss>\n', r"root element: <rss>"),
+        ("<mediawiki><page><title>No namespace</title></page></mediawiki>\n", r"root element: <mediawiki>"),
+        ("this is plain text, not XML at all\n", r"XML error: syntax error: line 1, column 0"),
+    ],
+)
+def test_xml_that_is_not_a_mediawiki_export_is_a_one_line_error(tmp_path, repo_env, xml, reason):
+    dump = tmp_path / "other.xml.bz2"
+    dump.write_bytes(bz2.compress(xml.encode()))
+    output = tmp_path / "out.jsonl"
+    assert_one_line_error(run_cli(dump, output, repo_env), dump, output, rf"not a MediaWiki XML export \({reason}\)")
+
+
+def test_export_without_articles_is_an_error(tmp_path, sample_dir, repo_env):
+    xml = (sample_dir / "enwiki-sample-pages-articles.xml").read_text(encoding="utf-8")
+    head = xml.split("</siteinfo>\n", 1)[0]
+    dump = tmp_path / "empty.xml.bz2"
+    dump.write_bytes(bz2.compress((head + "</siteinfo>\n</mediawiki>\n").encode()))
+    output = tmp_path / "out.jsonl"
+    assert_one_line_error(run_cli(dump, output, repo_env), dump, output, r"no articles \(namespace 0\) in this MediaWiki export")

@@ -1,0 +1,150 @@
+"""Resumable training state: atomic checkpoints in a run directory, newest-valid loading, stop signals.
+
+API (generic: pretraining and SQuAD fine-tuning both use it):
+    save_checkpoint(directory, step, state, keep) -> Path
+        torch.save(state) to `directory/step_{step:08d}.pt` atomically (temp + fsync + rename) with a sha256 sidecar,
+        then delete all but the newest `keep`. `state` must hold only tensors and plain Python values.
+    load_latest_checkpoint(directory) -> (state, path) | (None, None)
+        newest checkpoint that loads (weights_only=True, sha256 matches); a corrupt one -> warning, next older.
+    rng_state() -> dict / set_rng_state(dict)   python, numpy, torch CPU and CUDA generators
+    StopSignals()   context manager: SIGTERM/SIGUSR1 set `.received` (the signal number) instead of killing us;
+                    the loop checks it after each step, checkpoints, and exits with `exit_code()` (128 + signal).
+    fail_at_step(step)   fault injection: SIGKILL ourselves right after `step` when SNAKEBERT_FAIL_AT_STEP == step.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import re
+import signal
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from workflow.atomic import atomic_path
+
+log = logging.getLogger(__name__)
+_NAME = re.compile(r"^step_(\d{8})\.pt$")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Checkpoints in `directory`, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, keep: int) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"step_{step:08d}.pt"
+    with atomic_path(final) as temporary:
+        torch.save(state, temporary)
+        _fsync(temporary)
+        digest = _sha256(temporary)
+    with atomic_path(final.with_name(final.name + ".sha256")) as temporary:
+        temporary.write_text(digest + "\n")
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+        old.with_name(old.name + ".sha256").unlink(missing_ok=True)
+    log.info("checkpoint %s", final)
+    return final
+
+
+def _load(path: Path, map_location) -> dict:
+    sidecar = path.with_name(path.name + ".sha256")
+    if not sidecar.is_file():
+        raise ValueError("no sha256 sidecar (the write did not finish)")
+    if sidecar.read_text().strip() != _sha256(path):
+        raise ValueError("sha256 mismatch")
+    state = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError("not a checkpoint dictionary")
+    return state
+
+
+def load_latest_checkpoint(directory: str | os.PathLike, map_location="cpu") -> tuple[dict | None, Path | None]:
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            return _load(path, map_location), path
+        except Exception as error:  # any failure to read means: not usable, try the previous one
+            log.warning("checkpoint %s is unreadable (%s); falling back to the previous one", path, error)
+    return None, None
+
+
+def rng_state() -> dict:
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class StopSignals:
+    """Turn SIGTERM/SIGUSR1 (Slurm's time-limit warning) into a flag the training loop polls."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        log.warning("received %s: will checkpoint after the current step and exit", signal.Signals(signum).name)
+        self.received = signum
+
+    def __enter__(self):
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+    def exit_code(self) -> int:
+        return 128 + (self.received or 0)
+
+
+def fail_at_step(step: int) -> None:
+    """Simulate a hard crash (node failure, OOM kill) for tests: SNAKEBERT_FAIL_AT_STEP=N kills after step N."""
+    value = os.environ.get("SNAKEBERT_FAIL_AT_STEP")
+    if value and int(value) == step:
+        log.warning("SNAKEBERT_FAIL_AT_STEP=%s: killing this process with SIGKILL", value)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,257 @@
+"""Stage 1, download: fetch a file (http(s)://, file:// or a local path) with resume and checksum checks.
+
+`fetch(url, destination, checksum_url=None)` is the reusable entry point (Wikipedia dump, SQuAD JSON, books):
+bytes go to `<destination>.part`, an interrupted transfer resumes from there with an HTTP Range request,
+and the file is renamed to `destination` only after its size and checksum are verified.
+"""
+import argparse
+import hashlib
+import http.client
+import logging
+import os
+import re
+import shutil
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Sequence
+
+from tqdm import tqdm
+
+from workflow.atomic import atomic_path
+from workflow.cli import UserError, run
+
+log = logging.getLogger("download")
+
+CHUNK = 1 << 20
+HASH_BY_HEX_LENGTH = {32: "md5", 40: "sha1", 64: "sha256"}
+
+
+def _is_remote(url: str) -> bool:
+    return urllib.parse.urlsplit(url).scheme in ("http", "https")
+
+
+def _local_path(url: str) -> Path:
+    """The filesystem path of a file:// URL or a plain path."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "file":
+        return Path(urllib.parse.unquote(parts.path))
+    return Path(url)
+
+
+def basename(url: str) -> str:
+    """The file name a URL or path ends with (how dump checksum lists name files)."""
+    if _is_remote(url) or url.startswith("file:"):
+        return Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).name
+    return Path(url).name
+
+
+def read_small(url: str, timeout: float = 60) -> str:
+    """The whole text of a small resource (a checksum list, a URL list)."""
+    try:
+        if _is_remote(url):
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                return response.read().decode("utf-8")
+        return _local_path(url).read_text(encoding="utf-8")
+    except (OSError, urllib.error.URLError, UnicodeDecodeError) as error:
+        raise UserError(f"{url}: cannot read ({error})") from error
+
+
+def expected_checksum(checksum_url: str, name: str) -> tuple[str, str]:
+    """(algorithm, hex digest) listed for file `name` in an md5sums/sha1sums list (`<hex>  <name>` lines)."""
+    for line in read_small(checksum_url).splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1].lstrip("*") == name:
+            digest = fields[0].lower()
+            algorithm = HASH_BY_HEX_LENGTH.get(len(digest))
+            if algorithm and re.fullmatch(r"[0-9a-f]+", digest):
+                return algorithm, digest
+    raise UserError(f"{checksum_url}: no md5/sha1 checksum line for {name!r}")
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    digest = hashlib.new(algorithm)
+    with open(path, "rb") as stream:
+        for chunk in iter(lambda: stream.read(CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _copy_local(source: Path, part: Path, label: str) -> None:
+    """Append the rest of local file `source` to `part` (resuming after what `part` already holds)."""
+    if not source.is_file():
+        raise UserError(f"{source}: no such file")
+    total = source.stat().st_size
+    offset = part.stat().st_size if part.exists() else 0
+    if offset > total:
+        part.unlink()
+        offset = 0
+    with open(source, "rb") as src, open(part, "ab") as dst, tqdm(
+        total=total, initial=offset, unit="B", unit_scale=True, desc=label
+    ) as bar:
+        src.seek(offset)
+        for chunk in iter(lambda: src.read(CHUNK), b""):
+            dst.write(chunk)
+            bar.update(len(chunk))
+
+
+def _http_attempt(url: str, part: Path, label: str, timeout: float) -> None:
+    """One HTTP GET, resuming `part` with a Range request. Raises OSError/HTTPException if cut short."""
+    offset = part.stat().st_size if part.exists() else 0
+    request = urllib.request.Request(url, headers={"User-Agent": "snakebert"})
+    if offset:
+        request.add_header("Range", f"bytes={offset}-")
+    try:
+        response = urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as error:
+        if error.code == 416 and offset:  # nothing left to send: .part is complete (or garbage: checksum decides)
+            return
+        raise UserError(f"{url}: HTTP {error.code} {error.reason}") from error
+    except urllib.error.URLError as error:
+        raise UserError(f"{url}: {error.reason}") from error
+    with response:
+        if offset and response.status == 200:  # server ignored the Range header: start over
+            log.info("%s: server does not resume, restarting from byte 0", url)
+            offset = 0
+            part.unlink()
+        length = response.headers.get("Content-Length")
+        total = offset + int(length) if length is not None else None
+        received = offset
+        with open(part, "ab") as out, tqdm(total=total, initial=offset, unit="B", unit_scale=True, desc=label) as bar:
+            while True:
+                chunk = response.read(CHUNK)
+                if not chunk:
+                    break
+                out.write(chunk)
+                received += len(chunk)
+                bar.update(len(chunk))
+        if total is not None and received < total:
+            raise http.client.IncompleteRead(b"", total - received)
+
+
+def fetch(
+    url: str,
+    destination: str | os.PathLike,
+    checksum_url: str | None = None,
+    *,
+    checksum: str | None = None,
+    retries: int = 5,
+    timeout: float = 60,
+) -> Path:
+    """Download `url` to `destination`, resuming and verifying; return the destination path.
+
+    `url` is http(s)://, file:// or a plain local path. Bytes accumulate in `<destination>.part`; a
+    dropped connection is retried up to `retries` times with an HTTP Range request from where it
+    stopped (and a later call resumes a `.part` left behind by an earlier one). If `checksum_url`
+    is given, the md5/sha1 listed there for the URL's basename must match (`checksum`, a bare hex
+    digest, may be given instead). Only a verified file is renamed to `destination`; a mismatch
+    deletes the `.part` and raises UserError, so nothing unverified is ever promoted.
+    """
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    part = destination.with_name(destination.name + ".part")
+    label = basename(url)
+    expected = None
+    if checksum_url:
+        expected = expected_checksum(checksum_url, basename(url))
+    elif checksum:
+        algorithm = HASH_BY_HEX_LENGTH.get(len(checksum))
+        if not algorithm:
+            raise UserError(f"{url}: checksum {checksum!r} is not an md5, sha1 or sha256 hex digest")
+        expected = (algorithm, checksum.lower())
+
+    if _is_remote(url):
+        for attempt in range(retries + 1):
+            try:
+                _http_attempt(url, part, label, timeout)
+                break
+            except (OSError, http.client.HTTPException) as error:
+                if attempt == retries:
+                    raise UserError(
+                        f"{url}: download interrupted after {part.stat().st_size if part.exists() else 0} bytes "
+                        f"({error!r}); rerun to resume from {part}"
+                    ) from error
+                log.warning("%s: connection lost (%r), resuming (attempt %d/%d)", url, error, attempt + 1, retries)
+                time.sleep(min(2**attempt * 0.1, 10))
+    else:
+        _copy_local(_local_path(url), part, label)
+
+    if expected:
+        algorithm, digest = expected
+        actual = file_digest(part, algorithm)
+        if actual != digest:
+            part.unlink()
+            raise UserError(f"{url}: {algorithm} mismatch (expected {digest}, got {actual}); nothing kept")
+        log.info("%s: %s verified (%s)", url, algorithm, digest)
+    os.replace(part, destination)
+    return destination
+
+
+def fetch_books(source: str, destination: str | os.PathLike) -> Path:
+    """BookCorpus: copy a local directory of `*.txt` books, or fetch every book a URL list names, to `destination`.
+
+    A URL list (local file or URL) has one book per line: `<url>` or `<url> <md5|sha1>`; `#` starts a comment.
+    Books accumulate in `<destination>.part/` (each resumable, as `fetch`); the directory is renamed
+    to `destination` only when every book is verified.
+    """
+    destination = Path(destination)
+    if not source:
+        raise UserError("bookcorpus.source: not set (a directory of .txt books, or a list of book URLs)")
+    local = None if _is_remote(source) else _local_path(source)
+    if local is not None and local.is_dir():
+        books = sorted(local.glob("*.txt"))
+        if not books:
+            raise UserError(f"{local}: no *.txt books in this directory")
+        with atomic_path(destination) as temporary:
+            temporary.mkdir()
+            for book in books:
+                shutil.copyfile(book, temporary / book.name)
+        return destination
+
+    entries = []
+    for number, line in enumerate(read_small(source).splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) > 2:
+            raise UserError(f"{source}:{number}: expected '<url> [checksum]', got {line!r}")
+        entries.append((fields[0], fields[1] if len(fields) == 2 else None))
+    if not entries:
+        raise UserError(f"{source}: lists no book URLs")
+    staging = destination.with_name(destination.name + ".part")
+    staging.mkdir(parents=True, exist_ok=True)
+    names = set()
+    for url, checksum in entries:
+        name = basename(url)
+        if name in names:
+            raise UserError(f"{source}: two books are named {name!r}")
+        names.add(name)
+        if not (staging / name).exists():
+            fetch(url, staging / name, checksum=checksum)
+    if destination.exists():
+        shutil.rmtree(destination)
+    os.replace(staging, destination)
+    return destination
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m workflow.download", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    one = commands.add_parser("file", help="one file (a Wikipedia dump, a SQuAD JSON)")
+    one.add_argument("--url", required=True, help="http(s)://, file:// or local path")
+    one.add_argument("--checksum-url", default=None, help="md5sums/sha1sums list naming the file by basename")
+    one.add_argument("--output", required=True)
+    books = commands.add_parser("books", help="BookCorpus: a directory of .txt books or a list of book URLs")
+    books.add_argument("--source", required=True)
+    books.add_argument("--output", required=True, help="output directory")
+    args = parser.parse_args(argv)
+    if args.command == "file":
+        fetch(args.url, args.output, args.checksum_url or None)
+    else:
+        fetch_books(args.source, args.output)
+
+
+if __name__ == "__main__":
+    run(main)

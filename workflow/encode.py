@@ -1,0 +1,340 @@
+"""Stage encode: turn one tokenized shard into masked-LM + next-sentence training instances in HDF5.
+
+Semantics and defaults are those of Google's create_pretraining_data.py as used by NVIDIA DeepLearningExamples
+(dupe_factor, short_seq_prob per document, random split point of each chunk into A/B, B from a random other
+document half of the time, truncation of the longer segment from a random end, masked_lm_prob with at most
+max_predictions_per_seq, 80/10/10 [MASK]/random/keep, optional whole-word masking, instances shuffled).
+The file schema is NVIDIA's, so its loader reads it as is:
+
+    input_ids [N,L] int32, input_mask [N,L] int8, segment_ids [N,L] int8,
+    masked_lm_positions [N,P] int32, masked_lm_ids [N,P] int32, next_sentence_labels [N] int8 (1 = random B),
+
+zero-padded. The work is vectorised numpy: instances are planned for all documents at once (one step = one
+instance per document), then built and masked in batches of rows, so memory stays bounded by the batch.
+"""
+import argparse
+import hashlib
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import h5py
+import numpy as np
+from tqdm import tqdm
+
+from workflow.atomic import atomic_path
+from workflow.cli import UserError, run
+from workflow.tokenize import load_tokenized
+from workflow.vocab import read_vocab, special_token_ids
+
+log = logging.getLogger(__name__)
+
+SPLIT_CODES = {"training": 0, "test": 1}  # part of the seed, so each shard has its own random stream
+CHUNK_ROWS = 64  # HDF5 chunk = 64 whole rows: a random row read decompresses little (see benchmarks/)
+BATCH_CELLS = 1 << 20  # tokens built per batch: bounds memory whatever the sequence length
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    """The knobs of create_pretraining_data.py, with NVIDIA's phase-1 defaults."""
+
+    max_seq_length: int = 128
+    max_predictions_per_seq: int = 20
+    dupe_factor: int = 5
+    masked_lm_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    whole_word_masking: bool = False
+
+
+@dataclass(frozen=True)
+class Vocab:
+    size: int
+    cls: int
+    sep: int
+    mask: int
+    continues_word: np.ndarray  # [size] bool: the token is a "##" WordPiece continuation
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "Vocab":
+        tokens = read_vocab(path)
+        ids = special_token_ids(tokens)
+        continues = np.fromiter((token.startswith("##") for token in tokens), dtype=bool, count=len(tokens))
+        return cls(len(tokens), ids["[CLS]"], ids["[SEP]"], ids["[MASK]"], continues)
+
+
+def shard_rng(seed: int, split: str, shard_index: int) -> tuple[np.random.Generator, np.random.Generator]:
+    """Independent (planning, masking) generators of one shard: results never depend on job order."""
+    sequence = np.random.SeedSequence([seed, SPLIT_CODES[split], shard_index])
+    plan, mask = sequence.spawn(2)
+    return np.random.default_rng(plan), np.random.default_rng(mask)
+
+
+def plan_instances(
+    sentence_offsets: np.ndarray, document_offsets: np.ndarray, settings: EncodeSettings, rng: np.random.Generator
+) -> np.ndarray:
+    """Segment pairs of every instance, shuffled: [N, 5] int64 rows (a_start, a_end, b_start, b_end, is_random_next).
+
+    Segments are token ranges of the shard's flat ids. Each "lane" walks one document (dupe_factor lanes per
+    document) and emits one instance per step, exactly as create_instances_from_document does sentence by sentence.
+    """
+    cum = sentence_offsets
+    doc_first = document_offsets[:-1]
+    doc_end = document_offsets[1:]
+    n_docs = len(doc_first)
+    if n_docs == 0:
+        return np.zeros((0, 5), np.int64)
+    max_num_tokens = settings.max_seq_length - 3
+    doc = np.tile(np.arange(n_docs), settings.dupe_factor)
+    pos = doc_first[doc].copy()
+    end = doc_end[doc]
+    # Google draws the target length once per document: usually full, sometimes short.
+    target = np.where(
+        rng.random(len(doc)) < settings.short_seq_prob, rng.integers(2, max_num_tokens + 1, len(doc)), max_num_tokens
+    )
+    steps: list[np.ndarray] = []
+    while len(doc):
+        n = len(doc)
+        chunk_end = np.minimum(np.searchsorted(cum, cum[pos] + target, side="left"), end)
+        n_chunk = chunk_end - pos
+        a_sentences = rng.integers(1, np.maximum(n_chunk, 2))
+        is_random = (n_chunk == 1) | (rng.random(n) < 0.5)
+        a_start, a_end = cum[pos], cum[pos + a_sentences]
+        # B from a random other document: a random first sentence, then sentences until the target is reached.
+        other = rng.integers(0, max(n_docs - 1, 1), n)
+        other = other + (other >= doc) if n_docs > 1 else doc
+        first = doc_first[other] + rng.integers(0, doc_end[other] - doc_first[other])
+        wanted = cum[first] + target - (a_end - a_start)
+        last = np.clip(np.searchsorted(cum, wanted, side="left"), first + 1, doc_end[other])
+        b_start = np.where(is_random, cum[first], a_end)
+        b_end = np.where(is_random, cum[last], cum[chunk_end])
+        a_start, a_end, b_start, b_end = _truncate_pair(a_start, a_end, b_start, b_end, max_num_tokens, rng)
+        steps.append(np.stack([a_start, a_end, b_start, b_end, is_random.astype(np.int64)], axis=1))
+        # A random B puts the chunk's unused sentences back for the next instance.
+        pos = np.where(is_random, pos + a_sentences, chunk_end)
+        alive = pos < end
+        doc, pos, end, target = doc[alive], pos[alive], end[alive], target[alive]
+    plan = np.concatenate(steps)
+    return plan[rng.permutation(len(plan))]
+
+
+def _truncate_pair(a_start, a_end, b_start, b_end, max_num_tokens, rng):
+    """truncate_seq_pair in closed form: trim the longer segment (B on ties) one token at a time, each from a
+    random end, until both fit."""
+    len_a, len_b = a_end - a_start, b_end - b_start
+    excess = np.maximum(len_a + len_b - max_num_tokens, 0)
+    gap = np.abs(len_a - len_b)
+    first = np.minimum(excess, gap)  # trims of the longer one until the lengths meet
+    rest = excess - first  # then alternately B, A, B, ...
+    trim_a = np.where(len_a > len_b, first, 0) + rest // 2
+    trim_b = np.where(len_a > len_b, 0, first) + rest - rest // 2
+    front_a = rng.binomial(trim_a, 0.5)
+    front_b = rng.binomial(trim_b, 0.5)
+    return a_start + front_a, a_end - (trim_a - front_a), b_start + front_b, b_end - (trim_b - front_b)
+
+
+def build_batch(
+    ids: np.ndarray, plan: np.ndarray, settings: EncodeSettings, vocab: Vocab, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """The NVIDIA-schema arrays of the instances in `plan` rows: [CLS] A [SEP] B [SEP], masked, zero-padded.
+
+    `ids` are the shard's token ids followed by one 0, the value padding cells gather.
+    """
+    length, n_predictions = settings.max_seq_length, settings.max_predictions_per_seq
+    rows = np.arange(len(plan))
+    a_start, a_end, b_start, b_end, is_random = plan.T
+    len_a, len_b = a_end - a_start, b_end - b_start
+    n_tokens = len_a + len_b + 3
+    col = np.arange(length)[None, :]
+    # Source of each cell in `ids`: A's tokens, then B's, then the trailing 0; [CLS]/[SEP] are overwritten below.
+    source = col + np.where(col <= len_a[:, None], (a_start - 1)[:, None], (b_start - len_a - 2)[:, None])
+    source = np.where(col < (n_tokens - 1)[:, None], source, len(ids) - 1)
+    input_ids = ids[source].astype(np.int32)
+    flat_ids = input_ids.reshape(-1)
+    row_start = rows * length
+    flat_ids[row_start] = vocab.cls
+    flat_ids[row_start + len_a + 1] = vocab.sep
+    flat_ids[row_start + n_tokens - 1] = vocab.sep
+    is_real = col < n_tokens[:, None]
+    segment_ids = (col >= (len_a + 2)[:, None]) & is_real
+    candidate = is_real & (col != (len_a + 1)[:, None]) & (col != (n_tokens - 1)[:, None])
+    candidate[:, 0] = False
+
+    n_to_predict = np.minimum(n_predictions, np.maximum(1, np.rint(n_tokens * settings.masked_lm_prob))).astype(np.int64)
+    if settings.whole_word_masking:
+        picked = _choose_whole_words(input_ids, candidate, n_to_predict, vocab, rng)
+    else:
+        picked = _choose_tokens(candidate, n_to_predict, rng)
+    # Positions in ascending order, zero-padded to max_predictions_per_seq (position 0 is [CLS], never masked).
+    picked = np.sort(picked, axis=1)[:, :n_predictions]
+    if picked.shape[1] < n_predictions:
+        picked = np.pad(picked, ((0, 0), (0, n_predictions - picked.shape[1])), constant_values=length)
+    valid = picked < length
+    positions = np.where(valid, picked, 0)
+    cell = row_start[:, None] + positions
+    masked_lm_ids = np.where(valid, flat_ids[cell], 0).astype(np.int32)
+    # 80% [MASK], 10% a random vocab token, 10% unchanged.
+    draw = rng.random(positions.shape, dtype=np.float32)
+    flat_ids[cell[valid & (draw < 0.8)]] = vocab.mask
+    to_random = cell[valid & (draw >= 0.9)]
+    flat_ids[to_random] = rng.integers(0, vocab.size, len(to_random))
+    return {
+        "input_ids": input_ids,
+        "input_mask": is_real.view(np.int8),
+        "segment_ids": segment_ids.view(np.int8),
+        "masked_lm_positions": positions.astype(np.int32),
+        "masked_lm_ids": masked_lm_ids,
+        "next_sentence_labels": is_random.astype(np.int8),
+    }
+
+
+def _choose_tokens(candidate: np.ndarray, n_to_predict: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """[B, k] columns of a uniform random subset of n_to_predict candidate positions per row (all of them if
+    fewer); unused slots hold L. The subset is the n_to_predict smallest of random keys."""
+    batch, length = candidate.shape
+    keys = rng.random(candidate.shape, dtype=np.float32)
+    np.copyto(keys, 2.0, where=~candidate)
+    k = min(int(n_to_predict.max()), length)
+    smallest = np.argpartition(keys, k - 1, axis=1)[:, :k]
+    smallest_keys = keys.reshape(-1)[np.arange(batch)[:, None] * length + smallest]
+    threshold = np.sort(smallest_keys, axis=1)[np.arange(batch), np.minimum(n_to_predict, k) - 1]
+    keep = (smallest_keys <= threshold[:, None]) & (smallest_keys < 2.0)
+    tied = np.flatnonzero(keep.sum(axis=1) > n_to_predict)  # equal float32 keys: rare, settle by rank
+    if len(tied):
+        rank = np.argsort(np.argsort(smallest_keys[tied], axis=1, kind="stable"), axis=1)
+        keep[tied] &= rank < n_to_predict[tied, None]
+    return np.where(keep, smallest, length)
+
+
+def _choose_whole_words(
+    input_ids: np.ndarray, candidate: np.ndarray, n_to_predict: np.ndarray, vocab: Vocab, rng: np.random.Generator
+) -> np.ndarray:
+    """[B, L] columns of whole words in random order, each taken if it still fits in n_to_predict (Google's
+    greedy); unused slots hold L."""
+    batch, length = candidate.shape
+    previous = np.zeros_like(candidate)
+    previous[:, 1:] = candidate[:, :-1]
+    starts = candidate & ~(vocab.continues_word[input_ids] & previous)
+    word = np.cumsum(starts, axis=1) - 1  # word index of each position (valid where candidate)
+    flat_word = np.where(candidate, np.arange(batch)[:, None] * length + word, batch * length)
+    word_length = np.bincount(flat_word.ravel(), minlength=batch * length + 1)[:-1].reshape(batch, length)
+    keys = rng.random((batch, length), dtype=np.float32)
+    keys[word_length == 0] = 2.0
+    order = np.argsort(keys, axis=1)
+    ordered_length = np.take_along_axis(word_length, order, axis=1)
+    taken = np.zeros((batch, length), bool)
+    count = np.zeros(batch, np.int64)
+    for k in range(int((word_length > 0).sum(axis=1).max(initial=0))):
+        fits = (ordered_length[:, k] > 0) & (count + ordered_length[:, k] <= n_to_predict)
+        count += np.where(fits, ordered_length[:, k], 0)
+        taken[:, k] = fits
+        if (count >= n_to_predict).all():
+            break
+    word_taken = np.zeros((batch, length), bool)
+    np.put_along_axis(word_taken, order, taken, axis=1)
+    chosen = candidate & np.take_along_axis(word_taken, np.maximum(word, 0), axis=1)
+    return np.where(chosen, np.arange(length)[None, :], length)
+
+
+def encode_shard(
+    tokenized: str | os.PathLike,
+    vocab_path: str | os.PathLike,
+    output: str | os.PathLike,
+    settings: EncodeSettings,
+    seed: int,
+    split: str,
+    shard_index: int,
+    compression: str = "gzip",
+) -> int:
+    """Encode one tokenized shard into the HDF5 file `output`; returns the number of instances."""
+    _check(settings)
+    vocab = Vocab.read(vocab_path)
+    ids, sentence_offsets, document_offsets = load_tokenized(tokenized)
+    padded_ids = np.append(ids, 0).astype(ids.dtype)
+    if len(ids) and int(ids.max()) >= vocab.size:
+        raise UserError(f"{tokenized}: token id {int(ids.max())} is outside {vocab_path} ({vocab.size} tokens)")
+    plan_rng, mask_rng = shard_rng(seed, split, shard_index)
+    plan = plan_instances(sentence_offsets, document_offsets, settings, plan_rng)
+    n, length, n_predictions = len(plan), settings.max_seq_length, settings.max_predictions_per_seq
+    batch_rows = max(CHUNK_ROWS, BATCH_CELLS // length // CHUNK_ROWS * CHUNK_ROWS)
+    attributes = {
+        **asdict(settings),
+        "seed": seed,
+        "split": split,
+        "shard_index": shard_index,
+        "n_instances": n,
+        "vocab_sha256": hashlib.sha256(Path(vocab_path).read_bytes()).hexdigest(),
+    }
+    shapes = {
+        "input_ids": ((n, length), np.int32),
+        "input_mask": ((n, length), np.int8),
+        "segment_ids": ((n, length), np.int8),
+        "masked_lm_positions": ((n, n_predictions), np.int32),
+        "masked_lm_ids": ((n, n_predictions), np.int32),
+        "next_sentence_labels": ((n,), np.int8),
+    }
+    try:
+        with atomic_path(output) as temporary:
+            with h5py.File(temporary, "w", libver="earliest") as handle:
+                handle.attrs.update(attributes)
+                datasets = {
+                    name: handle.create_dataset(name, shape, dtype, track_times=False, **_layout(shape, compression))
+                    for name, (shape, dtype) in shapes.items()
+                }
+                for start in tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5):
+                    arrays = build_batch(padded_ids, plan[start : start + batch_rows], settings, vocab, mask_rng)
+                    for name, array in arrays.items():
+                        datasets[name][start : start + len(array)] = array
+    except OSError as error:
+        raise UserError(f"{output}: cannot write ({error.strerror or error})") from None
+    log.info("%s: %d instances of length %d", output, n, length)
+    return n
+
+
+def _layout(shape: tuple[int, ...], compression: str) -> dict:
+    """Row-shaped chunks (CHUNK_ROWS whole rows) so a random row read decompresses one small chunk; gzip level 1
+    with byte shuffle (the zero high bytes of int32 ids then cost nothing). Not lzf: its output bytes vary from
+    run to run for the same data, which would break byte-identical outputs."""
+    if compression == "none" or shape[0] == 0:
+        return {}
+    rows = CHUNK_ROWS if len(shape) > 1 else CHUNK_ROWS * 256  # 1-D labels: fewer, still small, chunks
+    return {"chunks": (min(rows, shape[0]),) + shape[1:], "compression": "gzip", "compression_opts": 1, "shuffle": True}
+
+
+def _check(settings: EncodeSettings) -> None:
+    if settings.max_seq_length < 8:
+        raise UserError(f"encode max_seq_length {settings.max_seq_length}: must be at least 8")
+    if settings.max_predictions_per_seq < 1:
+        raise UserError(f"encode max_predictions_per_seq {settings.max_predictions_per_seq}: must be at least 1")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenized", required=True, help="tokenized shard (.npz from workflow.tokenize)")
+    parser.add_argument("--vocab", required=True, help="the vocab.txt it was tokenized with")
+    parser.add_argument("--output", required=True, help="HDF5 file to write")
+    parser.add_argument("--max-seq-length", type=int, required=True)
+    parser.add_argument("--max-predictions-per-seq", type=int, required=True)
+    parser.add_argument("--dupe-factor", type=int, default=5)
+    parser.add_argument("--masked-lm-prob", type=float, default=0.15)
+    parser.add_argument("--short-seq-prob", type=float, default=0.1)
+    parser.add_argument("--whole-word-masking", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--split", choices=sorted(SPLIT_CODES), required=True)
+    parser.add_argument("--shard-index", type=int, required=True)
+    parser.add_argument("--compression", choices=["gzip", "none"], default="gzip")
+    args = parser.parse_args(argv)
+    settings = EncodeSettings(
+        max_seq_length=args.max_seq_length,
+        max_predictions_per_seq=args.max_predictions_per_seq,
+        dupe_factor=args.dupe_factor,
+        masked_lm_prob=args.masked_lm_prob,
+        short_seq_prob=args.short_seq_prob,
+        whole_word_masking=args.whole_word_masking,
+    )
+    encode_shard(args.tokenized, args.vocab, args.output, settings, args.seed, args.split, args.shard_index, args.compression)
+
+
+if __name__ == "__main__":
+    run(main)

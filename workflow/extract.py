@@ -1,0 +1,126 @@
+"""Stage 2, extract: MediaWiki XML dump (bz2) -> JSON lines of articles ({"id", "title", "text"}) via wikiextractor.
+
+Runs the real wikiextractor 3.1.0 (parallel processes; it keeps only namespace-0, non-redirect pages, judged by
+<ns>, so `--namespaces` is not needed: that flag is about link prefixes) and works around its quirks:
+- it HTML-escapes text by default (`AT&T` -> `AT&amp;T`); only `--html-safe ''` disables that (`False` does not);
+  titles come out still escaped, so they are unescaped here;
+- `-b` below 200K writes nothing and exits 0, so a size far above any article is passed;
+- its `revid` is the contributor's id, not the revision's, so it is dropped;
+- a truncated or corrupt bz2 dies with a traceback, and a non-MediaWiki XML yields zero articles with exit 0:
+  both become a one-line error naming the file, and no output.
+"""
+import argparse
+import bz2
+import collections
+import html
+import json
+import logging
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+from typing import Sequence
+
+from workflow.atomic import atomic_path
+from workflow.cli import UserError, run
+
+log = logging.getLogger("extract")
+
+MEDIAWIKI_ROOT = re.compile(r"\{http://www\.mediawiki\.org/xml/export-[0-9.]+/\}mediawiki")
+OUTPUT_FILE_SIZE = "1G"  # wikiextractor's -b: must be >= 200K or it silently writes nothing
+
+
+def open_dump(path: Path):
+    """Binary stream of the XML inside `path` (bz2 by magic number, else plain XML)."""
+    with open(path, "rb") as stream:
+        magic = stream.read(3)
+    if magic == b"BZh":
+        return bz2.open(path, "rb")
+    if path.suffix == ".bz2":
+        raise UserError(f"{path}: not a bz2 file (bad magic number {magic!r})")
+    return open(path, "rb")
+
+
+def check_mediawiki_export(path: Path) -> None:
+    """Raise UserError unless `path` starts like a MediaWiki XML export (root element <mediawiki xmlns=export-...>)."""
+    try:
+        with open_dump(path) as stream:
+            head = stream.read(1 << 20)
+    except EOFError as error:
+        raise UserError(f"{path}: truncated bz2 ({error})") from error
+    except OSError as error:
+        raise UserError(f"{path}: corrupt bz2 ({error})") from error
+    if not head.strip():
+        raise UserError(f"{path}: empty dump")
+    parser = ElementTree.XMLPullParser(events=("start",))
+    try:
+        parser.feed(head)
+        root = next((element for _event, element in parser.read_events()), None)
+    except ElementTree.ParseError as error:
+        raise UserError(f"{path}: not a MediaWiki XML export (XML error: {error})") from error
+    if root is None or not MEDIAWIKI_ROOT.fullmatch(root.tag):
+        tag = "none" if root is None else f"<{root.tag}>"
+        raise UserError(f"{path}: not a MediaWiki XML export (root element: {tag})")
+
+
+def run_wikiextractor(dump: Path, workdir: Path, processes: int) -> None:
+    """Run wikiextractor on `dump`, writing JSON files under `workdir`; its log goes to our stderr."""
+    command = [
+        sys.executable, "-m", "wikiextractor.WikiExtractor",
+        "--json", "--html-safe", "",
+        "--processes", str(processes), "-b", OUTPUT_FILE_SIZE, "-o", str(workdir), str(dump),
+    ]  # fmt: skip
+    log.info("running %s", " ".join(repr(part) if not part else part for part in command))
+    tail = collections.deque(maxlen=20)
+    traceback = False  # a crash's traceback is summarized in our one-line error, not echoed
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace") as process:
+        for line in process.stderr:
+            traceback = traceback or line.startswith("Traceback")
+            if not traceback:
+                sys.stderr.write(line)
+            tail.append(line.rstrip())
+    if process.returncode != 0:
+        reason = next((line for line in reversed(tail) if line.strip()), f"exit status {process.returncode}")
+        if "EOFError" in reason or "Invalid data stream" in reason or "OSError" in reason:
+            raise UserError(f"{dump}: truncated or corrupt bz2 ({reason.strip()})")  # found beyond the first MB
+        raise UserError(f"{dump}: wikiextractor failed ({reason.strip()})")
+
+
+def extract(dump: str | Path, output: str | Path, processes: int = 1) -> int:
+    """Extract the articles of MediaWiki dump `dump` to JSON lines `output`; return the number of articles."""
+    dump, output = Path(dump), Path(output)
+    if not dump.is_file():
+        raise UserError(f"{dump}: no such file")
+    check_mediawiki_export(dump)
+    count = 0
+    with atomic_path(output) as temporary, tempfile.TemporaryDirectory(dir=output.parent, prefix=".wikiextractor-") as work:
+        run_wikiextractor(dump, Path(work) / "json", processes)
+        # wikiextractor names its files AA/wiki_00, AA/wiki_01, ..., AB/wiki_00: sorted = written order
+        parts = sorted((Path(work) / "json").glob("*/wiki_*"))
+        with open(temporary, "w", encoding="utf-8") as out:
+            for part in parts:
+                with open(part, encoding="utf-8") as lines:
+                    for line in lines:
+                        article = json.loads(line)
+                        record = {"id": article["id"], "title": html.unescape(article["title"]), "text": article["text"]}
+                        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                        count += 1
+        if count == 0:
+            raise UserError(f"{dump}: no articles (namespace 0) in this MediaWiki export")
+    log.info("%s: %d articles -> %s", dump, count, output)
+    return count
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m workflow.extract", description=__doc__.splitlines()[0])
+    parser.add_argument("--input", required=True, help="MediaWiki pages-articles XML dump (.xml.bz2 or .xml)")
+    parser.add_argument("--output", required=True, help="JSON lines: one {id, title, text} per article")
+    parser.add_argument("--processes", type=int, default=1, help="wikiextractor worker processes")
+    args = parser.parse_args(argv)
+    extract(args.input, args.output, args.processes)
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,393 @@
+"""BERT (encoder + pretraining heads) in one file, with Hugging Face-compatible import/export.
+
+API (stable; the SQuAD stage builds on it):
+    BertConfig                      dataclass with Google bert_config.json field names;
+                                    BertConfig.preset("bert-large"|"bert-base"|"tiny"), .from_json(path), .to_json(path)
+    BertModel(config)               forward(input_ids, token_type_ids, attention_mask) -> (sequence_output, pooled_output)
+    BertForPreTraining(config)      .bert is the BertModel; forward(input_ids, token_type_ids, attention_mask,
+                                    masked_lm_positions=None) -> (mlm_logits, nsp_logits); mlm_logits are [B, P, V] at
+                                    the given positions only ([B, L, V] when positions is None)
+    pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict of loss/accuracy tensors
+    save_pretrained(model, config, vocab_path, out_dir)   HF directory: model.safetensors + config.json + vocab.txt
+    load_pretrained(directory) -> (config, state_dict)     state_dict in BertForPreTraining names (heads may be absent)
+    encoder_state_dict(state_dict)  the `bert.*` entries with the prefix stripped, for BertModel.load_state_dict
+    load_weights(model, state_dict) load what matches; returns (missing, unexpected) key lists
+
+Parameter names equal Hugging Face `BertForPreTraining`'s, except the two tied aliases HF itself drops on save
+(`cls.predictions.decoder.weight` = word embeddings, `cls.predictions.decoder.bias` = `cls.predictions.bias`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workflow.cli import UserError
+
+_PRESETS = {
+    "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    # CPU demo model: minutes on a laptop for the sample data.
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
+                 max_position_embeddings=512),
+}
+
+
+@dataclass
+class BertConfig:
+    """BERT hyper-parameters, named as in Google's bert_config.json."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise UserError(f"bert config: hidden_size {self.hidden_size} is not a multiple of "
+                            f"num_attention_heads {self.num_attention_heads}")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise UserError(f"bert config: hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "BertConfig":
+        if name not in _PRESETS:
+            raise UserError(f"config model.preset: unknown preset {name!r} (one of {sorted(_PRESETS)})")
+        return cls(**{**_PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BertConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "BertConfig":
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as error:
+            raise UserError(f"{path}: cannot read a bert config: {error}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        """Write config.json readable both as a Google bert_config.json and by transformers."""
+        data = {**self.to_dict(), "model_type": "bert", "architectures": ["BertForPreTraining"],
+                "tie_word_embeddings": True}
+        Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu,
+                "tanh": torch.tanh}
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids, token_type_ids):
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings(
+            token_type_ids)
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def forward(self, x, mask):
+        b, l, h = x.shape
+        # One matmul for q, k and v (names stay HF's; the concatenation is cheap next to the matmul).
+        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
+        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+        qkv = F.linear(x, weight, bias).view(b, l, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
+        context = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask,
+                                                 dropout_p=self.dropout_p if self.training else 0.0)
+        return context.transpose(1, 2).reshape(b, l, h)
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: BertConfig, in_size: int):
+        super().__init__()
+        self.dense = nn.Linear(in_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x, residual):
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config, config.hidden_size)
+
+    def forward(self, x, mask):
+        return self.output(self.self(x, mask), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x):
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertSelfOutput(config, config.intermediate_size)
+
+    def forward(self, x, mask):
+        x = self.attention(x, mask)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, x, mask):
+        for layer in self.layer:
+            x = layer(x, mask)
+        return x
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, sequence_output):
+        return torch.tanh(self.dense(sequence_output[:, 0]))
+
+
+def _init_weights(module: nn.Module, std: float) -> None:
+    """BERT's initialisation: N(0, initializer_range) weights, zero biases, unit LayerNorm."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+class BertModel(nn.Module):
+    """The BERT encoder: embeddings, transformer layers, pooler."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config)
+        self.apply(lambda m: _init_weights(m, config.initializer_range))
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None):
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        mask = None
+        if attention_mask is not None:
+            # [B, 1, 1, L] boolean: True = attend. Padding queries still attend to real keys (as in HF).
+            mask = attention_mask.bool()[:, None, None, :]
+        sequence_output = self.encoder(self.embeddings(input_ids, token_type_ids), mask)
+        return sequence_output, self.pooler(sequence_output)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = _ACTIVATIONS[config.hidden_act]
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x):
+        return self.LayerNorm(self.act(self.dense(x)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """Transform + decoder; the decoder weight is the word embedding matrix (tied), its bias is `bias`."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, x, decoder_weight):
+        return F.linear(self.transform(x), decoder_weight, self.bias)
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+
+class BertForPreTraining(nn.Module):
+    """BERT with the masked-LM and next-sentence heads."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.cls.apply(lambda m: _init_weights(m, config.initializer_range))
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, masked_lm_positions=None):
+        """(mlm_logits, nsp_logits); MLM logits only at `masked_lm_positions` [B, P] when given."""
+        sequence_output, pooled_output = self.bert(input_ids, token_type_ids, attention_mask)
+        if masked_lm_positions is not None:
+            # The vocab projection dominates a small model's cost: run it on ~15% of tokens only.
+            index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, sequence_output.shape[-1])
+            sequence_output = torch.gather(sequence_output, 1, index)
+        mlm_logits = self.cls.predictions(sequence_output, self.bert.embeddings.word_embeddings.weight)
+        return mlm_logits, self.cls.seq_relationship(pooled_output)
+
+
+def pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict:
+    """Summed MLM + NSP loss (as in BERT) and accuracies. Labels of -1 are ignored."""
+    mlm_logits = mlm_logits.float().flatten(0, -2)
+    labels = masked_lm_labels.flatten()
+    mlm_loss = F.cross_entropy(mlm_logits, labels, ignore_index=-1)
+    nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_labels.view(-1))
+    with torch.no_grad():
+        valid = labels >= 0
+        mlm_correct = ((mlm_logits.argmax(-1) == labels) & valid).sum()
+        nsp_correct = (nsp_logits.argmax(-1) == next_sentence_labels.view(-1)).sum()
+    return {"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
+            "mlm_correct": mlm_correct, "mlm_count": valid.sum(), "nsp_correct": nsp_correct,
+            "nsp_count": torch.tensor(next_sentence_labels.numel(), device=nsp_logits.device)}
+
+
+# ---------------------------------------------------------------- Hugging Face directories
+
+_TIED_ALIASES = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+
+
+def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.PathLike | None,
+                    out_dir: str | os.PathLike) -> None:
+    """Write an HF directory (model.safetensors, config.json, vocab.txt) into `out_dir` (created)."""
+    from safetensors.torch import save_file
+
+    model = getattr(model, "module", model)  # unwrap DDP
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", torch.float32).contiguous().clone()
+             for k, v in model.state_dict().items() if k not in _TIED_ALIASES}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config.to_json(out_dir / "config.json")
+    if vocab_path is not None:
+        shutil.copyfile(vocab_path, out_dir / "vocab.txt")
+
+
+def _normalise_names(state: dict) -> dict:
+    """Map older/other BERT checkpoint spellings onto BertForPreTraining names."""
+    out = {}
+    for key, value in state.items():
+        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        out[key] = value
+    if not any(k.startswith("bert.") for k in out):  # a bare BertModel checkpoint
+        out = {f"bert.{k}": v for k, v in out.items()}
+    if "cls.predictions.bias" not in out and "cls.predictions.decoder.bias" in out:
+        out["cls.predictions.bias"] = out["cls.predictions.decoder.bias"]
+    for key in (*_TIED_ALIASES, "bert.embeddings.position_ids"):
+        out.pop(key, None)
+    return out
+
+
+def load_pretrained(directory: str | os.PathLike) -> tuple[BertConfig, dict]:
+    """(config, state_dict) of an HF BERT directory; never unpickles arbitrary objects."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{directory}: not a BERT model directory (no config.json)")
+    config = BertConfig.from_json(config_path)
+    if (directory / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(directory / "model.safetensors"))
+    elif (directory / "pytorch_model.bin").is_file():
+        state = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise UserError(f"{directory}: no model.safetensors or pytorch_model.bin")
+    return config, _normalise_names(state)
+
+
+def encoder_state_dict(state: dict) -> dict:
+    """The encoder's entries (`bert.` stripped), ready for BertModel.load_state_dict."""
+    return {k[len("bert."):]: v for k, v in state.items() if k.startswith("bert.")}
+
+
+def load_weights(model: nn.Module, state: dict) -> tuple[list[str], list[str]]:
+    """Load matching entries into `model`; shapes must agree. Returns (missing, unexpected) keys."""
+    own = model.state_dict()
+    for key, value in state.items():
+        if key in own and own[key].shape != value.shape:
+            raise UserError(f"weights {key}: shape {tuple(value.shape)} does not match the model's "
+                            f"{tuple(own[key].shape)}")
+    result = model.load_state_dict(state, strict=False)
+    return list(result.missing_keys), list(result.unexpected_keys)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_sequence(config: BertConfig, seq_length: int, max_predictions: int) -> float:
+    """Training FLOPs of one sequence (forward + backward = 3x forward), matmuls only.
+
+    Per layer and token: 24·h² (QKV, output, 2 FFN with i = 4h: 2·(4h² + 2·h·i)) + 4·L·h (scores and context);
+    plus the MLM head at the masked positions (2·h² + 2·h·V per prediction) and the pooler/NSP (negligible).
+    """
+    h, n, i, v = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
+    per_token_layer = 2 * (4 * h * h + 2 * h * i) + 4 * seq_length * h
+    forward = n * seq_length * per_token_layer + max_predictions * (2 * h * h + 2 * h * v) + 2 * h * h
+    return 3.0 * forward
+
+
+__all__ = ["BertConfig", "BertModel", "BertForPreTraining", "pretraining_loss", "save_pretrained",
+           "load_pretrained", "encoder_state_dict", "load_weights", "count_parameters", "flops_per_sequence"]

@@ -1,0 +1,169 @@
+"""Stage 4, shard: formatted corpora -> N training + M test text shards, balanced by size, deterministic from a seed.
+
+Every shard is one sentence per line with a blank line between documents (what tokenize reads). Memory stays
+constant in the corpus text: pass 1 only measures document sizes (8 bytes per document), the assignment is
+computed from those, and pass 2 streams each document to its shard through bounded write buffers.
+"""
+import argparse
+import heapq
+import logging
+import random
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from workflow.atomic import atomic_path
+from workflow.cli import UserError, run
+
+log = logging.getLogger("shard")
+
+SPLITS = ("training", "test")
+BUFFER_BYTES = 64 << 20  # pending shard text held before a flush; bounds memory whatever the corpus size
+
+
+def documents(path: Path, style: str) -> Iterator[list[str]]:
+    """The documents of a formatted file as lists of lines (sentences style) or single lines (articles style)."""
+    with open(path, encoding="utf-8") as lines:
+        if style == "articles":
+            for line in lines:
+                if line.strip():
+                    yield [line.strip()]
+            return
+        document: list[str] = []
+        for line in lines:
+            line = line.strip()
+            if line:
+                document.append(line)
+            elif document:
+                yield document
+                document = []
+        if document:
+            yield document
+
+
+def measure(inputs: Sequence[Path], style: str) -> np.ndarray:
+    """Pass 1: the size in bytes of every document, in corpus order (its size in a shard, blank line included)."""
+    sizes = []
+    for path in inputs:
+        if not path.is_file():
+            raise UserError(f"{path}: no such file")
+        for document in tqdm(documents(path, style), desc=f"measure {path.name}", unit=" docs"):
+            sizes.append(sum(len(line.encode("utf-8")) + 1 for line in document) + 1)
+    return np.asarray(sizes, dtype=np.int64)
+
+
+def assign(sizes: np.ndarray, n_training: int, n_test: int, test_fraction: float, seed: int) -> np.ndarray:
+    """Shard of every document: 0..n_training-1 = training shards, n_training.. = test shards.
+
+    A seeded random max(n_test, round(test_fraction * N)) documents go to test. Within each split,
+    documents are placed largest first on the currently lightest shard (LPT), ties broken by a seeded
+    permutation, so every shard is non-empty and the loads differ by at most one document.
+    """
+    count = len(sizes)
+    n_test_documents = max(n_test, round(test_fraction * count))
+    if count - n_test_documents < n_training:
+        raise UserError(
+            f"corpus too small: {count} documents cannot fill {n_training} training + {n_test} test shards "
+            f"(test_fraction {test_fraction} puts {n_test_documents} in test); use fewer shards or more text"
+        )
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(count)
+    is_test = np.zeros(count, dtype=bool)
+    is_test[order[:n_test_documents]] = True
+    shard_of = np.empty(count, dtype=np.int32)
+    tiebreak = rng.permutation(count)
+    for split_mask, first, n_shards in ((~is_test, 0, n_training), (is_test, n_training, n_test)):
+        members = np.flatnonzero(split_mask)
+        members = members[np.lexsort((tiebreak[members], -sizes[members]))]
+        loads = [(0, shard) for shard in range(n_shards)]
+        for document in members:
+            load, shard = heapq.heappop(loads)
+            shard_of[document] = first + shard
+            heapq.heappush(loads, (load + int(sizes[document]), shard))
+    return shard_of
+
+
+def shard_corpus(
+    inputs: Sequence[str | Path],
+    training_dir: str | Path,
+    test_dir: str | Path,
+    n_training: int,
+    n_test: int,
+    test_fraction: float = 0.1,
+    seed: int = 12345,
+    style: str = "sentences",
+    punkt_model: str | None = None,
+) -> dict:
+    """Write shard_{i}.txt files into `training_dir` and `test_dir`; return their sizes in bytes per split."""
+    inputs = [Path(path) for path in inputs]
+    if n_training < 1 or n_test < 1:
+        raise UserError(f"need at least one training and one test shard (got {n_training} and {n_test})")
+    if not 0 <= test_fraction < 1:
+        raise UserError(f"test_fraction {test_fraction}: must be in [0, 1)")
+    sizes = measure(inputs, style)
+    shard_of = assign(sizes, n_training, n_test, test_fraction, seed)
+    splitter = None
+    if style == "articles":  # shards are always one sentence per line: split the one-line documents again
+        from workflow.format import PunktSentenceTokenizer, load_splitter, train_punkt
+
+        splitter = load_splitter(punkt_model) if punkt_model else PunktSentenceTokenizer(
+            train_punkt(line[0] for path in inputs for line in documents(path, style))
+        )
+    finals = [Path(training_dir) / f"shard_{i}.txt" for i in range(n_training)]
+    finals += [Path(test_dir) / f"shard_{i}.txt" for i in range(n_test)]
+    with ExitStack() as stack:
+        temporaries = [stack.enter_context(atomic_path(final)) for final in finals]
+        for temporary in temporaries:
+            temporary.write_bytes(b"")
+        pending: dict[int, list[str]] = {}
+        pending_bytes = 0
+
+        def flush() -> None:
+            for shard, texts in pending.items():
+                with open(temporaries[shard], "a", encoding="utf-8") as out:
+                    out.writelines(texts)
+            pending.clear()
+
+        index = 0
+        for path in inputs:
+            for document in tqdm(documents(path, style), desc=f"shard {path.name}", unit=" docs"):
+                if splitter is not None:
+                    document = [s.strip() for s in splitter.tokenize(document[0]) if s.strip()]
+                text = "\n".join(document) + "\n\n"
+                pending.setdefault(int(shard_of[index]), []).append(text)
+                pending_bytes += len(text)
+                index += 1
+                if pending_bytes >= BUFFER_BYTES:
+                    flush()
+                    pending_bytes = 0
+        flush()
+    loads = np.bincount(shard_of, weights=sizes, minlength=n_training + n_test).astype(np.int64)
+    report = {"training": loads[:n_training].tolist(), "test": loads[n_training:].tolist()}
+    for split in SPLITS:
+        values = report[split]
+        log.info("%s: %d shards, %d..%d bytes, max/min %.4f", split, len(values), min(values), max(values),
+                 max(values) / min(values))
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m workflow.shard", description=__doc__.splitlines()[0])
+    parser.add_argument("--input", nargs="+", required=True, help="formatted corpora, in order")
+    parser.add_argument("--input-style", choices=["sentences", "articles"], default="sentences")
+    parser.add_argument("--punkt-model", default=None, help="articles style only: punkt_tab model directory")
+    parser.add_argument("--training-dir", required=True)
+    parser.add_argument("--test-dir", required=True)
+    parser.add_argument("--n-training-shards", type=int, required=True)
+    parser.add_argument("--n-test-shards", type=int, required=True)
+    parser.add_argument("--test-fraction", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=12345)
+    args = parser.parse_args(argv)
+    shard_corpus(args.input, args.training_dir, args.test_dir, args.n_training_shards, args.n_test_shards,
+                 args.test_fraction, args.seed, args.input_style, args.punkt_model or None)
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,133 @@
+"""Stage tokenize: WordPiece-tokenize one text shard once, for both pretraining phases to reuse.
+
+Input: one sentence per line, a blank line between documents (UTF-8). Output: an .npz with
+  ids               [T]        uint16 (int32 for vocabs over 65,536 tokens): every token of the shard, in order
+  sentence_offsets  [S+1]      int64: sentence s is ids[sentence_offsets[s]:sentence_offsets[s+1]]
+  document_offsets  [D+1]      int64: document d is sentences document_offsets[d] to document_offsets[d+1]
+Sentences that tokenize to nothing and documents without sentences are dropped (as Google's script does).
+"""
+import argparse
+import logging
+import os
+from itertools import chain
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from workflow.atomic import atomic_path
+from workflow.cli import UserError, run
+from workflow.vocab import read_vocab
+
+log = logging.getLogger(__name__)
+
+BATCH_LINES = 8192  # sentences per encode_batch call: bounds memory, keeps the Rust side busy
+
+
+def bert_tokenizer(vocab_path: str | os.PathLike, lowercase: bool):
+    """A `tokenizers` BERT WordPiece tokenizer (BERT normaliser and pre-tokeniser), no special tokens added."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    tokens = read_vocab(vocab_path)
+    model = models.WordPiece({token: i for i, token in enumerate(tokens)}, unk_token="[UNK]", max_input_chars_per_word=100)
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=lowercase, lowercase=lowercase
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    return tokenizer, len(tokens)
+
+
+def read_documents(text_path: str | os.PathLike) -> tuple[list[str], list[int]]:
+    """Non-blank lines of a shard and, per line, the index of the document it belongs to."""
+    try:
+        text = Path(text_path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{text_path}: text shard not found") from None
+    except UnicodeDecodeError as error:
+        line = text_line_of(text_path, error.start)
+        raise UserError(f"{text_path}:{line}: not UTF-8 ({error.reason})") from None
+    lines: list[str] = []
+    documents: list[int] = []
+    document = 0
+    for line in text.split("\n"):
+        if line.strip():
+            lines.append(line)
+            documents.append(document)
+        elif lines and documents[-1] == document:
+            document += 1
+    return lines, documents
+
+
+def text_line_of(path: str | os.PathLike, byte: int) -> int:
+    with open(path, "rb") as handle:
+        return handle.read(byte).count(b"\n") + 1
+
+
+def tokenize_lines(tokenizer, lines: Sequence[str], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of every line, flat, and the per-line token counts."""
+    pieces: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    for start in tqdm(range(0, len(lines), BATCH_LINES), desc="tokenize", unit="batch", mininterval=5):
+        encodings = tokenizer.encode_batch_fast(lines[start : start + BATCH_LINES], add_special_tokens=False)
+        ids = [encoding.ids for encoding in encodings]
+        batch_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        pieces.append(np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(batch_lengths.sum())))
+        lengths.append(batch_lengths)
+    if not pieces:
+        return np.zeros(0, dtype), np.zeros(0, np.int64)
+    return np.concatenate(pieces), np.concatenate(lengths)
+
+
+def tokenize_shard(
+    text_path: str | os.PathLike, vocab_path: str | os.PathLike, output: str | os.PathLike, lowercase: bool = True
+) -> dict[str, int]:
+    """Tokenize one shard into `output` (.npz, see the module doc); returns token/sentence/document counts."""
+    tokenizer, vocab_size = bert_tokenizer(vocab_path, lowercase)
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
+    lines, line_documents = read_documents(text_path)
+    ids, lengths = tokenize_lines(tokenizer, lines, dtype)
+    # Drop sentences with no tokens, then documents left with no sentences.
+    kept = lengths > 0
+    lengths = lengths[kept]
+    line_documents = np.asarray(line_documents, dtype=np.int64)[kept]
+    sentence_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=sentence_offsets[1:])
+    starts = np.flatnonzero(np.diff(line_documents, prepend=-1)) if len(line_documents) else np.zeros(0, np.int64)
+    document_offsets = np.append(starts, len(lengths)).astype(np.int64)
+    counts = {"tokens": int(len(ids)), "sentences": int(len(lengths)), "documents": int(len(starts))}
+    try:
+        with atomic_path(output) as temporary, open(temporary, "wb") as handle:
+            np.savez(handle, ids=ids, sentence_offsets=sentence_offsets, document_offsets=document_offsets)
+    except OSError as error:
+        raise UserError(f"{output}: cannot write ({error.strerror})") from None
+    log.info("%s: %d tokens, %d sentences, %d documents", text_path, *counts.values())
+    return counts
+
+
+def load_tokenized(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, sentence_offsets, document_offsets) of a tokenized shard."""
+    try:
+        with np.load(path) as data:
+            return data["ids"], data["sentence_offsets"], data["document_offsets"]
+    except FileNotFoundError:
+        raise UserError(f"{path}: tokenized shard not found") from None
+    except (OSError, ValueError, KeyError) as error:
+        raise UserError(f"{path}: not a tokenized shard ({error})") from None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--text", required=True, help="text shard: one sentence per line, blank line between documents")
+    parser.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
+    parser.add_argument("--output", required=True, help=".npz to write")
+    parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--threads", type=int, default=1, help="tokenizer threads")
+    args = parser.parse_args(argv)
+    os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # read by tokenizers' thread pool on first use
+    tokenize_shard(args.text, args.vocab, args.output, args.lowercase)
+
+
+if __name__ == "__main__":
+    run(main)

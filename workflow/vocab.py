@@ -1,0 +1,120 @@
+"""Stage vocab: validate and copy a given WordPiece vocab.txt, or train one on the training shards.
+
+The `tokenizers` WordPiece trainer is not deterministic across runs, so the rule output (data/vocab.txt) is the
+frozen artifact every later stage reads; it is never retrained behind the user's back.
+"""
+import argparse
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from workflow.atomic import atomic_path
+from workflow.cli import UserError, run
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def read_vocab(path: str | os.PathLike) -> list[str]:
+    """The tokens of a vocab.txt, one per line, in id order. Raises UserError if it is not a usable BERT vocab."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: vocab file not found") from None
+    except UnicodeDecodeError as error:
+        raise UserError(f"{path}: not a UTF-8 text vocab ({error.reason} at byte {error.start})") from None
+    except OSError as error:
+        raise UserError(f"{path}: cannot read vocab ({error.strerror})") from None
+    tokens = text.split("\n")
+    if tokens and tokens[-1] == "":
+        tokens.pop()
+    tokens = [token.rstrip("\r") for token in tokens]
+    seen: dict[str, int] = {}
+    for line, token in enumerate(tokens, start=1):
+        if not token.strip():
+            raise UserError(f"{path}:{line}: empty token in vocab")
+        if token in seen:
+            raise UserError(f"{path}:{line}: duplicate token {token!r} (first on line {seen[token]})")
+        seen[token] = line
+    missing = [token for token in SPECIAL_TOKENS if token not in seen]
+    if missing:
+        raise UserError(f"{path}: vocab lacks the special token(s) {' '.join(missing)}")
+    return tokens
+
+
+def special_token_ids(tokens: Sequence[str]) -> dict[str, int]:
+    """Ids of [PAD] [UNK] [CLS] [SEP] [MASK], found by name (Google's vocab puts them at 0/100/101/102/103)."""
+    index = {token: i for i, token in enumerate(tokens)}
+    return {token: index[token] for token in SPECIAL_TOKENS}
+
+
+def copy_vocab(source: str | os.PathLike, output: str | os.PathLike) -> int:
+    """Validate `source` and copy it byte for byte to `output`; returns the vocab size."""
+    tokens = read_vocab(source)
+    data = Path(source).read_bytes()
+    _write(output, data)
+    return len(tokens)
+
+
+def train_vocab(shards: Sequence[str | os.PathLike], output: str | os.PathLike, size: int, lowercase: bool) -> int:
+    """Train a BERT WordPiece vocab of at most `size` tokens on text `shards`; returns the size reached."""
+    from tokenizers import BertWordPieceTokenizer
+
+    for shard in shards:
+        if not Path(shard).is_file():
+            raise UserError(f"{shard}: training shard not found")
+    if not any(Path(shard).stat().st_size for shard in shards):
+        raise UserError(f"{shards[0]}: training shards are empty, nothing to train a vocab on")
+    tokenizer = BertWordPieceTokenizer(lowercase=lowercase, strip_accents=lowercase, clean_text=True)
+    tokenizer.train(
+        [str(shard) for shard in shards],
+        vocab_size=size,
+        min_frequency=2,
+        limit_alphabet=1000,
+        special_tokens=list(SPECIAL_TOKENS),
+        wordpieces_prefix="##",
+        show_progress=False,
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        saved = tokenizer.save_model(directory)[0]
+        data = Path(saved).read_bytes()
+    _write(output, data)
+    n_tokens = len(read_vocab(output))
+    log.info("trained a WordPiece vocab of %d tokens (asked %d) on %d shard(s)", n_tokens, size, len(shards))
+    return n_tokens
+
+
+def _write(output: str | os.PathLike, data: bytes) -> None:
+    try:
+        with atomic_path(output) as temporary:
+            temporary.write_bytes(data)
+    except OSError as error:
+        raise UserError(f"{output}: cannot write ({error.strerror})") from None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True, help="vocab.txt to write")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--vocab-file", help="an existing WordPiece vocab.txt to validate and copy")
+    source.add_argument("--shard-dir", help="directory of training text shards shard_0.txt ... to train a vocab on")
+    parser.add_argument("--n-shards", type=int, help="number of shards in --shard-dir")
+    parser.add_argument("--size", type=int, default=30522, help="size of a trained vocab")
+    parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args(argv)
+    if args.vocab_file:
+        n_tokens = copy_vocab(args.vocab_file, args.output)
+        log.info("copied %s (%d tokens) to %s", args.vocab_file, n_tokens, args.output)
+    else:
+        if not args.n_shards:
+            parser.error("--shard-dir needs --n-shards")
+        shards = [Path(args.shard_dir) / f"shard_{index}.txt" for index in range(args.n_shards)]
+        train_vocab(shards, args.output, args.size, args.lowercase)
+
+
+if __name__ == "__main__":
+    run(main)
