@@ -1,1 +1,144 @@
-# rules for the squad stage
+# SQuAD: download train/dev JSON, featurize with the model's WordPiece vocab, fine-tune (GPU), predict, evaluate.
+# Fine-tuning starts from the phase-2 export unless config squad.init_from names another HF BERT directory.
+
+SQUAD_SPLITS = ["train", "dev"]
+
+
+wildcard_constraints:
+    squad_split="train|dev",
+
+
+def squad_init_model():
+    """The HF BERT directory fine-tuning starts from."""
+    return config["squad"]["init_from"] or "results/pretrain/phase2/model"
+
+
+def squad_vocab():
+    """The vocab of that model: data/vocab.txt for our own pretraining, else the directory's vocab.txt."""
+    init_from = config["squad"]["init_from"]
+    return f"{init_from}/vocab.txt" if init_from else "data/vocab.txt"
+
+
+def squad_url(wildcards):
+    return config["squad"][f"{wildcards.squad_split}_url"]
+
+
+def squad_featurize_mode(wildcards):
+    return "--training" if wildcards.squad_split == "train" else ""
+
+
+rule squad_download:
+    output:
+        "data/download/squad/{squad_split}.json",
+    params:
+        url=squad_url,
+    log:
+        "logs/squad_download/{squad_split}.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.download file --url {params.url:q} --output {output:q} 2> {log}"
+
+
+rule squad_featurize:
+    input:
+        squad="data/download/squad/{squad_split}.json",
+        vocab=squad_vocab(),
+    output:
+        "data/squad/{squad_split}_features.npz",
+    params:
+        mode=squad_featurize_mode,
+        version=config["squad"]["version"],
+        lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",
+        max_seq_length=config["squad"]["max_seq_length"],
+        doc_stride=config["squad"]["doc_stride"],
+        max_query_length=config["squad"]["max_query_length"],
+    log:
+        "logs/squad_featurize/{squad_split}.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.squad_data --input {input.squad:q} --vocab {input.vocab:q} --output {output:q}"
+        " --version {params.version} {params.mode} {params.lowercase}"
+        " --max-seq-length {params.max_seq_length} --doc-stride {params.doc_stride}"
+        " --max-query-length {params.max_query_length} 2> {log}"
+
+
+rule squad_finetune:
+    input:
+        model=squad_init_model(),
+        vocab=squad_vocab(),
+        features="data/squad/train_features.npz",
+    output:
+        model=directory("results/squad/model"),
+        metrics="results/squad/finetune_metrics.jsonl",
+    params:
+        run_dir="runs/squad",
+        learning_rate=config["squad"]["learning_rate"],
+        epochs=config["squad"]["epochs"],
+        batch_size=config["squad"]["batch_size"],
+        micro_batch_size=config["squad"]["micro_batch_size"],
+        warmup_proportion=config["squad"]["warmup_proportion"],
+        checkpoint_every=config["squad"]["checkpoint_every"],
+        precision=config["pretrain"]["precision"],
+        seed=config["seed"],
+    resources:
+        gpus=1,
+    log:
+        "logs/squad_finetune/finetune.log",
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "python -m workflow.distributed -- python -m workflow.squad_finetune"
+        " --init {input.model:q} --vocab {input.vocab:q} --features {input.features:q}"
+        " --output {output.model:q} --metrics {output.metrics:q} --run-dir {params.run_dir}"
+        " --learning-rate {params.learning_rate} --epochs {params.epochs} --batch-size {params.batch_size}"
+        " --micro-batch-size {params.micro_batch_size} --warmup-proportion {params.warmup_proportion}"
+        " --checkpoint-every {params.checkpoint_every} --precision {params.precision} --seed {params.seed}"
+        " 2> {log}"
+
+
+rule squad_predict:
+    input:
+        model="results/squad/model",
+        features="data/squad/dev_features.npz",
+        squad="data/download/squad/dev.json",
+    output:
+        predictions="results/squad/predictions.json",
+        nbest="results/squad/nbest_predictions.json",
+    params:
+        version=config["squad"]["version"],
+        n_best_size=config["squad"]["n_best_size"],
+        max_answer_length=config["squad"]["max_answer_length"],
+        null_score_diff_threshold=config["squad"]["null_score_diff_threshold"],
+        precision=config["pretrain"]["precision"],
+    resources:
+        gpus=1,
+    log:
+        "logs/squad_predict/predict.log",
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "python -m workflow.squad_predict --model {input.model:q} --features {input.features:q}"
+        " --dataset {input.squad:q} --predictions {output.predictions:q} --nbest {output.nbest:q}"
+        " --version {params.version}"
+        " --n-best-size {params.n_best_size} --max-answer-length {params.max_answer_length}"
+        " --null-score-diff-threshold {params.null_score_diff_threshold} --precision {params.precision}"
+        " 2> {log}"
+
+
+rule squad_eval:
+    input:
+        squad="data/download/squad/dev.json",
+        predictions="results/squad/predictions.json",
+    output:
+        report("results/squad/eval.json", caption="../report/squad_eval.rst", category="SQuAD"),
+    params:
+        version=config["squad"]["version"],
+    log:
+        "logs/squad_eval/eval.log",
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "python -m workflow.squad_eval --dataset {input.squad:q} --predictions {input.predictions:q}"
+        " --version {params.version} --output {output:q} 2> {log}"

@@ -1,6 +1,13 @@
 # Stage 5: the WordPiece vocab every later stage reads. data/vocab.txt is the frozen artifact: the tokenizers
 # trainer is not deterministic across runs, so it is trained once and kept.
 
+
+def vocab_shard_indices():
+    """The training shards a vocab is trained on: the first vocab.training_shards (null: all)."""
+    n_shards = config["shard"]["n_training_shards"]
+    return range(min(n_shards, config["vocab"]["training_shards"] or n_shards))
+
+
 if config["vocab"]["file"]:
 
     rule vocab:
@@ -19,13 +26,13 @@ else:
 
     rule vocab:
         input:
-            expand("data/shards/training/shard_{index}.txt", index=shard_indices("training")),
+            expand("data/shards/training/shard_{index}.txt", index=vocab_shard_indices()),
         output:
             "data/vocab.txt",
         params:
             size=config["vocab"]["size"],
             lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",
-            n_shards=config["shard"]["n_training_shards"],
+            n_shards=len(vocab_shard_indices()),
         log:
             "logs/vocab/vocab.log",
         conda:

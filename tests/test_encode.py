@@ -313,7 +313,7 @@ def tree_digest(directory: Path) -> dict[str, str]:
     return {
         str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
         for path in sorted(directory.rglob("*"))
-        if path.is_file()
+        if path.is_file() and path.name != ".snakemake_timestamp"  # Snakemake's marker in directory outputs
     }
 
 

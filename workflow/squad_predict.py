@@ -6,13 +6,13 @@ gives it the most context; score = start + end logit. SQuAD 2.0: predict "" when
 end, minimum over windows) exceeds the best span's score by more than `null_score_diff_threshold`.
 
     python -m workflow.squad_predict --model results/squad/model --features data/squad/dev_features.npz \
-        --dataset data/download/squad/dev.json --output-dir results/squad
+        --dataset data/download/squad/dev.json --predictions results/squad/predictions.json \
+        --nbest results/squad/nbest_predictions.json
 """
 import argparse
 import json
 import logging
 import math
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -120,7 +120,8 @@ def compute_logits(model, features: dict[str, np.ndarray], batch_size: int, devi
                 k: torch.from_numpy(features[k][begin : begin + batch_size].astype(np.int64)).to(device)
                 for k in ("input_ids", "token_type_ids", "attention_mask")
             }
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            with torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
+                                enabled=precision in ("bf16", "fp16")):
                 start, end = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
             starts.append(start.float().cpu().numpy())
             ends.append(end.float().cpu().numpy())
@@ -132,13 +133,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="fine-tuned QA model directory")
     parser.add_argument("--features", required=True, help="dev features .npz (squad_data, evaluation mode)")
     parser.add_argument("--dataset", required=True, help="the SQuAD dev JSON the features came from")
-    parser.add_argument("--output-dir", required=True, help="writes predictions.json, nbest_predictions.json")
+    parser.add_argument("--predictions", required=True, help="predictions.json to write: question id -> answer")
+    parser.add_argument("--nbest", required=True, help="nbest_predictions.json to write")
+    parser.add_argument("--null-odds", default=None, help="SQuAD 2.0: null_odds.json to write (optional)")
     parser.add_argument("--version", default="1.1", choices=["1.1", "2.0"])
     parser.add_argument("--n-best-size", type=int, default=20)
     parser.add_argument("--max-answer-length", type=int, default=30)
     parser.add_argument("--null-score-diff-threshold", type=float, default=0.0)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
     args = parser.parse_args(argv)
 
     import torch
@@ -160,12 +163,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         examples, features, start_logits, end_logits, args.n_best_size, args.max_answer_length,
         args.version, args.null_score_diff_threshold,
     )
-    out = Path(args.output_dir)
-    write_text(out / "nbest_predictions.json", json.dumps(nbest, indent=2, ensure_ascii=False) + "\n")
-    if args.version == "2.0":
-        write_text(out / "null_odds.json", json.dumps(null_odds, indent=2) + "\n")
-    write_text(out / "predictions.json", json.dumps(predictions, indent=2, ensure_ascii=False) + "\n")
-    log.info("%d predictions -> %s", len(predictions), out / "predictions.json")
+    write_text(args.nbest, json.dumps(nbest, indent=2, ensure_ascii=False) + "\n")
+    if args.null_odds and args.version == "2.0":
+        write_text(args.null_odds, json.dumps(null_odds, indent=2) + "\n")
+    write_text(args.predictions, json.dumps(predictions, indent=2, ensure_ascii=False) + "\n")
+    log.info("%d predictions -> %s", len(predictions), args.predictions)
 
 
 if __name__ == "__main__":

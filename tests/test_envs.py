@@ -1,0 +1,167 @@
+"""Each rule's conda env provides every third-party module its code imports, pinned to the tested versions.
+
+Conda channels are unreachable here, so the envs cannot be built; this test keeps them honest instead. It loads
+the workflow with Snakemake's own parser, follows each rule's `python -m workflow.X` (recursively through the
+`workflow.*` modules it imports) and checks the env's dependency list against those imports.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON_MODULE = re.compile(r"\bpython3?\s+-m\s+([A-Za-z_][\w.]*)")
+OPTIONAL_IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError"}
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@cache
+def workflow_rules() -> dict[str, tuple[str | None, str]]:
+    """{rule name: (conda env path or None, shell command)} for every rule of the workflow (default config)."""
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import (ConfigSettings, OutputSettings, ResourceSettings, StorageSettings,
+                                          WorkflowSettings)
+
+    with SnakemakeApi(OutputSettings()) as api:
+        workflow_api = api.workflow(resource_settings=ResourceSettings(), config_settings=ConfigSettings(),
+                                    storage_settings=StorageSettings(), workflow_settings=WorkflowSettings(),
+                                    snakefile=REPO / "Snakefile", workdir=REPO)
+        rules = {}
+        for rule in workflow_api._workflow.rules:
+            env = None
+            if rule.conda_env is not None:
+                env = str((Path(rule.snakefile).parent / str(rule.conda_env)).resolve())
+            rules[rule.name] = (env, rule.shellcmd or "")
+        return rules
+
+
+def _is_optional(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """An import inside `try: ... except ImportError:` is an optional accelerator (e.g. apex), not a requirement."""
+    while node in parents:
+        parent = parents[node]
+        if isinstance(parent, ast.Try) and node in parent.body:
+            for handler in parent.handlers:
+                names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+                if any(isinstance(n, ast.Name) and n.id in OPTIONAL_IMPORT_ERRORS for n in names):
+                    return True
+        node = parent
+    return False
+
+
+@cache
+def module_imports(module: str) -> frozenset[str]:
+    """Top-level names of the third-party modules `module` needs, through every `workflow.*` module it imports."""
+    path = REPO / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = REPO / module.replace(".", "/") / "__init__.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+    needed: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        if _is_optional(node, parents):
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if top == "workflow":
+                if (REPO / (name.replace(".", "/") + ".py")).exists() and name != module:
+                    needed |= module_imports(name)
+            elif top not in sys.stdlib_module_names and top != "__future__":
+                needed.add(top)
+    return frozenset(needed)
+
+
+def rule_imports(shellcmd: str) -> set[str]:
+    needed: set[str] = set()
+    for module in PYTHON_MODULE.findall(shellcmd):
+        if module.split(".")[0] == "workflow":
+            needed |= module_imports(module)
+        else:
+            needed.add(module.split(".")[0])
+    return needed
+
+
+def env_packages(env_file: str) -> dict[str, str]:
+    """{normalized distribution name: pinned version} of a conda env file (conda and pip dependencies)."""
+    spec = yaml.safe_load(Path(env_file).read_text(encoding="utf-8"))
+    pins = {}
+    for dependency in spec["dependencies"]:
+        entries = dependency["pip"] if isinstance(dependency, dict) else [dependency]
+        for entry in entries:
+            if entry.startswith("-"):  # pip options such as --extra-index-url
+                continue
+            name, _, version = re.match(r"([A-Za-z0-9_.\-]+)\s*(==|=)?\s*(\S*)", entry).groups()
+            pins[normalize(name)] = version
+    return pins
+
+
+def distribution(import_name: str) -> str:
+    """The distribution that provides a top-level import name in the test venv (pynvml -> nvidia-ml-py)."""
+    providers = importlib.metadata.packages_distributions().get(import_name)
+    if not providers:
+        pytest.fail(f"module {import_name!r} is imported by a rule's code but is not installed in the test venv")
+    return normalize(providers[0])
+
+
+RULES = workflow_rules()
+SHELL_RULES = sorted(name for name, (_, shell) in RULES.items() if shell)
+
+
+def test_every_rule_with_a_command_has_a_conda_env():
+    missing = [name for name in SHELL_RULES if RULES[name][0] is None]
+    assert not missing, f"rules without conda: {missing}"
+    assert len(SHELL_RULES) >= 10, SHELL_RULES  # the whole DAG was parsed, not an empty workflow
+
+
+@pytest.mark.parametrize("rule", SHELL_RULES)
+def test_rule_env_provides_every_imported_module(rule):
+    env_file, shellcmd = RULES[rule]
+    assert PYTHON_MODULE.search(shellcmd), f"rule {rule}: no `python -m ...` in {shellcmd!r}"
+    provided = env_packages(env_file)
+    missing = sorted({f"{name} (pip/conda: {distribution(name)})" for name in rule_imports(shellcmd)
+                      if distribution(name) not in provided})
+    assert not missing, f"rule {rule}: {Path(env_file).name} lacks {missing}"
+
+
+@pytest.mark.parametrize("env_file", sorted(str(p) for p in (REPO / "envs").glob("*.yaml")))
+def test_env_pins_are_exact_and_match_the_tested_versions(env_file):
+    pins = env_packages(env_file)
+    assert pins.get("python") == f"{sys.version_info.major}.{sys.version_info.minor}", pins.get("python")
+    for name, version in pins.items():
+        if name in ("python", "pip"):
+            continue
+        assert re.fullmatch(r"\d+(\.\d+)*", version), f"{Path(env_file).name}: {name} is not pinned exactly"
+        installed = importlib.metadata.version(name).split("+")[0]  # 2.13.0+cpu here, the CUDA build there
+        assert version == installed, f"{Path(env_file).name}: {name}={version}, tests run with {installed}"
+
+
+def test_gpu_rules_use_the_cuda_env():
+    gpu_rules = [name for name in ("pretrain_phase1", "pretrain_phase2", "squad_finetune") if name in RULES]
+    assert gpu_rules, "no GPU rule found"
+    for name in gpu_rules:
+        assert Path(RULES[name][0]).name == "train.yaml", name
+    assert "download.pytorch.org/whl/cu" in (REPO / "envs" / "train.yaml").read_text()
+
+
+def test_import_scan_finds_transitive_and_skips_optional_imports(tmp_path):
+    # The scanner itself: workflow.pretrain reaches torch through workflow.* imports; apex (try/except) is optional.
+    pretrain = REPO / "workflow" / "pretrain.py"
+    if not pretrain.exists():
+        pytest.skip("workflow/pretrain.py not present yet")
+    needed = module_imports("workflow.pretrain")
+    assert "torch" in needed and "apex" not in needed, needed

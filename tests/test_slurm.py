@@ -1,0 +1,229 @@
+"""The demo DAG on a real single-host Slurm cluster (tests/slurm/start_cluster.sh) through profiles/slurm.
+
+Proves: every job went through sbatch (sacct lists it with its rule, GPU rules with their GPUs); a phase-1 job
+that dies midway is rerun alone on the next invocation and resumes from its checkpoint; a phase-1 job stopped by
+Slurm's warning signal checkpoints, and the profile's retry resumes it; both end with the weights of an
+uninterrupted run. Skipped where no cluster can be started (not root), never under CI=true.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "start_cluster.sh"
+WORKFLOW_FILES = ["Snakefile", "rules", "workflow", "envs", "sample", "config.yaml", "config.schema.yaml"]
+CONFIG_FILES = ["sample/config.yaml", str(REPO / "tests" / "slurm" / "config.yaml")]
+DATA_RULES = {"download_wikipedia", "extract_wikipedia", "format", "shard", "vocab", "tokenize", "encode",
+              "hdf5_dir"}
+PHASE_RULES = ("pretrain_phase1", "pretrain_phase2")
+FAIL_AT_STEP = 6  # between the checkpoints at steps 4 and 8 (tests/slurm/config.yaml: checkpoint_every 4)
+SNAKEMAKE_TIMEOUT_S = 420
+
+
+def _cluster_answers() -> bool:
+    if not shutil.which("sinfo"):
+        return False
+    nodes = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
+    accounting = subprocess.run(["sacct", "-n", "-X", "-S", "now"], capture_output=True, text=True)
+    states = nodes.stdout.split()
+    return any(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in states) and accounting.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A running cluster with accounting: already up (CI runs the script first), or started here as root."""
+    reason = None
+    if not _cluster_answers():
+        if os.geteuid() == 0:
+            result = subprocess.run([str(CLUSTER_SCRIPT)], capture_output=True, text=True, timeout=900)
+            if result.returncode != 0 or not _cluster_answers():
+                reason = f"{CLUSTER_SCRIPT.name} failed: {result.stderr[-2000:]}"
+        else:
+            reason = f"no Slurm cluster and not root: run `sudo {CLUSTER_SCRIPT.relative_to(REPO)}` first"
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true needs the Slurm cluster: {reason}")
+        pytest.skip(reason)
+
+
+def clean_env() -> dict:
+    """The caller's environment with the venv first on PATH and no leftover fault injection."""
+    env = {key: value for key, value in os.environ.items() if key != "SNAKEBERT_FAIL_AT_STEP"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def _merge(base: dict, override: dict) -> dict:
+    for key, value in override.items():
+        base[key] = _merge(base.get(key, {}), value) if isinstance(value, dict) and isinstance(
+            base.get(key), dict) else value
+    return base
+
+
+class Run:
+    """A workdir with the workflow, the slurm profile sized for the test cluster, and helpers around it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.mkdir(parents=True)
+        for name in WORKFLOW_FILES:
+            (path / name).symlink_to(REPO / name)
+        profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.v8+.yaml").read_text())
+        _merge(profile, yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
+        (path / "profile").mkdir()
+        (path / "profile" / "config.v8+.yaml").write_text(yaml.safe_dump(profile))
+        self.started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 2))
+
+    def snakemake(self, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+        env = {**clean_env(), **(env_extra or {})}
+        command = ["timeout", "-k", "20", str(SNAKEMAKE_TIMEOUT_S), "snakemake", *args, "--profile", "profile",
+                   "--configfile", *CONFIG_FILES]
+        result = subprocess.run(command, cwd=self.path, env=env, capture_output=True, text=True)
+        (self.path / f"snakemake_{time.time():.0f}.out").write_text(result.stdout + result.stderr)
+        assert result.returncode != 124, f"snakemake timed out:\n{result.stderr[-3000:]}"
+        return result
+
+    def jobs(self) -> list[dict]:
+        """This workdir's Slurm jobs from the accounting database, oldest first."""
+        fields = ["JobID", "JobName", "Comment", "State", "Partition", "AllocTRES", "WorkDir", "SubmitLine"]
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-S", self.started, "-o", ",".join(fields)],
+                             capture_output=True, text=True, check=True).stdout
+        rows = [dict(zip(fields, line.split("|", len(fields) - 1))) for line in out.splitlines() if line]
+        rows = [r for r in rows if Path(r["WorkDir"]).resolve() == self.path.resolve()]
+        for row in rows:
+            row["rule"] = row["Comment"].removeprefix("rule_").split("_wildcards_")[0]
+        return sorted(rows, key=lambda r: int(r["JobID"].split("_")[0]))
+
+    def cancel_leftovers(self) -> None:
+        out = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            job, _, workdir = line.partition(" ")
+            if Path(workdir).resolve() == self.path.resolve():
+                subprocess.run(["scancel", job])
+
+    def weights(self, phase: str) -> dict:
+        from safetensors.torch import load_file
+
+        files = sorted((self.path / "results" / "pretrain" / phase / "model").glob("*.safetensors"))
+        assert files, f"no exported weights for {phase} in {self.path}"
+        return {key: value for f in files for key, value in load_file(f).items()}
+
+    def log_text(self, rule: str) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in sorted((self.path / "logs" / rule).rglob("*.log")))
+
+
+@pytest.fixture
+def new_run(tmp_path, cluster):
+    runs = []
+
+    def make(name: str) -> Run:
+        runs.append(Run(tmp_path / name))
+        return runs[-1]
+
+    yield make
+    for run in runs:
+        run.cancel_leftovers()
+
+
+def assert_same_weights(actual: dict, expected: dict, what: str) -> None:
+    import torch
+
+    assert actual.keys() == expected.keys(), what
+    different = [key for key in expected if not torch.equal(actual[key], expected[key])]
+    assert not different, f"{what}: {len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def copy_data(source: Run, target: Run) -> None:
+    """The data half of a finished run (mtimes kept, so Snakemake sees it as up to date)."""
+    shutil.copytree(source.path / "data", target.path / "data", symlinks=True, copy_function=shutil.copy2)
+
+
+def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkpoint(new_run):
+    run = new_run("crash")
+    # First invocation: phase 1 SIGKILLs itself after step FAIL_AT_STEP; keep-going finishes what it can.
+    first = run.snakemake("all", env_extra={"SNAKEBERT_FAIL_AT_STEP": str(FAIL_AT_STEP)})
+    assert first.returncode != 0, "phase 1 was meant to fail"
+    first_jobs = run.jobs()
+    assert first_jobs, "sacct lists no job of this workdir: nothing went through sbatch"
+    rules = {job["rule"] for job in first_jobs}
+    assert DATA_RULES <= rules, f"data rules missing from sacct: {DATA_RULES - rules}"
+    assert all(job["SubmitLine"].startswith("sbatch ") for job in first_jobs)
+    phase1 = [job for job in first_jobs if job["rule"] == "pretrain_phase1"]
+    assert len(phase1) == 1 and phase1[0]["State"] != "COMPLETED", phase1
+    assert all(job["State"] == "COMPLETED" for job in first_jobs if job["rule"] in DATA_RULES)
+    assert not (run.path / "results" / "pretrain" / "phase1" / "model").exists()
+
+    # Second invocation, nothing changed but the fault is gone: only phase 1 and what follows it run.
+    second = run.snakemake("all")
+    assert second.returncode == 0, second.stderr[-3000:]
+    second_jobs = [job for job in run.jobs() if int(job["JobID"]) > max(int(j["JobID"]) for j in first_jobs)]
+    rerun = {job["rule"] for job in second_jobs}
+    assert "pretrain_phase1" in rerun and not rerun & DATA_RULES, f"second invocation ran {sorted(rerun)}"
+    assert all(job["State"] == "COMPLETED" for job in second_jobs), second_jobs
+    # One allocation with 2 (fake) GPUs ran 2 trainer processes: one rank per GPU.
+    summary = json.loads((run.path / "results" / "pretrain" / "phase1" / "summary.json").read_text())
+    assert summary["world_size"] == 2, summary["world_size"]
+    log = run.log_text("pretrain_phase1")
+    assert f"at step {FAIL_AT_STEP - FAIL_AT_STEP % 4} " in log and "resumed from" in log, log[-2000:]
+
+    # Every GPU rule asked Slurm for GPUs, in one allocation per job, on the gpu partition.
+    by_rule = {job["rule"]: job for job in run.jobs()}
+    for rule in (*PHASE_RULES, "squad_finetune"):
+        job = by_rule[rule]
+        assert "gres/gpu=" in job["AllocTRES"] and job["Partition"] == "gpu", job
+    for rule in PHASE_RULES:
+        assert "--ntasks-per-gpu=1" in by_rule[rule]["SubmitLine"], by_rule[rule]["SubmitLine"]
+        assert "--signal=USR1@" in by_rule[rule]["SubmitLine"], by_rule[rule]["SubmitLine"]
+    for rule in DATA_RULES:
+        assert "gres/gpu" not in by_rule[rule]["AllocTRES"] and by_rule[rule]["Partition"] != "gpu", by_rule[rule]
+
+    # The resumed phase ends with the weights of an uninterrupted phase 1 on the same data and layout.
+    reference = new_run("reference")
+    copy_data(run, reference)
+    result = reference.snakemake("results/pretrain/phase1/model")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {job["rule"] for job in reference.jobs()} == {"pretrain_phase1"}
+    assert_same_weights(run.weights("phase1"), reference.weights("phase1"), "crashed+resumed vs uninterrupted")
+
+    # Slurm's time-limit warning (the same SIGUSR1 to the job's steps that --signal=USR1@N sends): the trainers
+    # checkpoint and exit non-zero, the retry resumes, and the weights are again those of the reference.
+    signalled = new_run("signalled")
+    copy_data(run, signalled)
+    process = subprocess.Popen(
+        ["timeout", "-k", "20", str(SNAKEMAKE_TIMEOUT_S), "snakemake", "results/pretrain/phase1/model",
+         "--profile", "profile", "--retries", "1", "--configfile", *CONFIG_FILES],
+        cwd=signalled.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=clean_env())
+    checkpoints = signalled.path / "runs" / "pretrain" / "phase1" / "checkpoints"
+    deadline = time.time() + SNAKEMAKE_TIMEOUT_S
+    while not list(checkpoints.glob("step_*")) and process.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    running = [job for job in signalled.jobs() if job["State"] == "RUNNING"]
+    assert running, "phase 1 was not running when its first checkpoint appeared"
+    subprocess.run(["scancel", "--signal=USR1", running[0]["JobID"]], check=True)
+    output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
+    assert process.returncode == 0, output[-3000:]
+    attempts = [job for job in signalled.jobs() if job["rule"] == "pretrain_phase1"]
+    assert [job["State"] for job in attempts] == ["FAILED", "COMPLETED"], attempts
+    log = signalled.log_text("pretrain_phase1")
+    assert "stopped by signal at step" in log and "resumed from" in log, log[-2000:]
+    assert_same_weights(signalled.weights("phase1"), reference.weights("phase1"), "signalled+retried vs reference")
+
+
+def test_profile_resolves_by_bare_name_from_the_repo_root():
+    # `snakemake --profile slurm` as typed in the README: Snakemake looks in the current directory first.
+    link = REPO / "slurm"
+    assert link.is_symlink() and link.resolve() == (REPO / "profiles" / "slurm").resolve()
+    result = subprocess.run(["snakemake", "--profile", "slurm", "--dry-run", "--configfile", "sample/config.yaml",
+                             "--", "all"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pretrain_phase1" in result.stdout + result.stderr

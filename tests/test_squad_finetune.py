@@ -1,0 +1,129 @@
+"""SQuAD fine-tuning learns on a synthetic QA set, exports an HF-loadable QA model, and resumes exactly."""
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from workflow import squad_data, squad_eval, squad_finetune, squad_predict
+from workflow.model import BertConfig, BertForPreTraining, save_pretrained
+
+FILLER = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+VALUES = "red green blue amber paris london rome oslo lion tiger bear wolf".split()
+
+
+def synthetic_squad(n: int, seed: int, prefix: str) -> dict:
+    """'what is the code ?' about filler text holding 'the code is X .'; value words also occur as distractors."""
+    rng = random.Random(seed)
+    paragraphs = []
+    for i in range(n):
+        chunks = [rng.choice(VALUES if rng.random() < 0.15 else FILLER) for _ in range(rng.randint(6, 12))]
+        value = rng.choice(VALUES)
+        chunks.insert(rng.randint(0, len(chunks)), f"the code is {value} .")
+        context = " ".join(chunks)
+        start = context.index("the code is ") + len("the code is ")
+        paragraphs.append({"context": context, "qas": [{"id": f"{prefix}{i}", "question": "what is the code ?",
+                                                        "answers": [{"text": value, "answer_start": start}]}]})
+    return {"version": "1.1", "data": [{"title": "synthetic", "paragraphs": paragraphs}]}
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """Train/dev JSON, a whole-word vocab, features (seq 32) and a randomly initialised tiny BERT export."""
+    root = tmp_path_factory.mktemp("synthetic")
+    (root / "train.json").write_text(json.dumps(synthetic_squad(200, 1, "t")))
+    (root / "dev.json").write_text(json.dumps(synthetic_squad(60, 2, "d")))
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "?", "the", "is", "what", "code", *FILLER, *VALUES]
+    (root / "vocab.txt").write_text("\n".join(words) + "\n")
+    tokenizer = squad_data.load_tokenizer(root / "vocab.txt", lowercase=True)
+    train = squad_data.featurize(squad_data.load_squad(root / "train.json", "1.1"), tokenizer, 32, 16, 8, True)
+    squad_data.save_features(root / "train.npz", train)
+    torch.manual_seed(0)
+    config = BertConfig.preset("tiny", vocab_size=len(words), max_position_embeddings=32,
+                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    save_pretrained(BertForPreTraining(config), config, root / "vocab.txt", root / "init")
+    dev_examples = squad_data.load_squad(root / "dev.json", "1.1")
+    dev = squad_data.featurize(dev_examples, tokenizer, 32, 16, 8, False)
+    return root, dev_examples, dev
+
+
+def dev_f1(model_dir, dev_examples, dev, dataset_path, require_head=True) -> float:
+    model, _ = squad_finetune.load_qa_model(model_dir, require_head=require_head)
+    start, end = squad_predict.compute_logits(model, dev, 64, torch.device("cpu"), "fp32")
+    predictions, _, _ = squad_predict.postprocess(dev_examples, dev, start, end, 20, 30)
+    return squad_eval.evaluate(json.loads(dataset_path.read_text()), predictions)["f1"]
+
+
+def test_finetuning_learns_far_above_trivial_baselines(synthetic, tmp_path):
+    root, dev_examples, dev = synthetic
+    untrained = dev_f1(root / "init", dev_examples, dev, root / "dev.json", require_head=False)
+    # "predict the first context word" baseline
+    first_words = {e.qas_id: e.context.split()[0] for e in dev_examples}
+    first_word = squad_eval.evaluate(json.loads((root / "dev.json").read_text()), first_words)["f1"]
+    # "predict the first value word" baseline: beats it only by reading the context ("the code is ...")
+    first_values = {e.qas_id: next(w for w in e.context.split() if w in VALUES) for e in dev_examples}
+    first_value = squad_eval.evaluate(json.loads((root / "dev.json").read_text()), first_values)["f1"]
+
+    code = squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run",
+                                   metrics_path=tmp_path / "metrics.jsonl", learning_rate=3e-3, epochs=25,
+                                   batch_size=16, micro_batch_size=16, warmup_proportion=0.1, log_every=13,
+                                   device="cpu")
+    assert code == 0
+    trained = dev_f1(tmp_path / "model", dev_examples, dev, root / "dev.json")
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    print(f"dev F1: untrained {untrained:.1f}, first word {first_word:.1f}, first value {first_value:.1f}, "
+          f"fine-tuned {trained:.1f}; "
+          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    assert trained >= 80 and trained >= max(untrained, first_word) + 60 and trained > first_value + 10
+    assert losses[-1] < losses[0] / 3
+    assert not (tmp_path / "run").exists()  # checkpoints are scratch, removed once the model is exported
+
+
+def test_exported_model_loads_in_transformers_with_equal_logits(synthetic, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    root, _, dev = synthetic
+    squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run",
+                            learning_rate=1e-3, epochs=0.1, batch_size=16, micro_batch_size=8, device="cpu")
+    ours, _ = squad_finetune.load_qa_model(tmp_path / "model", require_head=True)
+    ours.eval()
+    theirs = transformers.BertForQuestionAnswering.from_pretrained(str(tmp_path / "model"))
+    theirs.eval()
+    batch = {k: torch.from_numpy(dev[k][:4].astype(np.int64)) for k in ("input_ids", "token_type_ids",
+                                                                         "attention_mask")}
+    with torch.no_grad():
+        start, end = ours(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        reference = theirs(**batch)
+    assert torch.allclose(start, reference.start_logits, atol=1e-4)
+    assert torch.allclose(end, reference.end_logits, atol=1e-4)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["architectures"] == ["BertForQuestionAnswering"]
+
+
+def test_killed_finetuning_resumes_to_the_identical_model(synthetic, tmp_path, repo_env):
+    root, _, _ = synthetic
+
+    def command(name):
+        return [sys.executable, "-m", "workflow.squad_finetune", "--init", str(root / "init"),
+                "--features", str(root / "train.npz"), "--output", str(tmp_path / name), "--run-dir",
+                str(tmp_path / f"run-{name}"), "--learning-rate", "1e-3", "--epochs", "1", "--batch-size", "32",
+                "--micro-batch-size", "16", "--checkpoint-every", "2", "--precision", "fp32"]
+
+    subprocess.run(command("straight"), check=True, env=repo_env, capture_output=True)
+    killed = subprocess.run(command("resumed"), env={**repo_env, "SNAKEBERT_FAIL_AT_STEP": "5"},
+                            capture_output=True, text=True)
+    assert killed.returncode == -9 and not (tmp_path / "resumed").exists()
+    resumed = subprocess.run(command("resumed"), check=True, env=repo_env, capture_output=True, text=True)
+    assert "resumed from" in resumed.stderr and "at step 4/7" in resumed.stderr
+    straight = (tmp_path / "straight" / "model.safetensors").read_bytes()
+    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == straight
+
+
+def test_batch_size_must_split_into_micro_batches(synthetic, tmp_path):
+    root, _, _ = synthetic
+    with pytest.raises(squad_finetune.UserError, match="batch_size 24 is not a multiple of micro_batch_size 16"):
+        squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run",
+                                batch_size=24, micro_batch_size=16, device="cpu")

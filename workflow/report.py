@@ -1,0 +1,214 @@
+"""Report figures from the metrics files (pandas + matplotlib, Agg backend) and the run's effective config.
+
+    python -m workflow.report pretrain --phase phase1=results/pretrain/phase1 --phase phase2=results/pretrain/phase2 \
+        --loss loss.png --accuracy mlm_accuracy.png --throughput throughput.png
+    python -m workflow.report telemetry --phase phase1=results/pretrain/phase1 ... --output gpu_telemetry.png
+    python -m workflow.report squad --metrics results/squad/finetune_metrics.jsonl --eval results/squad/eval.json \
+        --output squad.png
+    python -m workflow.report config --json '{...}' --output config.yaml
+
+A phase directory holds metrics.jsonl, summary.json and, only when a GPU was used, gpu_telemetry.csv; without
+telemetry the figure says so instead of failing.
+"""
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from workflow.atomic import atomic_path, write_text  # noqa: E402
+from workflow.cli import UserError, run  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+TELEMETRY_PANELS = [("power_w", "power (W)"), ("utilization_gpu_pct", "GPU utilisation (%)"),
+                    ("memory_used_mib", "memory used (MiB)"), ("temperature_c", "temperature (°C)")]
+
+
+def read_metrics(path: str | Path) -> pd.DataFrame:
+    """A metrics JSONL file as a DataFrame sorted by step (UserError when missing, empty or without steps)."""
+    path = Path(path)
+    try:
+        frame = pd.read_json(path, lines=True)
+    except (OSError, ValueError) as error:
+        raise UserError(f"{path}: cannot read metrics: {error}") from error
+    if frame.empty or "step" not in frame:
+        raise UserError(f"{path}: no metrics lines with a 'step'")
+    return frame.sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def training_time(frame: pd.DataFrame, global_batch_size: int) -> pd.Series:
+    """Seconds of training at each logged step, from the steps and the throughput of each logging window."""
+    steps = frame["step"].diff().fillna(frame["step"].iloc[0])
+    return (steps * global_batch_size / frame["seq_per_s"].clip(lower=1e-9)).cumsum()
+
+
+def _save(figure, output: str | Path) -> None:
+    with atomic_path(output) as temporary:
+        figure.savefig(temporary, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
+    plt.close(figure)
+
+
+def _phases(pairs: list[tuple[str, str]]) -> list[tuple[str, pd.DataFrame, dict]]:
+    phases = []
+    for phase, directory in pairs:
+        directory = Path(directory)
+        summary = {}
+        if (directory / "summary.json").is_file():
+            summary = json.loads((directory / "summary.json").read_text(encoding="utf-8"))
+        phases.append((phase, read_metrics(directory / "metrics.jsonl"), summary))
+    return phases
+
+
+def plot_pretrain(pairs, loss_png, accuracy_png, throughput_png) -> None:
+    """Loss curves (total, MLM, NSP), MLM accuracy and throughput over training time, one panel per phase."""
+    phases = _phases(pairs)
+    figure, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4), squeeze=False)
+    for axis, (phase, frame, _) in zip(axes[0], phases):
+        for column, style in (("loss", "-"), ("mlm_loss", "--"), ("nsp_loss", ":")):
+            if column in frame:
+                axis.plot(frame["step"], frame[column], style, label=column)
+        axis.set(title=f"{phase}: training loss", xlabel="step", ylabel="loss")
+        axis.legend()
+        axis.grid(alpha=0.3)
+    _save(figure, loss_png)
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for phase, frame, _ in phases:
+        if "mlm_accuracy" in frame:
+            axis.plot(frame["step"], frame["mlm_accuracy"], label=phase)
+    axis.set(title="masked-LM accuracy (training batches)", xlabel="step", ylabel="accuracy")
+    axis.legend()
+    axis.grid(alpha=0.3)
+    _save(figure, accuracy_png)
+
+    figure, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4), squeeze=False)
+    for axis, (phase, frame, summary) in zip(axes[0], phases):
+        batch = summary.get("global_batch_size")
+        x = training_time(frame, batch) if batch else frame["step"]
+        axis.plot(x, frame["seq_per_s"], label="sequences/s")
+        axis.set(title=f"{phase}: throughput", xlabel="training time (s)" if batch else "step",
+                 ylabel="sequences / s")
+        if "tokens_per_s" in frame:
+            twin = axis.twinx()
+            twin.plot(x, frame["tokens_per_s"], color="tab:orange", alpha=0.6, label="tokens/s")
+            twin.set_ylabel("tokens / s")
+        axis.grid(alpha=0.3)
+    _save(figure, throughput_png)
+
+
+def plot_telemetry(pairs, output) -> None:
+    """Power, utilisation, memory and temperature of every GPU over time; a note when no phase recorded any."""
+    frames = []
+    for phase, directory in pairs:
+        path = Path(directory) / "gpu_telemetry.csv"
+        if path.is_file():
+            frame = pd.read_csv(path)
+            if not frame.empty:
+                frame["phase"] = phase
+                frames.append(frame)
+    if not frames:
+        figure, axis = plt.subplots(figsize=(7, 2))
+        axis.axis("off")
+        axis.text(0.5, 0.5, "No GPU telemetry: the pretraining phases ran without a GPU.", ha="center",
+                  va="center", fontsize=12)
+        _save(figure, output)
+        return
+    figure, axes = plt.subplots(len(TELEMETRY_PANELS), len(frames), figsize=(6 * len(frames), 2.6 * 4),
+                                squeeze=False, sharex="col")
+    for column, frame in enumerate(frames):
+        seconds = frame["time"] - frame["time"].min()
+        for row, (key, label) in enumerate(TELEMETRY_PANELS):
+            axis = axes[row][column]
+            if key in frame:
+                for gpu, part in frame.assign(seconds=seconds).groupby("gpu"):
+                    axis.plot(part["seconds"], part[key], label=f"GPU {gpu}", linewidth=0.8)
+            axis.set_ylabel(label)
+            axis.grid(alpha=0.3)
+        axes[0][column].set_title(f"{frame['phase'].iloc[0]}: GPU telemetry")
+        axes[-1][column].set_xlabel("time (s)")
+        if frame["gpu"].nunique() <= 8:
+            axes[0][column].legend(fontsize=7)
+    _save(figure, output)
+
+
+def plot_squad(metrics, eval_json, output) -> None:
+    """Fine-tuning loss over steps, with the dev EM/F1 in the title."""
+    frame = read_metrics(metrics)
+    result = json.loads(Path(eval_json).read_text(encoding="utf-8"))
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot(frame["step"], frame["loss"])
+    axis.set(title=f"SQuAD v{result.get('version', '1.1')} fine-tuning: dev EM {result['exact_match']:.2f}, "
+                   f"F1 {result['f1']:.2f}", xlabel="step", ylabel="loss (start/end cross-entropy)")
+    axis.grid(alpha=0.3)
+    _save(figure, output)
+
+
+def _to_yaml(value, indent=0) -> str:
+    """A small YAML writer for the config (dicts, lists, scalars), keys in the config's own order."""
+    pad = "  " * indent
+    lines = []
+    for key, item in value.items():
+        if isinstance(item, dict):
+            lines.append(f"{pad}{key}:" + (" {}" if not item else ""))
+            if item:
+                lines.append(_to_yaml(item, indent + 1))
+        else:
+            lines.append(f"{pad}{key}: {json.dumps(item)}")
+    return "\n".join(lines)
+
+
+def write_config(config_json: str, output) -> None:
+    try:
+        config = json.loads(config_json)
+    except json.JSONDecodeError as error:
+        raise UserError(f"--json: not valid JSON: {error}") from error
+    write_text(output, "# The effective configuration of this run (config.yaml + --configfile/--config).\n"
+               + _to_yaml(config) + "\n")
+
+
+def _pair(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected PHASE=DIRECTORY, got {text!r}")
+    phase, directory = text.split("=", 1)
+    return phase, directory
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    pretrain = commands.add_parser("pretrain", help="loss, MLM accuracy and throughput plots")
+    pretrain.add_argument("--phase", action="append", type=_pair, required=True, metavar="PHASE=DIR")
+    pretrain.add_argument("--loss", required=True)
+    pretrain.add_argument("--accuracy", required=True)
+    pretrain.add_argument("--throughput", required=True)
+    telemetry = commands.add_parser("telemetry", help="GPU telemetry plot (or a note when there is none)")
+    telemetry.add_argument("--phase", action="append", type=_pair, required=True, metavar="PHASE=DIR")
+    telemetry.add_argument("--output", required=True)
+    squad = commands.add_parser("squad", help="fine-tuning loss with the dev EM/F1")
+    squad.add_argument("--metrics", required=True)
+    squad.add_argument("--eval", required=True)
+    squad.add_argument("--output", required=True)
+    config = commands.add_parser("config", help="the effective config as YAML")
+    config.add_argument("--json", required=True)
+    config.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+
+    if args.command == "pretrain":
+        plot_pretrain(args.phase, args.loss, args.accuracy, args.throughput)
+    elif args.command == "telemetry":
+        plot_telemetry(args.phase, args.output)
+    elif args.command == "squad":
+        plot_squad(args.metrics, args.eval, args.output)
+    else:
+        write_config(args.json, args.output)
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,164 @@
+"""The run in one table: pretraining losses/accuracies/throughput per phase and the SQuAD EM/F1.
+
+    python -m workflow.summary --pretrain phase1=results/pretrain/phase1 --pretrain phase2=results/pretrain/phase2 \
+        --squad-eval results/squad/eval.json --squad-metrics results/squad/finetune_metrics.jsonl \
+        --output results/summary.csv
+    python -m workflow.summary --print results/summary.csv      # the table, EM/F1 and where the report is
+
+results/summary.csv has the columns stage, metric, value (one row per number; floats to 6 significant digits).
+A pretraining directory holds metrics.jsonl (one line per logged step) and summary.json (the phase's totals).
+"""
+import argparse
+import csv
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+from workflow.atomic import write_text
+from workflow.cli import UserError, run
+
+log = logging.getLogger(__name__)
+
+# (metric in summary.csv, key in the phase's summary.json)
+PHASE_TOTALS = [
+    ("steps", "steps"), ("train_time_s", "train_time_s"), ("seq_per_s", "seq_per_s"),
+    ("tokens_per_s", "tokens_per_s"), ("test_mlm_accuracy", "test_mlm_accuracy"),
+    ("test_nsp_accuracy", "test_nsp_accuracy"), ("test_mlm_loss", "test_mlm_loss"), ("parameters", "parameters"),
+    ("world_size", "world_size"), ("device", "device"), ("precision", "precision"),
+]
+# (metric in summary.csv, key of the last metrics.jsonl line)
+PHASE_FINAL = [("final_loss", "loss"), ("final_mlm_loss", "mlm_loss"), ("final_nsp_loss", "nsp_loss"),
+               ("final_mlm_accuracy", "mlm_accuracy")]
+SQUAD_KEYS = ["exact_match", "f1", "total", "HasAns_exact_match", "HasAns_f1", "HasAns_total",
+              "NoAns_exact_match", "NoAns_f1", "NoAns_total"]
+
+
+def read_json(path: str | Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise UserError(f"{path}: cannot read: {error.strerror}") from error
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path}: not valid JSON: {error}") from error
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSONL file (blank lines skipped); UserError naming the line of a bad one."""
+    records = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise UserError(f"{path}: cannot read: {error.strerror}") from error
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise UserError(f"{path}:{number}: not valid JSON: {error}") from error
+    return records
+
+
+def summarize(pretrain: dict[str, str | Path], squad_eval: str | Path | None,
+              squad_metrics: str | Path | None = None) -> list[tuple[str, str, object]]:
+    """(stage, metric, value) rows: per phase its totals and final training numbers, then SQuAD."""
+    rows: list[tuple[str, str, object]] = []
+    for phase, directory in pretrain.items():
+        totals = read_json(Path(directory) / "summary.json")
+        metrics = read_jsonl(Path(directory) / "metrics.jsonl")
+        for metric, key in PHASE_TOTALS:
+            if key in totals:
+                rows.append((phase, metric, totals[key]))
+        if metrics:
+            for metric, key in PHASE_FINAL:
+                if key in metrics[-1]:
+                    rows.append((phase, metric, metrics[-1][key]))
+    if squad_metrics:
+        records = read_jsonl(squad_metrics)
+        if records:
+            rows.append(("squad", "finetune_steps", records[-1]["step"]))
+            rows.append(("squad", "finetune_final_loss", records[-1]["loss"]))
+            rows.append(("squad", "finetune_seq_per_s", sum(r["seq_per_s"] for r in records) / len(records)))
+    if squad_eval:
+        result = read_json(squad_eval)
+        rows.append(("squad", "version", result.get("version", "1.1")))
+        for key in SQUAD_KEYS:
+            if key in result:
+                rows.append(("squad", key, result[key]))
+    return rows
+
+
+def _format(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def to_csv(rows: list[tuple[str, str, object]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["stage", "metric", "value"])
+    for stage, metric, value in rows:
+        writer.writerow([stage, metric, _format(value)])
+    return buffer.getvalue()
+
+
+def read_summary(path: str | Path) -> list[dict]:
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            rows = list(csv.DictReader(handle))
+    except OSError as error:
+        raise UserError(f"{path}: cannot read: {error.strerror}") from error
+    if rows and set(rows[0]) != {"stage", "metric", "value"}:
+        raise UserError(f"{path}: not a summary table (columns stage, metric, value)")
+    return rows
+
+
+def render(rows: list[dict], report: str | Path = "report.html") -> str:
+    """The table, aligned, then the SQuAD EM/F1 line and where the report is (or how to make it)."""
+    width = max([len(r["stage"]) + len(r["metric"]) + 1 for r in rows] + [10])
+    lines = [f"{r['stage'] + '.' + r['metric']:<{width}}  {r['value']}" for r in rows]
+    squad = {r["metric"]: r["value"] for r in rows if r["stage"] == "squad"}
+    if "exact_match" in squad and "f1" in squad:
+        lines.append("")
+        lines.append(f"SQuAD v{squad.get('version', '1.1')} dev: EM {float(squad['exact_match']):.2f}  "
+                     f"F1 {float(squad['f1']):.2f}  ({squad.get('total', '?')} questions)")
+    report = Path(report)
+    if report.is_file():
+        lines.append(f"Report: {report.resolve()}")
+    else:
+        lines.append(f"Report: not built yet; `snakemake --report {report}` (with the run's --configfile) writes it")
+    return "\n".join(lines)
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected PHASE=DIRECTORY, got {text!r}")
+    phase, directory = text.split("=", 1)
+    return phase, directory
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--print", dest="print_path", metavar="CSV", help="print an existing summary.csv")
+    parser.add_argument("--report", default="report.html", help="the report file --print points to")
+    parser.add_argument("--pretrain", action="append", type=_key_value, default=[], metavar="PHASE=DIR",
+                        help="a pretraining result directory (metrics.jsonl, summary.json); repeatable")
+    parser.add_argument("--squad-eval", help="results/squad/eval.json")
+    parser.add_argument("--squad-metrics", help="fine-tuning metrics JSONL")
+    parser.add_argument("--output", help="summary.csv to write")
+    args = parser.parse_args(argv)
+
+    if args.print_path:
+        print(render(read_summary(args.print_path), args.report))
+        return
+    if not args.output:
+        parser.error("--output is required unless --print is given")
+    rows = summarize(dict(args.pretrain), args.squad_eval, args.squad_metrics)
+    write_text(args.output, to_csv(rows))
+    log.info("%d numbers -> %s", len(rows), args.output)
+
+
+if __name__ == "__main__":
+    run(main)
