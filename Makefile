@@ -16,7 +16,7 @@ $(INSTALLED): requirements.txt requirements-test.txt
 setup: $(INSTALLED)
 
 demo: $(INSTALLED)
-	$(RUN) snakemake --profile profiles/local --configfile sample/config.yaml all
+	$(RUN) snakemake all --profile profiles/local --configfile sample/config.yaml
 	$(RUN) python -m workflow.summary --print results/summary.csv
 
 test: $(INSTALLED)

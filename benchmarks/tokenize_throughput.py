@@ -72,7 +72,7 @@ def synthetic_document(rng: random.Random) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=float, default=26.0, help="MB of text")
+    parser.add_argument("--mb", type=float, default=26.0, help="MB of text (the issue measured 26 MB)")
     parser.add_argument("--vocab", help="vocab.txt (default: train one on the text)")
     args = parser.parse_args()
 
@@ -90,20 +90,20 @@ def main() -> None:
         mb = text_path.stat().st_size / 1e6
 
         best_raw = best_stage = float("inf")
-        for _ in range(2):  # best of two: the machine is shared
-            start = time.perf_counter()
+        for _ in range(3):  # best of three, CPU time of this process: the machine is shared
+            start = time.process_time()
             n_tokens = 0
             for i in range(0, len(lines), 8192):
                 n_tokens += sum(len(e.ids) for e in tokenizer.encode_batch(lines[i : i + 8192], add_special_tokens=False))
-            best_raw = min(best_raw, time.perf_counter() - start)
-            start = time.perf_counter()
+            best_raw = min(best_raw, time.process_time() - start)
+            start = time.process_time()
             counts = tokenize_shard(text_path, vocab, Path(directory) / "shard_0.npz")
-            best_stage = min(best_stage, time.perf_counter() - start)
+            best_stage = min(best_stage, time.process_time() - start)
         assert counts["tokens"] == n_tokens, (counts, n_tokens)
     raw_rate, stage_rate = n_tokens / best_raw, n_tokens / best_stage
     print(f"text: {mb:.1f} MB, {len(lines):,} sentences, {n_tokens:,} tokens, 1 thread")
-    print(f"raw tokenizers encode_batch:           {raw_rate / 1e6:6.3f} M tokens/s ({best_raw:.2f} s)")
-    print(f"tokenize stage (read+encode+write npz): {stage_rate / 1e6:6.3f} M tokens/s ({best_stage:.2f} s)")
+    print(f"raw tokenizers encode_batch:            {raw_rate / 1e6:6.3f} M tokens/s ({best_raw:.2f} s CPU)")
+    print(f"tokenize stage (read+encode+write npz): {stage_rate / 1e6:6.3f} M tokens/s ({best_stage:.2f} s CPU)")
     print(f"ratio stage/raw: {stage_rate / raw_rate:.2f}x (target >= 0.90x)")
 
 

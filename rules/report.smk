@@ -1,1 +1,98 @@
-# rules for the report stage
+# The run's summary table and the report figures (`snakemake --report report.html` collects everything marked
+# with report()). GPU telemetry is read from the phase directories when pretraining recorded it.
+import json
+
+# What `all` must build for the report to be complete.
+REPORT_TARGETS = [
+    "results/report/pretrain_loss.png",
+    "results/report/mlm_accuracy.png",
+    "results/report/throughput.png",
+    "results/report/gpu_telemetry.png",
+    "results/report/squad_finetune.png",
+    "results/report/config.yaml",
+]
+
+
+# `--phase phase1=results/pretrain/phase1 --phase phase2=...` for the summary and plot commands.
+PRETRAIN_PHASE_ARGS = " ".join(f"--phase {phase}=results/pretrain/{phase}" for phase in PHASES)
+PRETRAIN_METRICS = expand("results/pretrain/{phase}/{name}", phase=PHASES, name=["metrics.jsonl", "summary.json"])
+
+
+rule summary:
+    input:
+        pretrain=PRETRAIN_METRICS,
+        squad_eval="results/squad/eval.json",
+        squad_metrics="results/squad/finetune_metrics.jsonl",
+    output:
+        report("results/summary.csv", caption="../report/summary.rst", category="Summary"),
+    params:
+        phases=PRETRAIN_PHASE_ARGS,
+    log:
+        "logs/summary/summary.log",
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "python -m workflow.summary {params.phases} --squad-eval {input.squad_eval:q}"
+        " --squad-metrics {input.squad_metrics:q} --output {output:q} 2> {log}"
+
+
+rule report_pretrain_plots:
+    input:
+        PRETRAIN_METRICS,
+    output:
+        loss=report("results/report/pretrain_loss.png", caption="../report/pretrain_loss.rst", category="Pretraining"),
+        accuracy=report("results/report/mlm_accuracy.png", caption="../report/mlm_accuracy.rst", category="Pretraining"),
+        throughput=report("results/report/throughput.png", caption="../report/throughput.rst", category="Pretraining"),
+    params:
+        phases=PRETRAIN_PHASE_ARGS,
+    log:
+        "logs/report_pretrain_plots/plots.log",
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "python -m workflow.report pretrain {params.phases} --loss {output.loss:q}"
+        " --accuracy {output.accuracy:q} --throughput {output.throughput:q} 2> {log}"
+
+
+rule report_gpu_telemetry:
+    input:
+        PRETRAIN_METRICS,
+    output:
+        report("results/report/gpu_telemetry.png", caption="../report/gpu_telemetry.rst", category="Pretraining"),
+    params:
+        phases=PRETRAIN_PHASE_ARGS,
+    log:
+        "logs/report_gpu_telemetry/telemetry.log",
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "python -m workflow.report telemetry {params.phases} --output {output:q} 2> {log}"
+
+
+rule report_squad_plot:
+    input:
+        metrics="results/squad/finetune_metrics.jsonl",
+        squad_eval="results/squad/eval.json",
+    output:
+        report("results/report/squad_finetune.png", caption="../report/squad_finetune.rst", category="SQuAD"),
+    log:
+        "logs/report_squad_plot/plot.log",
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "python -m workflow.report squad --metrics {input.metrics:q} --eval {input.squad_eval:q}"
+        " --output {output:q} 2> {log}"
+
+
+rule report_config:
+    output:
+        report("results/report/config.yaml", caption="../report/config.rst", category="Configuration"),
+    params:
+        # Rerun when any config value changes (params are a rerun trigger).
+        config=json.dumps(config, sort_keys=True),
+    log:
+        "logs/report_config/config.log",
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "python -m workflow.report config --json {params.config:q} --output {output:q} 2> {log}"

@@ -1,39 +1,35 @@
 # SQuAD: download train/dev JSON, featurize with the model's WordPiece vocab, fine-tune (GPU), predict, evaluate.
 # Fine-tuning starts from the phase-2 export unless config squad.init_from names another HF BERT directory.
 
-SQUAD_SPLITS = ["train", "dev"]
+# The HF BERT directory fine-tuning starts from, and its vocab (data/vocab.txt for our own pretraining).
+SQUAD_INIT = config["squad"]["init_from"] or "results/pretrain/phase2/model"
+SQUAD_VOCAB = f"{config['squad']['init_from']}/vocab.txt" if config["squad"]["init_from"] else "data/vocab.txt"
 
 
 wildcard_constraints:
     squad_split="train|dev",
 
 
-def squad_init_model():
-    """The HF BERT directory fine-tuning starts from."""
-    return config["squad"]["init_from"] or "results/pretrain/phase2/model"
-
-
-def squad_vocab():
-    """The vocab of that model: data/vocab.txt for our own pretraining, else the directory's vocab.txt."""
-    init_from = config["squad"]["init_from"]
-    return f"{init_from}/vocab.txt" if init_from else "data/vocab.txt"
-
-
-def squad_url(wildcards):
-    return config["squad"][f"{wildcards.squad_split}_url"]
-
-
-def squad_featurize_mode(wildcards):
-    return "--training" if wildcards.squad_split == "train" else ""
-
-
-rule squad_download:
+rule squad_download_train:
     output:
-        "data/download/squad/{squad_split}.json",
+        "data/download/squad/train.json",
     params:
-        url=squad_url,
+        url=config["squad"]["train_url"],
     log:
-        "logs/squad_download/{squad_split}.log",
+        "logs/squad_download/train.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.download file --url {params.url:q} --output {output:q} 2> {log}"
+
+
+rule squad_download_dev:
+    output:
+        "data/download/squad/dev.json",
+    params:
+        url=config["squad"]["dev_url"],
+    log:
+        "logs/squad_download/dev.log",
     conda:
         "../envs/data.yaml"
     shell:
@@ -43,11 +39,10 @@ rule squad_download:
 rule squad_featurize:
     input:
         squad="data/download/squad/{squad_split}.json",
-        vocab=squad_vocab(),
+        vocab=SQUAD_VOCAB,
     output:
         "data/squad/{squad_split}_features.npz",
     params:
-        mode=squad_featurize_mode,
         version=config["squad"]["version"],
         lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",
         max_seq_length=config["squad"]["max_seq_length"],
@@ -59,15 +54,15 @@ rule squad_featurize:
         "../envs/data.yaml"
     shell:
         "python -m workflow.squad_data --input {input.squad:q} --vocab {input.vocab:q} --output {output:q}"
-        " --version {params.version} {params.mode} {params.lowercase}"
+        " --split {wildcards.squad_split} --version {params.version} {params.lowercase}"
         " --max-seq-length {params.max_seq_length} --doc-stride {params.doc_stride}"
         " --max-query-length {params.max_query_length} 2> {log}"
 
 
 rule squad_finetune:
     input:
-        model=squad_init_model(),
-        vocab=squad_vocab(),
+        model=SQUAD_INIT,
+        vocab=SQUAD_VOCAB,
         features="data/squad/train_features.npz",
     output:
         model=directory("results/squad/model"),
@@ -82,6 +77,7 @@ rule squad_finetune:
         checkpoint_every=config["squad"]["checkpoint_every"],
         precision=config["pretrain"]["precision"],
         seed=config["seed"],
+    threads: 8
     resources:
         gpus=1,
     log:
@@ -95,6 +91,7 @@ rule squad_finetune:
         " --learning-rate {params.learning_rate} --epochs {params.epochs} --batch-size {params.batch_size}"
         " --micro-batch-size {params.micro_batch_size} --warmup-proportion {params.warmup_proportion}"
         " --checkpoint-every {params.checkpoint_every} --precision {params.precision} --seed {params.seed}"
+        " --threads {threads}"
         " 2> {log}"
 
 
@@ -112,6 +109,7 @@ rule squad_predict:
         max_answer_length=config["squad"]["max_answer_length"],
         null_score_diff_threshold=config["squad"]["null_score_diff_threshold"],
         precision=config["pretrain"]["precision"],
+    threads: 8
     resources:
         gpus=1,
     log:
@@ -124,6 +122,7 @@ rule squad_predict:
         " --version {params.version}"
         " --n-best-size {params.n_best_size} --max-answer-length {params.max_answer_length}"
         " --null-score-diff-threshold {params.null_score_diff_threshold} --precision {params.precision}"
+        " --threads {threads}"
         " 2> {log}"
 
 

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import h5py
 import numpy as np
 import pytest
 
-from workflow.encode import EncodeSettings, Vocab, build_batch, encode_shard, plan_instances, shard_rng
+from workflow.encode import EncodeSettings, Vocab, _truncate_pair, build_batch, encode_shard, plan_instances, shard_rng
+from workflow.cli import UserError
 from workflow.hdf5_dir import build_hdf5_dir
 from workflow.tokenize import load_tokenized, tokenize_shard
 from workflow.vocab import train_vocab
@@ -241,6 +243,13 @@ def test_hdf5_dir_links_shards_and_writes_manifest(shard, encoded, tmp_path):
         linked = tmp_path / "hdf5_seq128" / entry["path"]
         assert os.path.samefile(linked, source / entry["path"])  # hard link, no copy
         assert hashlib.sha256(linked.read_bytes()).hexdigest() == entry["sha256"]
+    # A stale shard encoded with other settings is refused, and nothing is promoted.
+    vocab, tokenized, _ = shard
+    stale = source / "test" / "shard_0.hdf5"
+    encode_shard(tokenized, vocab, stale, settings, seed=99, split="test", shard_index=0)
+    with pytest.raises(UserError, match=r"shard_0.hdf5: encoded with other settings \(seed\) than training/shard_0"):
+        build_hdf5_dir(source, {"training": 1, "test": 1}, tmp_path / "again")
+    assert not (tmp_path / "again").exists()
 
 
 def run_stage(module, *args, cwd=None):
@@ -333,6 +342,11 @@ def test_snakemake_hdf5_seq_target_is_byte_identical_with_1_or_2_jobs(shard, tmp
     assert manifest["settings"]["max_seq_length"] == 64 and manifest["settings"]["dupe_factor"] == 2
     assert manifest["n_instances"]["training"] == sum(e["n_instances"] for e in manifest["shards"][:3])
     assert all(trees[0][entry["path"]] == entry["sha256"] for entry in manifest["shards"])
+    # Phase 2 reuses the tokenized shards: only encode + hdf5_dir jobs are planned for it.
+    plan = snakemake(tmp_path / "j1", "--dry-run", "data/hdf5_seq512")
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    jobs = dict(re.findall(r"^(\w+)\s+(\d+)$", plan.stdout.split("Job stats:")[-1], flags=re.M))
+    assert jobs == {"encode": "4", "hdf5_dir": "1", "total": "5"}, plan.stdout
 
 
 def test_snakemake_other_seed_changes_the_data(shard, tmp_path):
@@ -401,5 +415,23 @@ def test_pairing_statistics_match_a_sentence_by_sentence_reference(shard, length
     for column in range(3):  # mean length of A, of B, share of random B
         mean, spread = reference[:, column].mean(), reference[:, column].std() / np.sqrt(len(reference))
         assert abs(ours[:, column].mean() - mean) < 5 * spread + 0.01 * mean, column
-    # The vectorised truncation equals Google's token-by-token loop.
     assert (ours[:, 0] + ours[:, 1] <= length - 3).all()
+
+
+def test_closed_form_truncation_equals_googles_token_by_token_loop():
+    rng = np.random.default_rng(0)
+    len_a, len_b = rng.integers(1, 300, 5000), rng.integers(1, 300, 5000)
+    a_start, b_start = rng.integers(0, 10**6, 5000), rng.integers(0, 10**6, 5000)
+    a0, a1, b0, b1 = _truncate_pair(a_start, a_start + len_a, b_start, b_start + len_b, 125, rng)
+    for i in range(5000):
+        la, lb = int(len_a[i]), int(len_b[i])
+        while la + lb > 125:
+            if la > lb:
+                la -= 1
+            else:
+                lb -= 1
+        assert (a1[i] - a0[i], b1[i] - b0[i]) == (la, lb)
+    # Each trimmed token comes off a random end: about half of the trims are at the front.
+    trimmed_front = (a0 - a_start).sum() + (b0 - b_start).sum()
+    trimmed = (len_a - (a1 - a0)).sum() + (len_b - (b1 - b0)).sum()
+    assert a0.min() >= 0 and abs(trimmed_front / trimmed - 0.5) < 0.01

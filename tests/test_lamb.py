@@ -75,6 +75,7 @@ def test_poly_warmup_schedule_matches_nvidia():
     optimizer = Lamb([parameter], lr=6e-3)
     scheduler = make_scheduler(optimizer, 100, 0.1)
     assert math.isclose(optimizer.param_groups[0]["lr"], 6e-4)
+    optimizer.step()
     for _ in range(49):
         scheduler.step()
     assert math.isclose(optimizer.param_groups[0]["lr"], 6e-3 * 0.5 ** 0.5)

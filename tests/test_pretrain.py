@@ -55,7 +55,8 @@ def command(s: TrainSettings) -> list[str]:
     for key, value in vars(s).items():
         if value is None or value is False:
             continue
-        argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
     return argv
 
 
@@ -90,11 +91,14 @@ def test_tiny_model_loss_falls_and_mlm_accuracy_beats_chance(data, tmp_path):
 
 
 def test_kill_9_then_rerun_resumes_to_bit_identical_weights(data, tmp_path):
-    # Dropout on, 2 micro-batches per step, an epoch boundary (16 micro-batches per epoch) crossed after the crash.
+    # Dropout on, 2 micro-batches per step; 3 shards of 44 sequences = 15 micro-batches per epoch (4 rows of each
+    # shard dropped), so the crash at step 7 falls in epoch 0 and the resumed run crosses shards and epochs.
+    small = tmp_path / "small"
+    write_synthetic_shards(small / "hdf5", n_training_shards=3, sequences_per_shard=44, seed=5)
     common = dict(total_steps=12, checkpoint_every=3, log_every=1, micro_batch_size=8, global_batch_size=16,
                   deterministic=True)
-    straight = settings(data, tmp_path / "straight", **common)
-    crashed = settings(data, tmp_path / "crashed", **common)
+    straight = settings(small, tmp_path / "straight", **common)
+    crashed = settings(small, tmp_path / "crashed", **common)
     assert subprocess.run(command(straight), env=environment(), capture_output=True).returncode == 0
 
     first = subprocess.run(command(crashed), env=environment(SNAKEBERT_FAIL_AT_STEP="7"), capture_output=True,
@@ -103,6 +107,10 @@ def test_kill_9_then_rerun_resumes_to_bit_identical_weights(data, tmp_path):
     assert not Path(crashed.out_model).exists()
     assert [p.name for p in ckpt.list_checkpoints(Path(crashed.run_dir) / "checkpoints")] == [
         "step_00000003.pt", "step_00000006.pt"]
+
+    state, _ = ckpt.load_latest_checkpoint(Path(crashed.run_dir) / "checkpoints")
+    assert state["data"]["consumed"] == 12  # 5 + 5 micro-batches of shards 1 and 2, then 2 of the third
+    assert (state["data"]["epoch"], state["data"]["slot"], state["data"]["offset"]) == (0, 2, 2)
 
     second = subprocess.run(command(crashed), env=environment(), capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-2000:]
@@ -132,6 +140,26 @@ def test_stop_signal_writes_a_checkpoint_and_exits_non_zero(data, tmp_path, sign
     assert path.name == f"step_{state['step']:08d}.pt"
     assert state["data"]["consumed"] == 2 * state["step"]
     assert not Path(s.out_model).exists()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_stream_started_at_a_position_continues_exactly_like_one_that_got_there(tmp_path, world):
+    from workflow.pretraining_data import PretrainingStream
+
+    write_synthetic_shards(tmp_path, n_training_shards=3, sequences_per_shard=21, seed=2)
+    shards = list_shards(tmp_path, "training")
+    for rank in range(world):
+        running = PretrainingStream(shards, 4, seed=9, rank=rank, world_size=world)
+        seen = [next(running) for _ in range(38)]  # 5 micro-batches per shard: 15 (world 1) per epoch
+        assert running.epoch >= 2
+        for start in (0, 4, 5, 11, 15, 17, 31):
+            resumed = PretrainingStream(shards, 4, seed=9, rank=rank, world_size=world, consumed=start)
+            for expected in seen[start:start + 6]:
+                got = next(resumed)
+                assert all(torch.equal(got[k], expected[k]) for k in expected)
+    # Epochs reshuffle the shard order.
+    stream = PretrainingStream(shards, 4, seed=9)
+    assert len({tuple(stream.plan(e)) for e in range(6)}) > 1
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
@@ -201,9 +229,17 @@ def test_global_batch_not_divisible_names_the_config_key(data, tmp_path):
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port p with p + 1 also free (two rendezvous in a row)."""
+    for _ in range(100):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no pair of free ports")
 
 
 def _micro_batches(data_dir, count):
@@ -232,8 +268,10 @@ def _ddp_worker(rank, world, port, data_dir, config_path, result_path, full_sett
         train_step(ddp, optimizer, mine, env.device)
     if rank == 0:
         torch.save(model.state_dict(), result_path)
+    torch.distributed.barrier()
     distributed.cleanup()
     # The whole pipeline under 2 ranks: per-rank shards, gathered RNG states, reduced metrics and evaluation.
+    os.environ["MASTER_PORT"] = str(port + 1)  # a fresh rendezvous: never race the old store's shutdown
     pretrain(full_settings)
 
 
@@ -262,3 +300,85 @@ def test_two_process_gloo_ddp_equals_one_process_with_the_same_global_batch(data
     assert summary["test_sequences"] == 256  # the test shard, evaluated once over both ranks
     state, _ = ckpt.load_latest_checkpoint(Path(full.run_dir) / "checkpoints")
     assert state["step"] == 4 and len(state["rng"]) == 2
+
+
+# ---------------------------------------------------------------- launching: torchrun, srun, the rules
+
+
+def test_rank_and_world_come_from_torchrun_or_from_a_slurm_step_only():
+    from workflow.distributed import launch_command, read_environment
+
+    assert read_environment({}) == (0, 1, 0)
+    assert read_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)
+    step = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_LOCALID": "1", "SLURM_JOB_ID": "77", "MASTER_ADDR": "node1"}
+    assert read_environment(step) == (1, 2, 1) and step["MASTER_PORT"] == "15077"
+    # A batch script carries SLURM_PROCID=0 and SLURM_NTASKS=2 but is one process: it must launch, not join.
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    assert read_environment(batch) == (0, 1, 0)
+    assert launch_command(["python", "x.py"], batch) == ["srun", "--ntasks=2", "--kill-on-bad-exit=1", "python",
+                                                         "x.py"]
+    assert launch_command(["python", "x.py"], step) == ["python", "x.py"]
+    assert launch_command(["python", "x.py"], {}) == ["python", "x.py"]
+
+
+def _slurm_answers() -> bool:
+    import shutil
+
+    if not shutil.which("srun") or not shutil.which("sinfo"):
+        return False
+    states = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True).stdout.split()
+    return any(s.rstrip("*~#") in ("idle", "mix") for s in states)
+
+
+@pytest.mark.skipif(not _slurm_answers(), reason="no idle Slurm node here")
+def test_srun_tasks_join_one_process_group_from_slurm_variables(tmp_path):
+    script = ("import torch; from workflow import distributed as d; e = d.setup('cpu'); t = torch.ones(1) * "
+              "(e.rank + 1); d.all_reduce_(t); print(e.rank, e.world_size, int(t.item()), flush=True); d.cleanup()")
+    result = subprocess.run(["timeout", "120", "sbatch", "--wait", "--ntasks=2", "-o", str(tmp_path / "out"),
+                             "--wrap", f"{sys.executable} -m workflow.distributed -- {sys.executable} -c \"{script}\""],
+                            cwd=REPO, env=environment(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr + (tmp_path / "out").read_text(errors="replace")
+    lines = sorted(line for line in (tmp_path / "out").read_text().splitlines() if len(line.split()) == 3)
+    assert lines == ["0 2 3", "1 2 3"]
+
+
+def test_snakemake_runs_phase1_then_phase2_from_phase1s_export(data, tmp_path):
+    import shutil
+
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    for name in ("Snakefile", "rules", "workflow", "envs", "config.yaml", "config.schema.yaml"):
+        (work / name).symlink_to(REPO / name)
+    write_synthetic_shards(work / "data" / "hdf5_seq32", seq_length=32, max_predictions=5, sequences_per_shard=64)
+    write_synthetic_shards(work / "data" / "hdf5_seq64", seq_length=64, max_predictions=8, sequences_per_shard=32)
+    shutil.copyfile(work / "data" / "hdf5_seq32" / "vocab.txt", work / "data" / "vocab.txt")
+    bert_config(work / "bert_config.json")
+    (work / "test.yaml").write_text(
+        "encode: {phase1: {max_seq_length: 32, max_predictions_per_seq: 5},"
+        " phase2: {max_seq_length: 64, max_predictions_per_seq: 8}}\n"
+        "model: {preset: tiny, bert_config: bert_config.json}\n"
+        "pretrain: {checkpoint_every: 2, log_every: 1, precision: auto, eval_max_sequences: 16,\n"
+        "  phase1: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 4, global_batch_size: 16,"
+        " micro_batch_size: 8},\n"
+        "  phase2: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 6, max_steps: 3,"
+        " global_batch_size: 8, micro_batch_size: 4}}\n")
+    result = subprocess.run(["snakemake", "--cores", "2", "--configfile", "test.yaml", "--allowed-rules",
+                             "pretrain_phase1", "pretrain_phase2", "--", "results/pretrain/phase2/model"],
+                            cwd=work, env=environment(PATH=f"{Path(sys.executable).parent}{os.pathsep}"
+                                                           f"{os.environ['PATH']}"),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = json.loads((work / "results/pretrain/phase1/summary.json").read_text())
+    second = json.loads((work / "results/pretrain/phase2/summary.json").read_text())
+    assert (first["steps"], first["seq_length"], first["accumulation_steps"]) == (4, 32, 2)
+    assert (second["steps"], second["seq_length"], second["total_steps"]) == (3, 64, 6)
+    assert second["test_sequences"] == 16
+    assert [m["step"] for m in read_metrics(work / "results/pretrain/phase2/metrics.jsonl")] == [1, 2, 3]
+    log = (work / "logs/pretrain_phase2/pretrain.log").read_text()
+    assert "initialised from results/pretrain/phase1/model" in log
+    assert "missing" not in log  # phase 1's export matched the model exactly: nothing missing, nothing extra
+    assert (work / "runs/pretrain/phase1/checkpoints/step_00000004.pt").exists()
+    # Phase 2 has its own optimizer and schedule: its checkpoints restart at step 1 with phase 2's step count.
+    state, _ = ckpt.load_latest_checkpoint(work / "runs/pretrain/phase2/checkpoints")
+    assert state["step"] == 3 and state["scheduler"]["last_epoch"] == 3

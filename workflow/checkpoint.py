@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
@@ -61,7 +61,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, keep: 
     with atomic_path(final) as temporary:
         torch.save(state, temporary)
         _fsync(temporary)
-        digest = _sha256(temporary)
+        digest = file_sha256(temporary)
     with atomic_path(final.with_name(final.name + ".sha256")) as temporary:
         temporary.write_text(digest + "\n")
     for old in list_checkpoints(directory)[:-keep]:
@@ -75,7 +75,7 @@ def _load(path: Path, map_location) -> dict:
     sidecar = path.with_name(path.name + ".sha256")
     if not sidecar.is_file():
         raise ValueError("no sha256 sidecar (the write did not finish)")
-    if sidecar.read_text().strip() != _sha256(path):
+    if sidecar.read_text().strip() != file_sha256(path):
         raise ValueError("sha256 mismatch")
     state = torch.load(path, map_location=map_location, weights_only=True)
     if not isinstance(state, dict):

@@ -45,16 +45,17 @@ class DistEnv:
         return self.world_size > 1
 
 
-def _int_env(name: str) -> int:
-    value = os.environ[name]
+def _int_env(environ, name: str) -> int:
+    value = environ[name]
     try:
         return int(value)
     except ValueError:
         raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def _slurm_master_addr() -> str:
-    nodelist = os.environ.get("SLURM_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+def _slurm_master_addr(environ) -> str:
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST") or environ.get(
+        "SLURM_JOB_NODELIST")
     if not nodelist:
         return "127.0.0.1"
     try:
@@ -65,16 +66,22 @@ def _slurm_master_addr() -> str:
     return hosts[0] if hosts else "127.0.0.1"
 
 
-def read_environment() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's or Slurm's variables; (0, 1, 0) when neither is set."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _int_env("RANK"), _int_env("WORLD_SIZE"), int(os.environ.get("LOCAL_RANK", "0"))
-    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        rank, world = _int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS")
-        local = int(os.environ.get("SLURM_LOCALID", "0"))
-        os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
-        job = int(os.environ.get("SLURM_JOB_ID", "0"))
-        os.environ.setdefault("MASTER_PORT", str(15000 + job % 20000))
+def read_environment(environ=os.environ) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's or Slurm's variables; (0, 1, 0) when neither is set.
+
+    Slurm's are used only inside a job step (SLURM_STEP_ID set, i.e. under srun): a batch script also carries
+    SLURM_PROCID=0 and SLURM_NTASKS=N, yet is one process. Sets MASTER_ADDR/MASTER_PORT when missing.
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return _int_env(environ, "RANK"), _int_env(environ, "WORLD_SIZE"), int(environ.get("LOCAL_RANK", "0"))
+    if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ:
+        world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+        rank, world = _int_env(environ, "SLURM_PROCID"), _int_env(environ, world_key)
+        local = int(environ.get("SLURM_LOCALID", "0"))
+        if world > 1:
+            environ.setdefault("MASTER_ADDR", _slurm_master_addr(environ))
+            job = int(environ.get("SLURM_JOB_ID", "0"))
+            environ.setdefault("MASTER_PORT", str(15000 + job % 20000))
         return rank, world, local
     return 0, 1, 0
 
@@ -124,7 +131,7 @@ def broadcast_object(obj, src: int = 0):
 def launch_command(command: list[str], environ=os.environ) -> list[str]:
     """The command line that runs `command` on every task of the Slurm job (srun), or `command` itself."""
     tasks = int(environ.get("SLURM_NTASKS", "1") or "1")
-    inside_step = "SLURM_STEP_ID" in environ or "RANK" in environ
+    inside_step = "SLURM_STEP_ID" in environ or "RANK" in environ  # already one process per task
     if tasks > 1 and not inside_step:
         return ["srun", f"--ntasks={tasks}", "--kill-on-bad-exit=1", *command]
     return command

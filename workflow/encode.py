@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 SPLIT_CODES = {"training": 0, "test": 1}  # part of the seed, so each shard has its own random stream
 CHUNK_ROWS = 64  # HDF5 chunk = 64 whole rows: a random row read decompresses little (see benchmarks/)
 BATCH_CELLS = 1 << 20  # tokens built per batch: bounds memory whatever the sequence length
+WORD_BLOCK = 96  # whole-word masking: word ranks examined per block (~ the words a full instance needs)
 
 
 @dataclass(frozen=True)
@@ -216,24 +217,32 @@ def _choose_whole_words(
     previous = np.zeros_like(candidate)
     previous[:, 1:] = candidate[:, :-1]
     starts = candidate & ~(vocab.continues_word[input_ids] & previous)
-    word = np.cumsum(starts, axis=1) - 1  # word index of each position (valid where candidate)
-    flat_word = np.where(candidate, np.arange(batch)[:, None] * length + word, batch * length)
-    word_length = np.bincount(flat_word.ravel(), minlength=batch * length + 1)[:-1].reshape(batch, length)
+    word = np.cumsum(starts, axis=1, dtype=np.int32) - 1  # word index of each position (valid where candidate)
+    row_start = np.arange(batch)[:, None] * length
+    flat_word = np.where(candidate, row_start + word, batch * length)
+    word_length = np.bincount(flat_word.ravel(), minlength=batch * length + 1)[:-1]
     keys = rng.random((batch, length), dtype=np.float32)
-    keys[word_length == 0] = 2.0
-    order = np.argsort(keys, axis=1)
-    ordered_length = np.take_along_axis(word_length, order, axis=1)
-    taken = np.zeros((batch, length), bool)
+    keys[word_length.reshape(batch, length) == 0] = 2.0
+    order = row_start + np.argsort(keys, axis=1)  # flat index of each row's words, in random order
+    word_taken = np.zeros(batch * length, bool)
     count = np.zeros(batch, np.int64)
-    for k in range(int((word_length > 0).sum(axis=1).max(initial=0))):
-        fits = (ordered_length[:, k] > 0) & (count + ordered_length[:, k] <= n_to_predict)
-        count += np.where(fits, ordered_length[:, k], 0)
-        taken[:, k] = fits
+    n_words = int((word_length > 0).reshape(batch, length).sum(axis=1).max(initial=0))
+    # Greedy over ranks, in blocks: rank-major blocks keep the loop on contiguous memory, and a batch is
+    # usually full after the first block.
+    for block in range(0, n_words, WORD_BLOCK):
+        ranks = order[:, block : min(block + WORD_BLOCK, n_words)]
+        length_by_rank = np.ascontiguousarray(word_length[ranks].T)
+        taken_by_rank = np.zeros(length_by_rank.shape, bool)
+        for k, pieces in enumerate(length_by_rank):
+            fits = (pieces > 0) & (count + pieces <= n_to_predict)
+            count += pieces * fits
+            taken_by_rank[k] = fits
+            if (count >= n_to_predict).all():
+                break
+        word_taken[ranks] = taken_by_rank.T
         if (count >= n_to_predict).all():
             break
-    word_taken = np.zeros((batch, length), bool)
-    np.put_along_axis(word_taken, order, taken, axis=1)
-    chosen = candidate & np.take_along_axis(word_taken, np.maximum(word, 0), axis=1)
+    chosen = candidate & word_taken[row_start + np.maximum(word, 0)]
     return np.where(chosen, np.arange(length)[None, :], length)
 
 

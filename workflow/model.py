@@ -3,7 +3,8 @@
 API (stable; the SQuAD stage builds on it):
     BertConfig                      dataclass with Google bert_config.json field names;
                                     BertConfig.preset("bert-large"|"bert-base"|"tiny"), .from_json(path), .to_json(path)
-    BertModel(config)               forward(input_ids, token_type_ids, attention_mask) -> (sequence_output, pooled_output)
+    BertModel(config)               forward(input_ids, token_type_ids, attention_mask)
+                                    -> (sequence_output [B, L, H], pooled_output [B, H])
     BertForPreTraining(config)      .bert is the BertModel; forward(input_ids, token_type_ids, attention_mask,
                                     masked_lm_positions=None) -> (mlm_logits, nsp_logits); mlm_logits are [B, P, V] at
                                     the given positions only ([B, L, V] when positions is None)

@@ -9,7 +9,10 @@ API:
     train_step(model, optimizer, micro_batches, ...)   one optimizer step over a list of micro-batches
                            (no_sync on all but the last under DDP); used by pretrain() and the SQuAD stage
 
-Run directory (`--run_dir`, not a rule output): checkpoints/step_*.pt, metrics.jsonl, gpu_telemetry.csv.
+Metrics: tokens_per_s counts sequences x sequence length (padding included), as NVIDIA reports it. Gradient
+clipping is LAMB's global-norm pre-normalisation (max_grad_norm 1.0), as in NVIDIA's recipe.
+
+Run directory (`--run-dir`, not a rule output): checkpoints/step_*.pt, metrics.jsonl, gpu_telemetry.csv.
 A rerun with the same settings resumes from the newest valid checkpoint; SIGTERM/SIGUSR1 checkpoint and exit
 128+signal; SNAKEBERT_FAIL_AT_STEP=N kills the process (SIGKILL) right after step N (tests of crash recovery).
 """
@@ -112,6 +115,7 @@ def build_model(preset: str, bert_config: str | None, init_from: str | None, voc
     model = BertForPreTraining(config)
     if state is not None:
         missing, unexpected = load_weights(model, state)
+        log.info("initialised from %s (%d tensors)", init_from, len(state))
         if missing or unexpected:
             log.warning("init_from %s: missing %s, unexpected %s (kept freshly initialised)", init_from, missing,
                         unexpected)
@@ -144,12 +148,13 @@ def train_step(model, optimizer, micro_batches, device, precision="fp32", scaler
     `loss_fn(model, batch) -> dict with "loss"` defaults to BERT pretraining's. Returns summed statistics.
     """
     loss_fn = loss_fn or pretraining_forward
+    ddp = getattr(model, "_orig_mod", model)  # under torch.compile, no_sync lives on the wrapped DDP module
     count = len(micro_batches)
     totals = {}
     for index, batch in enumerate(micro_batches):
         batch = to_device(batch, device)
         last = index == count - 1
-        sync = contextlib.nullcontext() if last or not isinstance(model, DistributedDataParallel) else model.no_sync()
+        sync = contextlib.nullcontext() if last or not isinstance(ddp, DistributedDataParallel) else ddp.no_sync()
         with sync:
             with autocast(device, precision):
                 out = loss_fn(model, batch)
@@ -209,8 +214,19 @@ def _fingerprint(s: TrainSettings, config: BertConfig, shards, world: int) -> di
     return {"phase": s.phase, "seed": s.seed, "learning_rate": s.learning_rate,
             "warmup_proportion": s.warmup_proportion, "total_steps": s.total_steps,
             "global_batch_size": s.global_batch_size, "micro_batch_size": s.micro_batch_size, "world_size": world,
-            "model": config.to_dict(), "init_from": s.init_from,
+            "model": config.to_dict(), "init_from": _weights_digest(s.init_from),
             "shards": [[Path(x.path).name, x.n] for x in shards]}
+
+
+def _weights_digest(directory: str | None) -> str | None:
+    """sha256 of an init model's weights: a retrained phase 1 invalidates phase 2's checkpoints."""
+    if not directory:
+        return None
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        path = Path(directory) / name
+        if path.is_file():
+            return ckpt.file_sha256(path)
+    return str(directory)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -265,7 +281,8 @@ def _pretrain(s: TrainSettings, env) -> dict:
     fingerprint = _fingerprint(s, config, train_shards, env.world_size)
 
     step, consumed, train_time = 0, 0, 0.0
-    state, path = ckpt.load_latest_checkpoint(checkpoint_dir, map_location=env.device)
+    # On the CPU: RNG states must stay CPU tensors; load_state_dict moves weights/moments to the device.
+    state, path = ckpt.load_latest_checkpoint(checkpoint_dir, map_location="cpu")
     if state is not None and state.get("fingerprint") != fingerprint:
         log.warning("%s was written with other settings or data; starting %s afresh", path, s.phase)
         if env.is_main:
@@ -374,9 +391,11 @@ def _pretrain(s: TrainSettings, env) -> dict:
 
 
 def _stop_requested(stop, env) -> bool:
+    if not env.distributed:
+        return stop.received is not None
+    # A signal seen by any rank stops all of them after the same step.
     flag = torch.tensor(1.0 if stop.received else 0.0, device=env.device)
-    if env.distributed:  # a signal seen by any rank stops all of them at the same step
-        distributed.all_reduce_(flag, op="max")
+    distributed.all_reduce_(flag, op="max")
     return bool(flag.item())
 
 
@@ -404,31 +423,40 @@ def _log_metrics(window, steps, elapsed, step, scheduler, s, seq_length, env, pa
                  record["lr"])
 
 
+def _optional_int(text: str) -> int | None:
+    """An integer, or None for an empty string (an unset config value)."""
+    return int(text) if text.strip() else None
+
+
+def _optional_str(text: str) -> str | None:
+    return text or None
+
+
 def parse_args(argv=None) -> TrainSettings:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--phase", required=True, choices=["phase1", "phase2"])
-    p.add_argument("--data_dir", required=True, help="data/hdf5_seqN (training/ and test/ shards)")
+    p.add_argument("--data-dir", required=True, help="data/hdf5_seqN (training/ and test/ shards)")
     p.add_argument("--vocab", required=True)
-    p.add_argument("--run_dir", required=True, help="checkpoints and live metrics (kept across reruns)")
-    p.add_argument("--out_model", required=True)
-    p.add_argument("--out_metrics", required=True)
-    p.add_argument("--out_summary", required=True)
-    p.add_argument("--out_telemetry", default=None)
-    p.add_argument("--learning_rate", type=float, required=True)
-    p.add_argument("--warmup_proportion", type=float, required=True)
-    p.add_argument("--total_steps", type=int, required=True)
-    p.add_argument("--max_steps", type=int, default=None)
-    p.add_argument("--global_batch_size", type=int, required=True)
-    p.add_argument("--micro_batch_size", type=int, required=True)
+    p.add_argument("--run-dir", required=True, help="checkpoints and live metrics (kept across reruns)")
+    p.add_argument("--out-model", required=True)
+    p.add_argument("--out-metrics", required=True)
+    p.add_argument("--out-summary", required=True)
+    p.add_argument("--out-telemetry", default=None)
+    p.add_argument("--learning-rate", type=float, required=True)
+    p.add_argument("--warmup-proportion", type=float, required=True)
+    p.add_argument("--total-steps", type=int, required=True)
+    p.add_argument("--max-steps", type=_optional_int, default=None)
+    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--micro-batch-size", type=int, required=True)
     p.add_argument("--preset", default="bert-large")
-    p.add_argument("--bert_config", default=None)
-    p.add_argument("--init_from", default=None, help="HF BERT directory to start from")
+    p.add_argument("--bert-config", type=_optional_str, default=None)
+    p.add_argument("--init-from", type=_optional_str, default=None, help="HF BERT directory to start from")
     p.add_argument("--seed", type=int, default=12345)
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    p.add_argument("--checkpoint_every", type=int, default=200)
-    p.add_argument("--keep_checkpoints", type=int, default=3)
-    p.add_argument("--log_every", type=int, default=10)
-    p.add_argument("--eval_max_sequences", type=int, default=None)
+    p.add_argument("--checkpoint-every", type=int, default=200)
+    p.add_argument("--keep-checkpoints", type=int, default=3)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-max-sequences", type=_optional_int, default=None)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")

@@ -13,6 +13,7 @@ telemetry the figure says so instead of failing.
 import argparse
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -92,13 +93,12 @@ def plot_pretrain(pairs, loss_png, accuracy_png, throughput_png) -> None:
     for axis, (phase, frame, summary) in zip(axes[0], phases):
         batch = summary.get("global_batch_size")
         x = training_time(frame, batch) if batch else frame["step"]
-        axis.plot(x, frame["seq_per_s"], label="sequences/s")
-        axis.set(title=f"{phase}: throughput", xlabel="training time (s)" if batch else "step",
-                 ylabel="sequences / s")
-        if "tokens_per_s" in frame:
-            twin = axis.twinx()
-            twin.plot(x, frame["tokens_per_s"], color="tab:orange", alpha=0.6, label="tokens/s")
-            twin.set_ylabel("tokens / s")
+        axis.plot(x, frame["seq_per_s"])
+        title = f"{phase}: throughput"
+        if "tokens_per_s" in frame:  # proportional to sequences/s, so a number in the title, not a second curve
+            title += f" (mean {frame['tokens_per_s'].mean():,.0f} tokens/s)"
+        axis.set(title=title, xlabel="training time (s)" if batch else "step", ylabel="sequences / s")
+        axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
     _save(figure, throughput_png)
 
@@ -160,8 +160,21 @@ def _to_yaml(value, indent=0) -> str:
             if item:
                 lines.append(_to_yaml(item, indent + 1))
         else:
-            lines.append(f"{pad}{key}: {json.dumps(item)}")
+            lines.append(f"{pad}{key}: {_yaml_scalar(item)}")
     return "\n".join(lines)
+
+
+def _yaml_scalar(value) -> str:
+    """JSON spelling, except floats: YAML 1.1 reads 3e-05 as a string, so write 3.0e-05."""
+    if isinstance(value, float) and math.isfinite(value):
+        text = repr(value)
+        mantissa, _, exponent = text.partition("e")
+        if exponent and "." not in mantissa:
+            text = f"{mantissa}.0e{exponent}"
+        return text
+    if isinstance(value, float):
+        return ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+    return json.dumps(value)
 
 
 def write_config(config_json: str, output) -> None:

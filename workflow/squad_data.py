@@ -5,7 +5,7 @@ A feature is one window of `[CLS] question [SEP] context-window [SEP]`, `max_seq
 A training answer outside a window is labelled (0, 0), i.e. [CLS], as the reference implementations do.
 
     python -m workflow.squad_data --input data/download/squad/train.json --vocab data/vocab.txt \
-        --version 1.1 --training --output data/squad/train_features.npz
+        --version 1.1 --split train --output data/squad/train_features.npz
 """
 import argparse
 import io
@@ -279,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
     parser.add_argument("--output", required=True, help="features .npz")
     parser.add_argument("--version", default="1.1", choices=sorted(FILE_VERSIONS))
-    parser.add_argument("--training", action="store_true", help="training features (no offsets)")
+    parser.add_argument("--split", choices=["train", "dev"], default="dev",
+                        help="train: training features (labels, no offsets); dev: evaluation features")
     parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--max-seq-length", type=int, default=384)
     parser.add_argument("--doc-stride", type=int, default=128)
@@ -289,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     examples = load_squad(args.input, args.version)
     tokenizer = load_tokenizer(args.vocab, args.lowercase)
     features = featurize(
-        examples, tokenizer, args.max_seq_length, args.doc_stride, args.max_query_length, args.training
+        examples, tokenizer, args.max_seq_length, args.doc_stride, args.max_query_length, args.split == "train"
     )
     save_features(args.output, features)
     labelled = int((features["start_positions"] > 0).sum())

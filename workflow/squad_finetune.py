@@ -194,8 +194,14 @@ def _finetune(env, init, features_path, output, run_dir, vocab, metrics_path, le
                ("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions")}
     metrics_file = None
     if env.is_main and metrics_path is not None:
-        Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(Path(metrics_path).with_name(Path(metrics_path).name + ".partial"), "a" if step else "w")
+        partial = Path(metrics_path).with_name(Path(metrics_path).name + ".partial")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if step and partial.is_file():  # drop lines logged after the checkpoint we resume from
+            kept = [line for line in partial.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line)["step"] <= step]
+        metrics_file = open(partial, "w")
+        metrics_file.writelines(kept)
     log.info("fine-tuning %d features, %d steps (%d per epoch), batch %d = %d x %d ranks x %d accumulation, %s",
              n, total_steps, steps_per_epoch, batch_size, micro_batch_size, env.world_size, accumulation, precision)
 
@@ -304,7 +310,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=500)
     parser.add_argument("--keep-checkpoints", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads of torch (the rule's threads)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     code = finetune(args.init, args.features, args.output, args.run_dir, args.vocab, args.metrics,
                     args.learning_rate, args.epochs, args.batch_size, args.micro_batch_size, args.warmup_proportion,
                     args.weight_decay, args.seed, args.precision, args.checkpoint_every, args.keep_checkpoints,

@@ -142,9 +142,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--null-score-diff-threshold", type=float, default=0.0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads of torch (the rule's threads)")
     args = parser.parse_args(argv)
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from workflow.squad_finetune import load_qa_model, resolve_precision
 

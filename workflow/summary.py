@@ -1,6 +1,6 @@
 """The run in one table: pretraining losses/accuracies/throughput per phase and the SQuAD EM/F1.
 
-    python -m workflow.summary --pretrain phase1=results/pretrain/phase1 --pretrain phase2=results/pretrain/phase2 \
+    python -m workflow.summary --phase phase1=results/pretrain/phase1 --phase phase2=results/pretrain/phase2 \
         --squad-eval results/squad/eval.json --squad-metrics results/squad/finetune_metrics.jsonl \
         --output results/summary.csv
     python -m workflow.summary --print results/summary.csv      # the table, EM/F1 and where the report is
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--print", dest="print_path", metavar="CSV", help="print an existing summary.csv")
     parser.add_argument("--report", default="report.html", help="the report file --print points to")
-    parser.add_argument("--pretrain", action="append", type=_key_value, default=[], metavar="PHASE=DIR",
+    parser.add_argument("--phase", action="append", type=_key_value, default=[], metavar="PHASE=DIR",
                         help="a pretraining result directory (metrics.jsonl, summary.json); repeatable")
     parser.add_argument("--squad-eval", help="results/squad/eval.json")
     parser.add_argument("--squad-metrics", help="fine-tuning metrics JSONL")
@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if not args.output:
         parser.error("--output is required unless --print is given")
-    rows = summarize(dict(args.pretrain), args.squad_eval, args.squad_metrics)
+    rows = summarize(dict(args.phase), args.squad_eval, args.squad_metrics)
     write_text(args.output, to_csv(rows))
     log.info("%d numbers -> %s", len(rows), args.output)
 

@@ -1,0 +1,130 @@
+"""results/summary.csv, its printout, and the report figures made from the metrics files."""
+import csv
+import json
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+import yaml
+
+from workflow import report, summary
+from workflow.cli import UserError
+
+
+def _phase(directory, steps, batch=32, telemetry=False):
+    """A pretraining result directory as the pretrain stage writes it (metrics every 5 steps)."""
+    directory.mkdir(parents=True)
+    with open(directory / "metrics.jsonl", "w") as handle:
+        for step in range(5, steps + 1, 5):
+            handle.write(json.dumps({"step": step, "loss": 10 - step / 10, "mlm_loss": 9 - step / 10,
+                                     "nsp_loss": 0.69, "mlm_accuracy": step / 100, "lr": 1e-3, "grad_norm": 1.0,
+                                     "seq_per_s": 80.0 if step <= 10 else 160.0,
+                                     "tokens_per_s": 128 * (80.0 if step <= 10 else 160.0)}) + "\n")
+    (directory / "summary.json").write_text(json.dumps({
+        "steps": steps, "seq_per_s": 150.5, "tokens_per_s": 19264.0, "train_time_s": 12.0,
+        "global_batch_size": batch, "test_mlm_accuracy": 0.25, "test_nsp_accuracy": 0.6, "device": "cpu"}))
+    if telemetry:
+        lines = ["time,gpu,power_w,temperature_c,sm_clock_mhz,memory_clock_mhz,utilization_gpu_pct,"
+                 "utilization_memory_pct,memory_used_mib,memory_total_mib"]
+        lines += [f"{1000 + t},{g},{300 + t},{60 + g},1980,2619,{90 + g},40,{50000 + t},143771"
+                  for t in range(20) for g in range(2)]
+        (directory / "gpu_telemetry.csv").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+@pytest.fixture
+def run(tmp_path):
+    phase1 = _phase(tmp_path / "pretrain" / "phase1", 60)
+    phase2 = _phase(tmp_path / "pretrain" / "phase2", 20, batch=16)
+    squad = tmp_path / "squad"
+    squad.mkdir()
+    (squad / "eval.json").write_text(json.dumps({"version": "1.1", "exact_match": 12.5, "f1": 34.5678,
+                                                 "total": 40, "missing": 0}))
+    (squad / "finetune_metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "epoch": s / 10, "loss": 5 / s, "lr": 1e-4, "grad_norm": 1.0,
+                            "seq_per_s": 100.0}) + "\n" for s in (10, 20, 30)))
+    return tmp_path, phase1, phase2, squad
+
+
+def test_summary_table_holds_the_key_numbers_of_each_stage(run, tmp_path, repo_env):
+    _, phase1, phase2, squad = run
+    output = tmp_path / "summary.csv"
+    subprocess.run([sys.executable, "-m", "workflow.summary", "--phase", f"phase1={phase1}",
+                    "--phase", f"phase2={phase2}", "--squad-eval", str(squad / "eval.json"),
+                    "--squad-metrics", str(squad / "finetune_metrics.jsonl"), "--output", str(output)],
+                   check=True, env=repo_env, capture_output=True)
+    with open(output, newline="") as handle:
+        table = {(r["stage"], r["metric"]): r["value"] for r in csv.DictReader(handle)}
+    assert table[("phase1", "steps")] == "60" and table[("phase2", "steps")] == "20"
+    assert table[("phase1", "final_loss")] == "4" and table[("phase2", "final_loss")] == "8"  # last lines
+    assert table[("phase1", "final_mlm_accuracy")] == "0.6"
+    assert table[("phase2", "seq_per_s")] == "150.5" and table[("phase1", "test_mlm_accuracy")] == "0.25"
+    assert table[("squad", "exact_match")] == "12.5" and table[("squad", "f1")] == "34.5678"
+    assert table[("squad", "finetune_final_loss")] == "0.166667"
+
+    printed = subprocess.run([sys.executable, "-m", "workflow.summary", "--print", str(output), "--report",
+                              str(tmp_path / "report.html")], check=True, env=repo_env, capture_output=True,
+                             text=True).stdout
+    assert "SQuAD v1.1 dev: EM 12.50  F1 34.57  (40 questions)" in printed
+    assert f"snakemake --report {tmp_path / 'report.html'}" in printed
+    (tmp_path / "report.html").write_text("<html></html>")
+    printed = summary.render(summary.read_summary(output), tmp_path / "report.html")
+    assert printed.splitlines()[-1] == f"Report: {tmp_path / 'report.html'}"
+
+
+def test_summary_names_the_bad_metrics_line(run):
+    _, phase1, _, _ = run
+    with open(phase1 / "metrics.jsonl", "a") as handle:
+        handle.write("{not json\n")
+    with pytest.raises(UserError, match=r"metrics.jsonl:13: not valid JSON"):
+        summary.summarize({"phase1": phase1}, None)
+
+
+def test_training_time_integrates_steps_over_throughput(run):
+    _, phase1, _, _ = run
+    frame = report.read_metrics(phase1 / "metrics.jsonl")
+    seconds = report.training_time(frame, 32)
+    # 5 steps x 32 sequences at 80/s = 2 s per window for the first two windows, then 1 s per window
+    assert seconds.tolist()[:4] == pytest.approx([2.0, 4.0, 5.0, 6.0])
+    assert seconds.iloc[-1] == pytest.approx(4.0 + 10 * 1.0)
+
+
+def test_pretrain_plots_have_a_panel_per_phase(run, tmp_path):
+    _, phase1, phase2, _ = run
+    outputs = {name: tmp_path / f"{name}.png" for name in ("loss", "accuracy", "throughput")}
+    report.plot_pretrain([("phase1", phase1), ("phase2", phase2)], outputs["loss"], outputs["accuracy"],
+                         outputs["throughput"])
+    loss = matplotlib.image.imread(outputs["loss"])
+    accuracy = matplotlib.image.imread(outputs["accuracy"])
+    assert loss.shape[1] > 1.5 * loss.shape[0]  # two panels side by side
+    assert accuracy.shape[0] > 200 and accuracy.std() > 0  # a drawn figure, not a blank canvas
+    single = tmp_path / "single.png"
+    report.plot_pretrain([("phase1", phase1)], single, tmp_path / "a.png", tmp_path / "t.png")
+    assert matplotlib.image.imread(single).shape[1] < 0.7 * loss.shape[1]
+
+
+def test_telemetry_plot_copes_with_no_gpu_and_draws_panels_with_one(run, tmp_path):
+    _, phase1, phase2, _ = run
+    without = tmp_path / "without.png"
+    report.plot_telemetry([("phase1", phase1), ("phase2", phase2)], without)
+    with_gpu = tmp_path / "with.png"
+    _phase(tmp_path / "gpu" / "phase1", 20, telemetry=True)
+    report.plot_telemetry([("phase1", tmp_path / "gpu" / "phase1"), ("phase2", phase2)], with_gpu)
+    note, panels = matplotlib.image.imread(without), matplotlib.image.imread(with_gpu)
+    assert note.shape[0] < 300 < panels.shape[0]  # a one-line note vs. four stacked panels
+
+
+def test_squad_plot_and_config_yaml(run, tmp_path):
+    _, _, _, squad = run
+    report.plot_squad(squad / "finetune_metrics.jsonl", squad / "eval.json", tmp_path / "squad.png")
+    assert matplotlib.image.imread(tmp_path / "squad.png").std() > 0
+    config = {"seed": 1, "squad": {"version": "1.1", "init_from": None, "learning_rate": 3e-5, "big": 1e20, "tiny": 1.5e-7},
+              "encode": {"phase1": {"max_seq_length": 128}}, "empty": {}}
+    report.write_config(json.dumps(config), tmp_path / "config.yaml")
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == config
+
+
+def test_missing_metrics_are_a_clear_error(tmp_path):
+    with pytest.raises(UserError, match=str(tmp_path / "metrics.jsonl")):
+        report.read_metrics(tmp_path / "metrics.jsonl")
