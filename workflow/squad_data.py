@@ -167,8 +167,9 @@ def max_context_flags(spans: list[tuple[int, int]], span_index: int) -> np.ndarr
 
 def char_span_to_tokens(offsets: Sequence[tuple[int, int]], start_char: int, end_char: int) -> tuple[int, int]:
     """Context-token span covering characters [start_char, end_char), or (-1, -1) if no token overlaps."""
-    start = next((i for i, (s, e) in enumerate(offsets) if e > start_char and e > s), -1)
-    end = next((i for i in range(len(offsets) - 1, -1, -1) if offsets[i][0] < end_char and offsets[i][1] > offsets[i][0]), -1)
+    non_empty = [i for i, (s, e) in enumerate(offsets) if e > s]
+    start = next((i for i in non_empty if offsets[i][1] > start_char), -1)
+    end = next((i for i in reversed(non_empty) if offsets[i][0] < end_char), -1)
     if start < 0 or end < start:
         return -1, -1
     return start, end
@@ -191,7 +192,8 @@ def featurize(
     """
     max_tokens_for_doc = max_seq_length - max_query_length - 3
     if max_tokens_for_doc < 1:
-        raise UserError(f"max_seq_length {max_seq_length} leaves no room for the context after max_query_length {max_query_length}")
+        raise UserError(f"max_seq_length {max_seq_length} leaves no room for the context after "
+                        f"max_query_length {max_query_length}")
     cls_id, sep_id, pad_id = (tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
     if None in (cls_id, sep_id, pad_id):
         raise UserError("vocab lacks one of [CLS], [SEP], [PAD]")
@@ -214,13 +216,18 @@ def featurize(
             )
         spans = doc_spans(len(doc_ids), max_seq_length - len(query_ids) - 3, doc_stride)
         for span_index, (span_start, span_length) in enumerate(spans):
-            ids = [cls_id, *query_ids, sep_id, *doc_ids[span_start : span_start + span_length], sep_id]
+            # one compact numpy row per window: python lists of ints would take GBs for SQuAD's 88k questions
+            ids = np.full(max_seq_length, pad_id, dtype=np.int32)
             doc_offset = len(query_ids) + 2
-            types = [0] * doc_offset + [1] * (span_length + 1)
-            padding = max_seq_length - len(ids)
-            rows["input_ids"].append(ids + [pad_id] * padding)
-            rows["token_type_ids"].append(types + [0] * padding)
-            rows["attention_mask"].append([1] * len(ids) + [0] * padding)
+            length = doc_offset + span_length + 1
+            ids[:length] = [cls_id, *query_ids, sep_id, *doc_ids[span_start : span_start + span_length], sep_id]
+            types = np.zeros(max_seq_length, dtype=np.int8)
+            types[doc_offset:length] = 1
+            mask = np.zeros(max_seq_length, dtype=np.int8)
+            mask[:length] = 1
+            rows["input_ids"].append(ids)
+            rows["token_type_ids"].append(types)
+            rows["attention_mask"].append(mask)
             span_end = span_start + span_length - 1
             if answer_start >= 0 and span_start <= answer_start and answer_end <= span_end:
                 rows["start_positions"].append(answer_start - span_start + doc_offset)
@@ -239,9 +246,9 @@ def featurize(
                 rows["token_is_max_context"].append(flags)
 
     features = {
-        "input_ids": np.asarray(rows["input_ids"], dtype=np.int32),
-        "token_type_ids": np.asarray(rows["token_type_ids"], dtype=np.int8),
-        "attention_mask": np.asarray(rows["attention_mask"], dtype=np.int8),
+        "input_ids": np.stack(rows["input_ids"]),
+        "token_type_ids": np.stack(rows["token_type_ids"]),
+        "attention_mask": np.stack(rows["attention_mask"]),
         "start_positions": np.asarray(rows["start_positions"], dtype=np.int32),
         "end_positions": np.asarray(rows["end_positions"], dtype=np.int32),
         "example_index": np.asarray(rows["example_index"], dtype=np.int32),

@@ -131,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise UserError(f"{args.predictions}: expected a JSON object of question id -> answer text")
     result = evaluate(dataset, predictions, args.version, args.dataset)
     write_json(args.output, result)
-    log.info("EM %.2f  F1 %.2f  over %d questions -> %s", result["exact_match"], result["f1"], result["total"], args.output)
+    log.info("EM %.2f  F1 %.2f  over %d questions -> %s", result["exact_match"], result["f1"], result["total"],
+             args.output)
 
 
 if __name__ == "__main__":

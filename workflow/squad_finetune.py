@@ -190,7 +190,8 @@ def _finetune(env, init, features_path, output, run_dir, vocab, metrics_path, le
     if env.distributed:
         train_model = nn.parallel.DistributedDataParallel(
             model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
-    tensors = {k: torch.from_numpy(features[k].astype(np.int64)) for k in
+    # compact int32/int8 arrays, widened per batch (SQuAD train in int64 would take ~1 GB per rank)
+    tensors = {k: torch.from_numpy(features[k]) for k in
                ("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions")}
     metrics_file = None
     if env.is_main and metrics_path is not None:
@@ -226,7 +227,7 @@ def _finetune(env, init, features_path, output, run_dir, vocab, metrics_path, le
             loss_sum = torch.zeros((), device=env.device)
             for micro in range(accumulation):
                 part = mine[micro * micro_batch_size:(micro + 1) * micro_batch_size]
-                batch = {k: v[part].to(env.device, non_blocking=True) for k, v in tensors.items()}
+                batch = {k: v[part].long().to(env.device, non_blocking=True) for k, v in tensors.items()}
                 sync = micro == accumulation - 1 or not env.distributed
                 context = train_model.no_sync() if not sync else _null_context()
                 with context:
