@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -128,12 +129,28 @@ def broadcast_object(obj, src: int = 0):
     return obj
 
 
+def _job_layout(environ) -> tuple[int, int]:
+    """(tasks, nodes) of the Slurm job: from the environment, else from `scontrol show job` (the Snakemake Slurm
+    plugin runs a job's command with every SLURM_* variable except SLURM_JOB_ID removed)."""
+    if "SLURM_NTASKS" in environ:
+        nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or "1"
+        return int(environ["SLURM_NTASKS"] or "1"), int(nodes)
+    out = subprocess.run(["scontrol", "show", "job", environ["SLURM_JOB_ID"]], check=True, capture_output=True,
+                         text=True).stdout
+    fields = dict(re.findall(r"(\w+)=(\S+)", out))
+    return int(fields["NumTasks"]), int(fields["NumNodes"])
+
+
 def launch_command(command: list[str], environ=os.environ) -> list[str]:
-    """The command line that runs `command` on every task of the Slurm job (srun), or `command` itself."""
-    tasks = int(environ.get("SLURM_NTASKS", "1") or "1")
+    """The command line that runs `command` on every task of the Slurm job (srun), or `command` itself.
+
+    In a Slurm batch step it always uses srun, even for one task: the time-limit warning (--signal) reaches steps.
+    """
     inside_step = "SLURM_STEP_ID" in environ or "RANK" in environ  # already one process per task
-    if tasks > 1 and not inside_step:
-        return ["srun", f"--ntasks={tasks}", "--kill-on-bad-exit=1", *command]
+    if ("SLURM_JOB_ID" in environ or "SLURM_NTASKS" in environ) and not inside_step:
+        tasks, nodes = _job_layout(environ)
+        spread = [f"--nodes={nodes}", f"--ntasks-per-node={tasks // nodes}"] if nodes > 1 else []
+        return ["srun", f"--ntasks={tasks}", *spread, "--kill-on-bad-exit=1", *command]
     return command
 
 
