@@ -37,6 +37,26 @@ def phase_of_seq(wildcards):
     raise ValueError(f"no phase in config 'encode' has max_seq_length {wildcards.seq}")
 
 
+def vocab_shard_indices():
+    """The training shards a vocab is trained on: the first vocab.training_shards (null: all)."""
+    n_shards = config["shard"]["n_training_shards"]
+    return range(min(n_shards, config["vocab"]["training_shards"] or n_shards))
+
+
+def max_predictions_per_seq(wildcards):
+    """max_predictions_per_seq of the phase whose max_seq_length is wildcards.seq."""
+    return config["encode"][phase_of_seq(wildcards)]["max_predictions_per_seq"]
+
+
+def encoded_shards(wildcards):
+    """Every encoded shard, both splits, of sequence length wildcards.seq."""
+    return [
+        f"data/encoded_seq{wildcards.seq}/{split}/shard_{index}.hdf5"
+        for split in SPLITS
+        for index in shard_indices(split)
+    ]
+
+
 def all_targets():
     """What `snakemake all` builds: the data, both pretraining phases, the SQuAD evaluation."""
     return [

@@ -2,20 +2,6 @@
 # directory a trainer reads, data/hdf5_seq{seq}: both splits hard-linked from data/encoded_seq{seq} + manifest.json.
 
 
-def max_predictions_per_seq(wildcards):
-    """max_predictions_per_seq of the phase whose max_seq_length is wildcards.seq."""
-    return config["encode"][phase_of_seq(wildcards)]["max_predictions_per_seq"]
-
-
-def encoded_shards(wildcards):
-    """Every encoded shard, both splits, of sequence length wildcards.seq."""
-    return [
-        f"data/encoded_seq{wildcards.seq}/{split}/shard_{index}.hdf5"
-        for split in SPLITS
-        for index in shard_indices(split)
-    ]
-
-
 rule encode:
     input:
         tokenized="data/tokenized/{split}/shard_{index}.npz",

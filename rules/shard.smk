@@ -9,8 +9,8 @@ rule shard:
     input:
         expand("data/formatted/{source}.txt", source=CORPORA),
     output:
-        training=expand("data/shards/training/shard_{index}.txt", index=shard_indices("training")),
-        test=expand("data/shards/test/shard_{index}.txt", index=shard_indices("test")),
+        # one directory, not thousands of files: Snakemake's DAG cost grows with outputs per job x consumers
+        directory("data/shards"),
     params:
         n_training_shards=config["shard"]["n_training_shards"],
         n_test_shards=config["shard"]["n_test_shards"],
@@ -25,6 +25,6 @@ rule shard:
     shell:
         "python -m workflow.shard --input {input:q} --input-style {params.style}"
         " --punkt-model={params.punkt_model:q}"
-        " --training-dir data/shards/training --test-dir data/shards/test"
+        " --output-dir {output:q}"
         " --n-training-shards {params.n_training_shards} --n-test-shards {params.n_test_shards}"
         " --test-fraction {params.test_fraction} --seed {params.seed} 2> {log}"

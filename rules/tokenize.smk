@@ -3,7 +3,7 @@
 
 rule tokenize:
     input:
-        text="data/shards/{split}/shard_{index}.txt",
+        shards="data/shards",
         vocab="data/vocab.txt",
     output:
         "data/tokenized/{split}/shard_{index}.npz",
@@ -15,5 +15,6 @@ rule tokenize:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.tokenize --text {input.text} --vocab {input.vocab} --output {output}"
+        "python -m workflow.tokenize --text {input.shards}/{wildcards.split}/shard_{wildcards.index}.txt"
+        " --vocab {input.vocab} --output {output}"
         " {params.lowercase} --threads {threads} 2> {log}"

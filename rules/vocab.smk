@@ -2,12 +2,6 @@
 # trainer is not deterministic across runs, so it is trained once and kept.
 
 
-def vocab_shard_indices():
-    """The training shards a vocab is trained on: the first vocab.training_shards (null: all)."""
-    n_shards = config["shard"]["n_training_shards"]
-    return range(min(n_shards, config["vocab"]["training_shards"] or n_shards))
-
-
 if config["vocab"]["file"]:
 
     rule vocab:
@@ -26,7 +20,7 @@ else:
 
     rule vocab:
         input:
-            expand("data/shards/training/shard_{index}.txt", index=vocab_shard_indices()),
+            "data/shards",
         output:
             "data/vocab.txt",
         params:

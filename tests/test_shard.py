@@ -100,15 +100,14 @@ def test_articles_style_input_still_gives_one_sentence_per_line(formatted, tmp_p
 
 def test_too_many_shards_for_the_corpus_is_a_one_line_error_with_no_output(formatted, tmp_path, repo_env):
     command = [sys.executable, "-m", "workflow.shard", "--input", *map(str, formatted),
-               "--training-dir", str(tmp_path / "training"), "--test-dir", str(tmp_path / "test"),
-               "--n-training-shards", "40", "--n-test-shards", "4"]  # fmt: skip
+               "--output-dir", str(tmp_path / "shards"), "--n-training-shards", "40", "--n-test-shards", "4"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=repo_env)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         "error: corpus too small: 43 documents cannot fill 40 training + 4 test shards "
         "(test_fraction 0.1 puts 4 in test); use fewer shards or more text"
     )
-    assert not (tmp_path / "training").exists() or not any((tmp_path / "training").iterdir())
+    assert list(tmp_path.iterdir()) == []  # nothing promoted, no temporary left behind
 
 
 def test_missing_input_is_an_error(tmp_path):
@@ -135,13 +134,15 @@ def test_snakemake_runs_download_extract_format_shard_on_the_sample_over_http(tm
                            "checksum_url": f"{server.url}/enwiki-sample-md5sums.txt"}
     config["bookcorpus"]["source"] = str(sample_dir / "books")
     (work / "config.yaml").write_text(yaml.safe_dump(config))
-    targets = [f"data/shards/training/shard_{i}.txt" for i in range(4)] + ["data/shards/test/shard_0.txt"]
+    targets = ["data/shards"]
+    shard_files = [f"data/shards/training/shard_{i}.txt" for i in range(4)] + ["data/shards/test/shard_0.txt"]
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", *targets, "--cores", "2", "--configfile", "config.yaml"],
         cwd=work, capture_output=True, text=True, env=repo_env,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    files = [work / target for target in targets]
+    assert sorted(str(p.relative_to(work)) for p in (work / "data/shards").glob("*/*")) == sorted(shard_files)
+    files = [work / name for name in shard_files]
     sharded = collections.Counter(doc for f in files for doc in documents_of(f))
     corpus = collections.Counter(doc for name in ("wikipedia", "bookcorpus")
                                  for doc in documents_of(work / "data" / "formatted" / f"{name}.txt"))

@@ -154,15 +154,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--input", nargs="+", required=True, help="formatted corpora, in order")
     parser.add_argument("--input-style", choices=["sentences", "articles"], default="sentences")
     parser.add_argument("--punkt-model", default=None, help="articles style only: punkt_tab model directory")
-    parser.add_argument("--training-dir", required=True)
-    parser.add_argument("--test-dir", required=True)
+    parser.add_argument("--output-dir", required=True, help="gets training/ and test/ shard folders, whole or not at all")
     parser.add_argument("--n-training-shards", type=int, required=True)
     parser.add_argument("--n-test-shards", type=int, required=True)
     parser.add_argument("--test-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=12345)
     args = parser.parse_args(argv)
-    shard_corpus(args.input, args.training_dir, args.test_dir, args.n_training_shards, args.n_test_shards,
-                 args.test_fraction, args.seed, args.input_style, args.punkt_model or None)
+    with atomic_path(args.output_dir) as output_dir:
+        shard_corpus(args.input, output_dir / "training", output_dir / "test", args.n_training_shards,
+                     args.n_test_shards, args.test_fraction, args.seed, args.input_style, args.punkt_model or None)
 
 
 if __name__ == "__main__":
