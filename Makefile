@@ -17,6 +17,7 @@ setup: $(INSTALLED)
 
 demo: $(INSTALLED)
 	$(RUN) snakemake all --profile profiles/local --configfile sample/config.yaml
+	$(RUN) snakemake all --configfile sample/config.yaml --report report.html
 	$(RUN) python -m workflow.summary --print results/summary.csv
 
 test: $(INSTALLED)

@@ -65,4 +65,5 @@ def all_targets():
         "results/pretrain/phase2/model",
         "results/squad/eval.json",
         "results/summary.csv",
+        *REPORT_TARGETS,
     ]

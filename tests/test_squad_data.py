@@ -16,7 +16,7 @@ DEV = "squad/dev-sample.json"
 
 
 @pytest.fixture(scope="module")
-def vocab(tmp_path_factory, ):
+def vocab(tmp_path_factory):
     """A real WordPiece vocab trained on the sample's text (small, so words split into pieces)."""
     from tokenizers import BertWordPieceTokenizer
 

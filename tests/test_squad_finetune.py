@@ -1,8 +1,10 @@
 """SQuAD fine-tuning learns on a synthetic QA set, exports an HF-loadable QA model, and resumes exactly."""
 import json
 import random
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -31,10 +33,22 @@ def synthetic_squad(n: int, seed: int, prefix: str) -> dict:
     return {"version": "1.1", "data": [{"title": "synthetic", "paragraphs": paragraphs}]}
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: on a busy 2-core machine two spinning OpenMP threads make these runs ~10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
+    return make_synthetic(tmp_path_factory.mktemp("synthetic"))
+
+
+def make_synthetic(root):
     """Train/dev JSON, a whole-word vocab, features (seq 32) and a randomly initialised tiny BERT export."""
-    root = tmp_path_factory.mktemp("synthetic")
     (root / "train.json").write_text(json.dumps(synthetic_squad(200, 1, "t")))
     (root / "dev.json").write_text(json.dumps(synthetic_squad(60, 2, "d")))
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "?", "the", "is", "what", "code", *FILLER, *VALUES]
@@ -69,8 +83,8 @@ def test_finetuning_learns_far_above_trivial_baselines(synthetic, tmp_path):
     first_value = squad_eval.evaluate(json.loads((root / "dev.json").read_text()), first_values)["f1"]
 
     code = squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run",
-                                   metrics_path=tmp_path / "metrics.jsonl", learning_rate=3e-3, epochs=25,
-                                   batch_size=16, micro_batch_size=16, warmup_proportion=0.1, log_every=13,
+                                   metrics_path=tmp_path / "metrics.jsonl", learning_rate=1e-3, epochs=25,
+                                   batch_size=8, micro_batch_size=8, warmup_proportion=0.1, log_every=25,
                                    device="cpu")
     assert code == 0
     trained = dev_f1(tmp_path / "model", dev_examples, dev, root / "dev.json")
@@ -78,7 +92,8 @@ def test_finetuning_learns_far_above_trivial_baselines(synthetic, tmp_path):
     print(f"dev F1: untrained {untrained:.1f}, first word {first_word:.1f}, first value {first_value:.1f}, "
           f"fine-tuned {trained:.1f}; "
           f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    assert trained >= 60 and trained >= max(untrained, first_word) + 45 and trained > first_value + 10
+    # measured: 95.0 here (75-95 over other seeds/thread counts) vs. 10.9 / 0.0 / 53.3 for the baselines
+    assert trained >= 70 and trained >= max(untrained, first_word) + 55 and trained >= first_value + 15
     assert losses[-1] < losses[0] / 3
     assert not (tmp_path / "run").exists()  # checkpoints are scratch, removed once the model is exported
 
@@ -110,7 +125,7 @@ def test_killed_finetuning_resumes_to_the_identical_model(synthetic, tmp_path, r
         return [sys.executable, "-m", "workflow.squad_finetune", "--init", str(root / "init"),
                 "--features", str(root / "train.npz"), "--output", str(tmp_path / name), "--run-dir",
                 str(tmp_path / f"run-{name}"), "--learning-rate", "1e-3", "--epochs", "1", "--batch-size", "32",
-                "--micro-batch-size", "16", "--checkpoint-every", "2", "--precision", "fp32", "--log-every", "1",
+                "--micro-batch-size", "16", "--checkpoint-every", "2", "--precision", "fp32", "--log-every", "1", "--threads", "1",
                 "--metrics", str(tmp_path / f"{name}.jsonl")]
 
     subprocess.run(command("straight"), check=True, env=repo_env, capture_output=True)
@@ -126,6 +141,31 @@ def test_killed_finetuning_resumes_to_the_identical_model(synthetic, tmp_path, r
         return [(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())]
 
     assert losses("resumed") == losses("straight") and [s for s, _ in losses("straight")] == list(range(1, 8))
+
+
+def test_sigterm_checkpoints_and_exits_then_a_rerun_finishes(synthetic, tmp_path, repo_env):
+    root, _, _ = synthetic
+    command = [sys.executable, "-m", "workflow.squad_finetune", "--init", str(root / "init"), "--features",
+               str(root / "train.npz"), "--output", str(tmp_path / "model"), "--run-dir", str(tmp_path / "run"),
+               "--epochs", "20", "--batch-size", "8", "--micro-batch-size", "8", "--checkpoint-every", "10000",
+               "--log-every", "1", "--metrics", str(tmp_path / "metrics.jsonl"), "--threads", "1"]
+    process = subprocess.Popen(command, env=repo_env, stderr=subprocess.PIPE, text=True)
+    partial = tmp_path / "metrics.jsonl.partial"
+    deadline = time.time() + 120
+    while not (partial.exists() and partial.read_text().count("\n") >= 3) and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    saved = sorted(p.name for p in (tmp_path / "run").glob("step_*.pt"))
+    assert len(saved) == 1 and not (tmp_path / "model").exists()  # a checkpoint at the stop, no model
+    stopped_at = int(saved[0][len("step_"):-len(".pt")])
+    assert 3 <= stopped_at < 500
+
+    rerun = subprocess.run(command, env=repo_env, capture_output=True, text=True, check=True)
+    assert f"at step {stopped_at}/500" in rerun.stderr
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 501))
 
 
 def test_batch_size_must_split_into_micro_batches(synthetic, tmp_path):

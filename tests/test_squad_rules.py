@@ -67,6 +67,7 @@ def _snakemake(root, *extra):
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     return subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", *extra,
+                           "--set-threads", "squad_finetune=1", "squad_predict=1",
                            "--configfile", "sample/config.yaml", "fast.yaml"], cwd=root, env=env, capture_output=True, text=True)
 
 

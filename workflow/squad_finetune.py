@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import time
@@ -167,10 +168,13 @@ def _finetune(env, init, features_path, output, run_dir, vocab, metrics_path, le
         optimizer, lambda step: linear_warmup_decay(step, total_steps, warmup_proportion))
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
 
-    # A checkpoint belongs to this run only if the run's defining settings agree.
+    # A checkpoint belongs to this run only if the run's defining settings and inputs agree (a re-made
+    # features file has a new mtime, so Snakemake rerunning featurize also restarts fine-tuning).
     fingerprint = {"init": str(Path(init).resolve()), "features": str(Path(features_path).resolve()),
-                   "n_features": n, "total_steps": total_steps, "batch_size": batch_size,
-                   "learning_rate": learning_rate, "seed": seed, "world_size": env.world_size}
+                   "features_mtime_ns": os.stat(features_path).st_mtime_ns, "n_features": n,
+                   "total_steps": total_steps, "batch_size": batch_size, "learning_rate": learning_rate,
+                   "warmup_proportion": warmup_proportion, "weight_decay": weight_decay, "seed": seed,
+                   "world_size": env.world_size}
     step = 0
     state, path = checkpoint.load_latest_checkpoint(run_dir)
     if state is not None and state.get("fingerprint") == json.dumps(fingerprint, sort_keys=True):
