@@ -1,4 +1,5 @@
 """Command-line plumbing shared by every stage: logging to the rule's log and one-line errors."""
+import argparse
 import logging
 import sys
 from typing import Callable, Sequence
@@ -6,6 +7,14 @@ from typing import Callable, Sequence
 
 class UserError(Exception):
     """Bad input, config or environment. The message names the file/key/line at fault."""
+
+
+def phase_directory(text: str) -> tuple[str, str]:
+    """argparse type for `PHASE=DIRECTORY` (e.g. `phase1=results/pretrain/phase1`)."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected PHASE=DIRECTORY, got {text!r}")
+    phase, directory = text.split("=", 1)
+    return phase, directory
 
 
 def run(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:

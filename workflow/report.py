@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from workflow.atomic import atomic_path, write_text  # noqa: E402
-from workflow.cli import UserError, run  # noqa: E402
+from workflow.cli import UserError, phase_directory, run  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -186,23 +186,16 @@ def write_config(config_json: str, output) -> None:
                + _to_yaml(config) + "\n")
 
 
-def _pair(text: str) -> tuple[str, str]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected PHASE=DIRECTORY, got {text!r}")
-    phase, directory = text.split("=", 1)
-    return phase, directory
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     pretrain = commands.add_parser("pretrain", help="loss, MLM accuracy and throughput plots")
-    pretrain.add_argument("--phase", action="append", type=_pair, required=True, metavar="PHASE=DIR")
+    pretrain.add_argument("--phase", action="append", type=phase_directory, required=True, metavar="PHASE=DIR")
     pretrain.add_argument("--loss", required=True)
     pretrain.add_argument("--accuracy", required=True)
     pretrain.add_argument("--throughput", required=True)
     telemetry = commands.add_parser("telemetry", help="GPU telemetry plot (or a note when there is none)")
-    telemetry.add_argument("--phase", action="append", type=_pair, required=True, metavar="PHASE=DIR")
+    telemetry.add_argument("--phase", action="append", type=phase_directory, required=True, metavar="PHASE=DIR")
     telemetry.add_argument("--output", required=True)
     squad = commands.add_parser("squad", help="fine-tuning loss with the dev EM/F1")
     squad.add_argument("--metrics", required=True)

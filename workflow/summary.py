@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from workflow.atomic import write_text
-from workflow.cli import UserError, run
+from workflow.cli import UserError, phase_directory, run
 
 log = logging.getLogger(__name__)
 
@@ -132,18 +132,11 @@ def render(rows: list[dict], report: str | Path = "report.html") -> str:
     return "\n".join(lines)
 
 
-def _key_value(text: str) -> tuple[str, str]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected PHASE=DIRECTORY, got {text!r}")
-    phase, directory = text.split("=", 1)
-    return phase, directory
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--print", dest="print_path", metavar="CSV", help="print an existing summary.csv")
     parser.add_argument("--report", default="report.html", help="the report file --print points to")
-    parser.add_argument("--phase", action="append", type=_key_value, default=[], metavar="PHASE=DIR",
+    parser.add_argument("--phase", action="append", type=phase_directory, default=[], metavar="PHASE=DIR",
                         help="a pretraining result directory (metrics.jsonl, summary.json); repeatable")
     parser.add_argument("--squad-eval", help="results/squad/eval.json")
     parser.add_argument("--squad-metrics", help="fine-tuning metrics JSONL")
