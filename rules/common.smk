@@ -1,8 +1,28 @@
 # Config validation, shared path helpers and input functions. No rule lives here.
+import jsonschema
+import yaml
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 
-validate(config, "../config.schema.yaml")
+def config_error(config, schema_path):
+    """One line naming the first bad config key as a dotted path (jsonschema's best match) and what is wrong."""
+    with open(schema_path) as stream:
+        schema = yaml.safe_load(stream)
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(config))
+    key = ".".join(str(part) for part in error.absolute_path)
+    if error.validator == "additionalProperties":
+        unknown = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+        prefix = f"{key}." if key else ""
+        dotted = ", ".join(f"'{prefix}{name}'" for name in unknown)
+        return f"config: unknown key {dotted} (every key is listed in config.schema.yaml)"
+    return f"config key '{key}': {error.message}"
+
+
+try:
+    validate(config, "../config.schema.yaml")  # also fills in the schema's defaults
+except WorkflowError:
+    raise ValueError(config_error(config, f"{workflow.basedir}/config.schema.yaml")) from None
 
 SPLITS = ["training", "test"]
 PHASES = ["phase1", "phase2"]

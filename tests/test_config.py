@@ -1,0 +1,34 @@
+"""A bad config (unknown key, wrong type, value out of range) stops Snakemake before any job, naming the key."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def dry_run(*config: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "data/hdf5_seq128", "--config", *config],
+                          cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("shard={n_trainng_shards: 4}",
+     "config: unknown key 'shard.n_trainng_shards' (every key is listed in config.schema.yaml)"),
+    ("colour=blue", "config: unknown key 'colour' (every key is listed in config.schema.yaml)"),
+    ("seed=abc", "config key 'seed': 'abc' is not of type 'integer'"),
+    ("format={style: paragraphs}", "config key 'format.style': 'paragraphs' is not one of ['sentences', 'articles']"),
+    ("shard={n_training_shards: 0}", "config key 'shard.n_training_shards': 0 is less than the minimum of 1"),
+])
+def test_bad_config_is_one_line_naming_the_key_and_plans_nothing(override, message):
+    result = dry_run(override)
+    assert result.returncode == 1
+    assert message in (result.stdout + result.stderr).splitlines()
+    assert "Job stats" not in result.stdout + result.stderr
+
+
+def test_shipped_configs_are_valid_and_defaults_are_filled():
+    result = subprocess.run([sys.executable, "-m", "snakemake", "-n", "all", "--configfile", "sample/config.yaml"],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "pretrain_phase2" in result.stdout
