@@ -112,3 +112,37 @@ def test_a_complete_part_left_before_the_rename_is_verified_and_promoted(served,
     assert destination.read_bytes() == (sample_dir / DUMP).read_bytes()
     size = (sample_dir / DUMP).stat().st_size
     assert served.requests[-1] == (f"/{DUMP}", f"bytes={size}-")  # answered 416: nothing left to send
+
+
+def test_latest_name_is_checked_against_the_dated_line_of_the_dump_sites_list(served, sample_dir, tmp_path):
+    # dumps.wikimedia.org's enwiki-latest-md5sums.txt names enwiki-YYYYMMDD-..., never enwiki-latest-...
+    latest = "enwiki-latest-pages-articles.xml.bz2"
+    shutil.copy(sample_dir / DUMP, served.directory / latest)
+    md5 = hashlib.md5((sample_dir / DUMP).read_bytes()).hexdigest()
+    (served.directory / "enwiki-latest-md5sums.txt").write_text(
+        f"{'0' * 32}  enwiki-20240601-pages-articles-multistream.xml.bz2\n{md5}  enwiki-20240601-pages-articles.xml.bz2\n"
+    )
+    destination = fetch(f"{served.url}/{latest}", tmp_path / "w.bz2", f"{served.url}/enwiki-latest-md5sums.txt")
+    assert hashlib.md5(destination.read_bytes()).hexdigest() == md5
+    (served.directory / "bad-latest-md5sums.txt").write_text(f"{'0' * 32}  enwiki-20240601-pages-articles.xml.bz2\n")
+    with pytest.raises(UserError, match="md5 mismatch"):
+        fetch(f"{served.url}/{latest}", tmp_path / "v.bz2", f"{served.url}/bad-latest-md5sums.txt")
+
+
+def test_a_503_from_an_overloaded_mirror_is_retried(served, sample_dir, tmp_path, monkeypatch):
+    import urllib.error
+    import urllib.request
+
+    real_urlopen, calls = urllib.request.urlopen, []
+
+    def flaky_urlopen(request, *args, **kwargs):
+        if isinstance(request, urllib.request.Request):  # the dump, not the checksum list
+            calls.append(request)
+            if len(calls) == 1:
+                raise urllib.error.HTTPError(request.full_url, 503, "Service Unavailable", {}, None)
+        return real_urlopen(request, *args, **kwargs)
+
+    monkeypatch.setattr(urllib.request, "urlopen", flaky_urlopen)
+    destination = fetch(f"{served.url}/{DUMP}", tmp_path / "w.bz2", f"{served.url}/enwiki-sample-md5sums.txt")
+    assert destination.read_bytes() == (sample_dir / DUMP).read_bytes()
+    assert len(calls) >= 2

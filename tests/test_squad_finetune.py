@@ -168,6 +168,15 @@ def test_sigterm_checkpoints_and_exits_then_a_rerun_finishes(synthetic, tmp_path
     assert steps == list(range(1, 501))
 
 
+def test_learning_rate_never_exceeds_the_peak_with_a_fractional_warmup():
+    from workflow.squad_finetune import linear_warmup_decay
+
+    total = 25  # warmup 0.1 x 25 = 2.5 steps: step 2 would give 3 / 2.5 = 1.2 unclamped
+    multipliers = [linear_warmup_decay(step, total, 0.1) for step in range(total)]
+    assert max(multipliers) == 1.0 and multipliers[0] < multipliers[1] < multipliers[2]
+    assert multipliers[-1] > 0 and linear_warmup_decay(total, total, 0.1) == 0.0
+
+
 def test_batch_size_must_split_into_micro_batches(synthetic, tmp_path):
     root, _, _ = synthetic
     with pytest.raises(squad_finetune.UserError, match="batch_size 24 is not a multiple of micro_batch_size 16"):

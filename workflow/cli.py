@@ -1,6 +1,7 @@
 """Command-line plumbing shared by every stage: logging to the rule's log and one-line errors."""
 import argparse
 import logging
+import signal
 import sys
 from typing import Callable, Sequence
 
@@ -17,6 +18,10 @@ def phase_directory(text: str) -> tuple[str, str]:
     return phase, directory
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds `atomic_path` blocks: a cancelled job leaves no temporary behind
+
+
 def run(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
     """Run a stage's `main`; a UserError becomes `error: <message>` on stderr and exit status 1."""
     logging.basicConfig(
@@ -24,6 +29,7 @@ def run(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # scancel, Snakemake's shutdown
     try:
         main(argv)
     except UserError as error:

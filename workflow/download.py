@@ -60,14 +60,27 @@ def read_small(url: str, timeout: float = 60) -> str:
 
 
 def expected_checksum(checksum_url: str, name: str) -> tuple[str, str]:
-    """(algorithm, hex digest) listed for file `name` in an md5sums/sha1sums list (`<hex>  <name>` lines)."""
+    """(algorithm, hex digest) listed for file `name` in an md5sums/sha1sums list (`<hex>  <name>` lines).
+
+    The dump site's `*-latest-md5sums.txt` names files by dump date (enwiki-20240601-pages-articles.xml.bz2),
+    not as `latest`: a `-latest-` name falls back to the one dated name it stands for.
+    """
+    listed: dict[str, tuple[str, str]] = {}
     for line in read_small(checksum_url).splitlines():
         fields = line.split()
-        if len(fields) == 2 and fields[1].lstrip("*") == name:
+        if len(fields) == 2:
             digest = fields[0].lower()
             algorithm = HASH_BY_HEX_LENGTH.get(len(digest))
             if algorithm and re.fullmatch(r"[0-9a-f]+", digest):
-                return algorithm, digest
+                listed.setdefault(fields[1].lstrip("*"), (algorithm, digest))
+    if name in listed:
+        return listed[name]
+    if "-latest-" in name:
+        before, after = name.split("-latest-", 1)
+        dated = re.compile(f"{re.escape(before)}-[0-9]{{8}}-{re.escape(after)}")
+        matches = [digest for listed_name, digest in listed.items() if dated.fullmatch(listed_name)]
+        if len(matches) == 1:
+            return matches[0]
     raise UserError(f"{checksum_url}: no md5/sha1 checksum line for {name!r}")
 
 
@@ -108,6 +121,8 @@ def _http_attempt(url: str, part: Path, label: str, timeout: float) -> None:
     except urllib.error.HTTPError as error:
         if error.code == 416 and offset:  # nothing left to send: .part is complete (or garbage: checksum decides)
             return
+        if error.code >= 500 or error.code == 429:  # overloaded or rate-limiting mirror: retried with backoff
+            raise
         raise UserError(f"{url}: HTTP {error.code} {error.reason}") from error
     except urllib.error.URLError as error:
         raise UserError(f"{url}: {error.reason}") from error

@@ -124,7 +124,9 @@ def build_model(preset: str, bert_config: str | None, init_from: str | None, voc
 
 def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        # Not emulated bf16 (V100 "supports" it at a fraction of fp32 speed): native on compute capability >= 8.
+        native = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        return "bf16" if native else "fp32"
     if precision == "fp16" and device.type != "cuda":
         raise UserError("config pretrain.precision: fp16 needs a CUDA device (use fp32 or bf16 on CPU)")
     return precision
@@ -275,6 +277,8 @@ def _pretrain(s: TrainSettings, env) -> dict:
     torch.manual_seed(s.seed)  # identical initial weights on every rank
     config, model = build_model(s.preset, s.bert_config, s.init_from, read_vocab_size(s.vocab), seq_length)
     model.to(env.device)
+    if env.distributed:  # own dropout masks per rank (as NVIDIA seeds seed + rank); weights stay identical
+        torch.manual_seed(s.seed + env.rank)
     optimizer, optimizer_name = make_optimizer(model, s.learning_rate)
     scheduler = make_scheduler(optimizer, s.total_steps, s.warmup_proportion)
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None

@@ -8,6 +8,7 @@ import argparse
 import heapq
 import logging
 import random
+from array import array
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -46,13 +47,13 @@ def documents(path: Path, style: str) -> Iterator[list[str]]:
 
 def measure(inputs: Sequence[Path], style: str) -> np.ndarray:
     """Pass 1: the size in bytes of every document, in corpus order (its size in a shard, blank line included)."""
-    sizes = []
+    sizes = array("q")  # 8 bytes per document (a list of ints would take ~36 on a 6M-article dump)
     for path in inputs:
         if not path.is_file():
             raise UserError(f"{path}: no such file")
         for document in tqdm(documents(path, style), desc=f"measure {path.name}", unit=" docs"):
             sizes.append(sum(len(line.encode("utf-8")) + 1 for line in document) + 1)
-    return np.asarray(sizes, dtype=np.int64)
+    return np.frombuffer(sizes, dtype=np.int64).copy()
 
 
 def assign(sizes: np.ndarray, n_training: int, n_test: int, test_fraction: float, seed: int) -> np.ndarray:

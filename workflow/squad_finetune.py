@@ -75,7 +75,8 @@ def load_qa_model(directory: str | Path, require_head: bool = False) -> tuple[Be
 def resolve_precision(precision: str, device: torch.device) -> str:
     """auto -> bf16 on GPUs that support it, fp32 otherwise."""
     if precision == "auto":
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        # Not emulated bf16 (V100 "supports" it at a fraction of fp32 speed): native on compute capability >= 8.
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
         return "bf16" if cuda_bf16 else "fp32"
     if precision in ("bf16", "fp16") and device.type != "cuda":
         raise UserError(f"precision {precision} needs a GPU (this run is on {device.type})")
@@ -96,7 +97,7 @@ def linear_warmup_decay(step: int, total_steps: int, warmup_proportion: float) -
     """LR multiplier: linear 0 -> 1 over the warmup steps, then linear 1 -> 0 at total_steps."""
     warmup = warmup_proportion * total_steps
     if step < warmup:
-        return (step + 1) / warmup
+        return min(1.0, (step + 1) / warmup)  # a fractional warmup must not overshoot the peak lr
     return max(0.0, (total_steps - step) / max(1.0, total_steps - warmup))
 
 
@@ -161,6 +162,8 @@ def _finetune(env, init, features_path, output, run_dir, vocab, metrics_path, le
         raise UserError(f"{features_path}: max_seq_length {features['input_ids'].shape[1]} exceeds the model's "
                         f"max_position_embeddings {config.max_position_embeddings}")
     model.to(env.device)
+    if env.distributed:  # own dropout masks per rank; DDP broadcasts rank 0's weights
+        torch.manual_seed(seed + env.rank)
     precision = resolve_precision(precision, env.device)
     optimizer = torch.optim.AdamW(optimizer_groups(model, weight_decay), lr=learning_rate, betas=(0.9, 0.999),
                                   eps=1e-6)
