@@ -48,15 +48,19 @@ def corpus_text(n_documents: int, seed: int) -> str:
     return "\n\n".join(documents) + "\n"
 
 
+def tokenized_shard(directory, n_documents, vocab_size, seed):
+    """A vocab trained on a generated shard, and that shard tokenized: (vocab path, tokenized path, Vocab)."""
+    text = directory / "shard_0.txt"
+    text.write_text(corpus_text(n_documents, seed=seed), encoding="utf-8")
+    train_vocab([text], directory / "vocab.txt", size=vocab_size, lowercase=True)
+    tokenize_shard(text, directory / "vocab.txt", directory / "shard_0.npz")
+    return directory / "vocab.txt", directory / "shard_0.npz", Vocab.read(directory / "vocab.txt")
+
+
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
     """A trained vocab and one tokenized shard: (vocab path, tokenized path, Vocab)."""
-    directory = tmp_path_factory.mktemp("encode")
-    text = directory / "shard_0.txt"
-    text.write_text(corpus_text(300, seed=1), encoding="utf-8")
-    train_vocab([text], directory / "vocab.txt", size=300, lowercase=True)
-    tokenize_shard(text, directory / "vocab.txt", directory / "shard_0.npz")
-    return directory / "vocab.txt", directory / "shard_0.npz", Vocab.read(directory / "vocab.txt")
+    return tokenized_shard(tmp_path_factory.mktemp("encode"), n_documents=300, vocab_size=300, seed=1)
 
 
 def build(shard, settings: EncodeSettings, seed: int = 7):
@@ -161,12 +165,7 @@ def test_short_seq_prob_makes_some_instances_short(shard):
 @pytest.fixture(scope="module")
 def split_shard(tmp_path_factory):
     """A shard tokenized with a tiny vocab, so most words are several WordPieces."""
-    directory = tmp_path_factory.mktemp("split")
-    text = directory / "shard_0.txt"
-    text.write_text(corpus_text(60, seed=2), encoding="utf-8")
-    train_vocab([text], directory / "vocab.txt", size=100, lowercase=True)
-    tokenize_shard(text, directory / "vocab.txt", directory / "shard_0.npz")
-    return directory / "vocab.txt", directory / "shard_0.npz", Vocab.read(directory / "vocab.txt")
+    return tokenized_shard(tmp_path_factory.mktemp("split"), n_documents=60, vocab_size=100, seed=2)
 
 
 def test_whole_word_masking_masks_every_piece_of_a_word(split_shard):

@@ -218,14 +218,13 @@ def test_empty_data_directory_is_named(tmp_path, data, capsys):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_auto_precision_picks_bf16_only_where_the_gpu_has_it_natively(monkeypatch, native):
-    from workflow import pretrain as pretrain_module
-    from workflow import squad_finetune
+    from workflow.precision import resolve_precision
 
     # A V100 reports bf16 "supported" through emulation (slow); an A100/H100 natively.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or including_emulation)
     expected = "bf16" if native else "fp32"
-    assert pretrain_module.resolve_precision("auto", torch.device("cuda")) == expected
-    assert squad_finetune.resolve_precision("auto", torch.device("cuda")) == expected
+    for config_key in ("pretrain.precision", "squad.precision"):  # one function serves both stages
+        assert resolve_precision("auto", torch.device("cuda"), config_key) == expected
 
 
 def test_global_batch_not_divisible_names_the_config_key(data, tmp_path):

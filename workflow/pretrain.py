@@ -39,6 +39,7 @@ from workflow.cli import UserError, run
 from workflow.lamb import make_optimizer, make_scheduler
 from workflow.model import (BertConfig, BertForPreTraining, count_parameters, flops_per_sequence, load_pretrained,
                             load_weights, pretraining_loss, save_pretrained)
+from workflow.precision import autocast, resolve_precision
 from workflow.pretraining_data import PretrainingStream, iterate_in_order, list_shards
 from workflow.telemetry import GpuTelemetry
 
@@ -120,23 +121,6 @@ def build_model(preset: str, bert_config: str | None, init_from: str | None, voc
             log.warning("init_from %s: missing %s, unexpected %s (kept freshly initialised)", init_from, missing,
                         unexpected)
     return config, model
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision == "auto":
-        # Not emulated bf16 (V100 "supports" it at a fraction of fp32 speed): native on compute capability >= 8.
-        native = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-        return "bf16" if native else "fp32"
-    if precision == "fp16" and device.type != "cuda":
-        raise UserError("config pretrain.precision: fp16 needs a CUDA device (use fp32 or bf16 on CPU)")
-    return precision
-
-
-def autocast(device: torch.device, precision: str):
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -269,7 +253,7 @@ def _pretrain(s: TrainSettings, env) -> dict:
     train_shards = list_shards(s.data_dir, "training")
     test_shards = list_shards(s.data_dir, "test")
     seq_length = train_shards[0].seq_length
-    precision = resolve_precision(s.precision, env.device)
+    precision = resolve_precision(s.precision, env.device, "pretrain.precision")
     run_dir = Path(s.run_dir)
     checkpoint_dir = run_dir / "checkpoints"
     metrics_path = run_dir / "metrics.jsonl"

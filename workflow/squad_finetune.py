@@ -9,6 +9,7 @@ checkpoint and exit). The result is an HF directory (BertForQuestionAnswering na
         --features data/squad/train_features.npz --output results/squad/model --run-dir runs/squad
 """
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from workflow import checkpoint, distributed
 from workflow.atomic import atomic_path, write_text
 from workflow.cli import UserError, run
 from workflow.model import BertConfig, BertModel, load_pretrained, load_weights, save_pretrained
+from workflow.precision import autocast, resolve_precision
 from workflow.squad_data import load_features
 
 log = logging.getLogger(__name__)
@@ -70,17 +72,6 @@ def load_qa_model(directory: str | Path, require_head: bool = False) -> tuple[Be
     if require_head and any(k.startswith("qa_outputs.") for k in missing):
         raise UserError(f"{directory}: no question-answering head (qa_outputs.*): not a fine-tuned SQuAD model")
     return model, config
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """auto -> bf16 on GPUs that support it, fp32 otherwise."""
-    if precision == "auto":
-        # Not emulated bf16 (V100 "supports" it at a fraction of fp32 speed): native on compute capability >= 8.
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-        return "bf16" if cuda_bf16 else "fp32"
-    if precision in ("bf16", "fp16") and device.type != "cuda":
-        raise UserError(f"precision {precision} needs a GPU (this run is on {device.type})")
-    return precision
 
 
 def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -164,7 +155,7 @@ def _finetune(env, init, features_path, output, run_dir, vocab, metrics_path, le
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank; DDP broadcasts rank 0's weights
         torch.manual_seed(seed + env.rank)
-    precision = resolve_precision(precision, env.device)
+    precision = resolve_precision(precision, env.device, "squad.precision")
     optimizer = torch.optim.AdamW(optimizer_groups(model, weight_decay), lr=learning_rate, betas=(0.9, 0.999),
                                   eps=1e-6)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -236,10 +227,9 @@ def _finetune(env, init, features_path, output, run_dir, vocab, metrics_path, le
                 part = mine[micro * micro_batch_size:(micro + 1) * micro_batch_size]
                 batch = {k: v[part].long().to(env.device, non_blocking=True) for k, v in tensors.items()}
                 sync = micro == accumulation - 1 or not env.distributed
-                context = train_model.no_sync() if not sync else _null_context()
+                context = train_model.no_sync() if not sync else contextlib.nullcontext()
                 with context:
-                    with torch.autocast(env.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
-                                        enabled=precision in ("bf16", "fp16")):
+                    with autocast(env.device, precision):
                         start_logits, end_logits = train_model(
                             batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
                     loss = qa_loss(start_logits, end_logits, batch["start_positions"], batch["end_positions"])
@@ -289,14 +279,6 @@ def _finetune(env, init, features_path, output, run_dir, vocab, metrics_path, le
         shutil.rmtree(run_dir, ignore_errors=True)  # scratch: the finished model supersedes the checkpoints
         log.info("fine-tuned model -> %s", output)
     return 0
-
-
-class _null_context:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from workflow.atomic import write_text
 from workflow.cli import UserError, run
+from workflow.precision import autocast, resolve_precision
 from workflow.squad_data import SquadExample, load_features, load_squad
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,7 @@ def compute_logits(model, features: dict[str, np.ndarray], batch_size: int, devi
                 k: torch.from_numpy(features[k][begin : begin + batch_size].astype(np.int64)).to(device)
                 for k in ("input_ids", "token_type_ids", "attention_mask")
             }
-            with torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
-                                enabled=precision in ("bf16", "fp16")):
+            with autocast(device, precision):
                 start, end = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
             starts.append(start.float().cpu().numpy())
             ends.append(end.float().cpu().numpy())
@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from workflow.squad_finetune import load_qa_model, resolve_precision
+    from workflow.squad_finetune import load_qa_model
 
     examples = load_squad(args.dataset, args.version)
     features = load_features(args.features)
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _config = load_qa_model(args.model, require_head=True)
     model.to(device)
-    precision = resolve_precision(args.precision, device)
+    precision = resolve_precision(args.precision, device, "squad.precision")
     start_logits, end_logits = compute_logits(model, features, args.batch_size, device, precision)
     predictions, nbest, null_odds = postprocess(
         examples, features, start_logits, end_logits, args.n_best_size, args.max_answer_length,

@@ -1,0 +1,25 @@
+"""Mixed precision shared by pretraining and SQuAD: choosing fp32/bf16/fp16 and the matching autocast."""
+import contextlib
+
+import torch
+
+from workflow.cli import UserError
+
+
+def resolve_precision(precision: str, device: torch.device, config_key: str) -> str:
+    """`auto` -> bf16 where the GPU has it natively, else fp32; fp16 off CUDA is an error naming `config_key`."""
+    if precision == "auto":
+        # Not emulated bf16 (V100 "supports" it at a fraction of fp32 speed): native on compute capability >= 8.
+        native = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        return "bf16" if native else "fp32"
+    if precision == "fp16" and device.type != "cuda":
+        raise UserError(f"config {config_key}: fp16 needs a CUDA device (use fp32 or bf16 on CPU)")
+    return precision
+
+
+def autocast(device: torch.device, precision: str):
+    """The autocast context of `precision` on `device` (none for fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
