@@ -1,4 +1,4 @@
-"""Stage plumbing: a cancelled job (SIGTERM) exits non-zero and leaves neither output nor temporary behind."""
+"""Stage plumbing: SIGTERM unwinds a stage's atomic outputs, while its forked pool workers still die at once."""
 import signal
 import subprocess
 import sys
@@ -30,3 +30,25 @@ def test_sigterm_mid_write_exits_143_and_removes_the_temporary(tmp_path):
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []
+
+
+POOL_STAGE = textwrap.dedent("""
+    import multiprocessing, os, signal
+    from workflow.cli import run
+
+    def handler_in_worker(_):
+        return signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    def main(argv):
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            print(all(pool.map(handler_in_worker, range(8))), flush=True)
+        # Pool.__exit__ terminated the workers with SIGTERM: a worker that unwound instead would hang this join
+
+    run(main)
+""")
+
+
+def test_forked_pool_workers_keep_the_default_sigterm_so_pool_shutdown_cannot_hang():
+    result = subprocess.run([sys.executable, "-c", POOL_STAGE], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"

@@ -1,6 +1,7 @@
 """Command-line plumbing shared by every stage: logging to the rule's log and one-line errors."""
 import argparse
 import logging
+import os
 import signal
 import sys
 from typing import Callable, Sequence
@@ -30,6 +31,8 @@ def run(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
         stream=sys.stderr,
     )
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # scancel, Snakemake's shutdown
+    # Forked workers (multiprocessing.Pool) must die on SIGTERM as Pool.terminate() expects, not unwind: restore.
+    os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     try:
         main(argv)
     except UserError as error:
