@@ -18,7 +18,7 @@ setup: $(INSTALLED)
 demo: $(INSTALLED)
 	$(RUN) snakemake all --profile profiles/local --configfile sample/config.yaml
 	$(RUN) snakemake all --configfile sample/config.yaml --report report.html
-	$(RUN) python -m workflow.summary --print results/summary.csv
+	$(RUN) python -m workflow.report.summary --print results/summary.csv
 
 test: $(INSTALLED)
 	$(RUN) python -m pytest -q -n 2 tests

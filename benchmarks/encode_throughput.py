@@ -3,7 +3,7 @@
     python benchmarks/encode_throughput.py [--mb 26] [--vocab data/vocab.txt]
 
 Text as in tokenize_throughput.py (sample shards repeated, else synthetic English-like), tokenized once. Each
-encode runs as its own process (`python -m workflow.encode`, as the rule does): wall time, CPU time and peak RSS
+encode runs as its own process (`python -m workflow.data.encode`, as the rule does): wall time, CPU time and peak RSS
 come from that process's rusage. NVIDIA DLE's create_pretraining_data.py, measured on this machine by the issue
 (one core, 26 MB of Wikipedia text): 3,837 instances/s at 128, 1,370 at 512, 1.66 GB peak. Targets: >= 75k/s at
 128, >= 27k/s at 512, peak RSS <= 0.4 GB.
@@ -31,7 +31,7 @@ PREDICTIONS = {128: 20, 512: 80}
 
 def run_encode(tokenized: Path, vocab: Path, output: Path, length: int, whole_word_masking: bool) -> dict:
     """One encode job in its own process: wall/CPU seconds, peak RSS, instances, bytes written."""
-    command = [sys.executable, "-m", "workflow.encode", "--tokenized", str(tokenized), "--vocab", str(vocab),
+    command = [sys.executable, "-m", "workflow.data.encode", "--tokenized", str(tokenized), "--vocab", str(vocab),
                "--output", str(output), "--max-seq-length", str(length), "--max-predictions-per-seq",
                str(PREDICTIONS[length]), "--split", "training", "--shard-index", "0"]
     command += ["--whole-word-masking"] if whole_word_masking else []
@@ -95,8 +95,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from tokenize_throughput import english_like_text
-    from workflow.tokenize import tokenize_shard
-    from workflow.vocab import train_vocab
+    from workflow.data.tokenize import tokenize_shard
+    from workflow.data.vocab import train_vocab
 
     with tempfile.TemporaryDirectory() as name:
         directory = Path(name)

@@ -76,8 +76,8 @@ def main() -> None:
     parser.add_argument("--vocab", help="vocab.txt (default: train one on the text)")
     args = parser.parse_args()
 
-    from workflow.tokenize import bert_tokenizer, read_documents, tokenize_shard
-    from workflow.vocab import train_vocab
+    from workflow.data.tokenize import bert_tokenizer, read_documents, tokenize_shard
+    from workflow.data.vocab import train_vocab
 
     with tempfile.TemporaryDirectory() as directory:
         text_path = Path(directory) / "shard_0.txt"

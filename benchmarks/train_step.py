@@ -3,12 +3,12 @@
     python benchmarks/train_step.py                 # CPU: both models, same config/batch/seq/optimizer; the ratio
     python benchmarks/train_step.py --gpu           # CUDA: BERT-large phase 1 (and 2) bf16 seq/s and MFU
 
-Both sides run the same step: forward, MLM + NSP loss, backward, LAMB (workflow.lamb.Lamb, the same param
+Both sides run the same step: forward, MLM + NSP loss, backward, LAMB (workflow.train.lamb.Lamb, the same param
 groups), fp32 on CPU. Ours computes the MLM head at the masked positions only; HF computes it at every position
 (its design). Steps alternate between the two models so machine noise hits both alike.
 
 GPU MFU = seq/s x FLOPs per sequence / peak, peak = 790 TFLOP/s (measured dense bf16 matmul on an H200).
-FLOPs per sequence (workflow.model.flops_per_sequence, matmuls only, training = 3 x forward):
+FLOPs per sequence (workflow.train.model.flops_per_sequence, matmuls only, training = 3 x forward):
     3 x [ n_layers x L x (2 (4h^2 + 2 h i) + 4 L h)  +  P (2 h^2 + 2 h V)  +  2 h^2 ]
 with L the sequence length, h hidden, i intermediate, V vocab, P masked positions per sequence
 (BERT-large, V 30528: 240.6 GFLOP per phase-1 sequence, 1020.5 GFLOP per phase-2 sequence; NVIDIA's published
@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workflow.lamb import Lamb, param_groups  # noqa: E402
-from workflow.model import BertConfig, BertForPreTraining, flops_per_sequence, pretraining_loss  # noqa: E402
+from workflow.train.lamb import Lamb, param_groups  # noqa: E402
+from workflow.train.model import BertConfig, BertForPreTraining, flops_per_sequence, pretraining_loss  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12
 

@@ -12,7 +12,7 @@ rule download_wikipedia:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.download file --url {params.url:q} --checksum-url={params.checksum_url:q}"
+        "python -m workflow.data.download file --url {params.url:q} --checksum-url={params.checksum_url:q}"
         " --output {output:q} 2> {log}"
 
 
@@ -26,4 +26,4 @@ rule download_bookcorpus:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.download books --source={params.source:q} --output {output:q} 2> {log}"
+        "python -m workflow.data.download books --source={params.source:q} --output {output:q} 2> {log}"

@@ -22,7 +22,7 @@ rule encode:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.encode --tokenized {input.tokenized} --vocab {input.vocab} --output {output}"
+        "python -m workflow.data.encode --tokenized {input.tokenized} --vocab {input.vocab} --output {output}"
         " --max-seq-length {wildcards.seq} --max-predictions-per-seq {params.max_predictions_per_seq}"
         " --dupe-factor {params.dupe_factor} --masked-lm-prob {params.masked_lm_prob}"
         " --short-seq-prob {params.short_seq_prob} {params.whole_word_masking} --compression {params.compression}"
@@ -44,6 +44,6 @@ rule hdf5_dir:
         "../envs/data.yaml"
     shell:
         # The encoded directory, not {input}: thousands of paths would overflow one shell argument.
-        "python -m workflow.hdf5_dir --encoded data/encoded_seq{wildcards.seq}"
+        "python -m workflow.data.hdf5_dir --encoded data/encoded_seq{wildcards.seq}"
         " --n-training-shards {params.n_training_shards} --n-test-shards {params.n_test_shards}"
         " --threads {threads} --output {output} 2> {log}"

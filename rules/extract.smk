@@ -12,4 +12,4 @@ rule extract_wikipedia:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.extract --input {input:q} --output {output:q} --processes {threads} 2> {log}"
+        "python -m workflow.data.extract --input {input:q} --output {output:q} --processes {threads} 2> {log}"

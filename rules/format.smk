@@ -24,6 +24,6 @@ rule format:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.format --input {input:q} --output {output:q} --style {params.style}"
+        "python -m workflow.data.format --input {input:q} --output {output:q} --style {params.style}"
         " --min-article-chars {params.min_article_chars} --punkt-model={params.punkt_model:q}"
         " --processes {threads} 2> {log}"

@@ -1,6 +1,6 @@
 # Stages 9-10: BERT pretraining, phase 1 (seq 128) then phase 2 (seq 512, initialised from phase 1's export).
 # Checkpoints live in runs/pretrain/{phase}/ (not an output): a rerun after a crash, a Slurm time limit or a retry
-# resumes from the newest valid checkpoint. `python -m workflow.distributed --` runs the trainer once per Slurm task
+# resumes from the newest valid checkpoint. `python -m workflow.train.distributed --` runs the trainer once per Slurm task
 # (srun) when the job has several tasks, else once; rank/world/master come from the environment.
 # GPU telemetry lands in results/pretrain/{phase}/gpu_telemetry.csv when a GPU exists (not declared: absent on CPU).
 
@@ -30,7 +30,7 @@ rule pretrain_phase1:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.distributed -- python -m workflow.pretrain --phase phase1 --data-dir {input.data}"
+        "python -m workflow.train.distributed -- python -m workflow.train.pretrain --phase phase1 --data-dir {input.data}"
         " --vocab {input.vocab} --run-dir runs/pretrain/phase1 --out-model {output.model}"
         " --out-metrics {output.metrics} --out-summary {output.summary}"
         " --out-telemetry results/pretrain/phase1/gpu_telemetry.csv --threads {threads}"
@@ -67,7 +67,7 @@ rule pretrain_phase2:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.distributed -- python -m workflow.pretrain --phase phase2 --data-dir {input.data}"
+        "python -m workflow.train.distributed -- python -m workflow.train.pretrain --phase phase2 --data-dir {input.data}"
         " --vocab {input.vocab} --init-from {input.init} --run-dir runs/pretrain/phase2"
         " --out-model {output.model} --out-metrics {output.metrics} --out-summary {output.summary}"
         " --out-telemetry results/pretrain/phase2/gpu_telemetry.csv --threads {threads}"

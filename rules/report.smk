@@ -32,7 +32,7 @@ rule summary:
     conda:
         "../envs/report.yaml"
     shell:
-        "python -m workflow.summary {params.phases} --squad-eval {input.squad_eval:q}"
+        "python -m workflow.report.summary {params.phases} --squad-eval {input.squad_eval:q}"
         " --squad-metrics {input.squad_metrics:q} --output {output:q} 2> {log}"
 
 
@@ -50,7 +50,7 @@ rule report_pretrain_plots:
     conda:
         "../envs/report.yaml"
     shell:
-        "python -m workflow.report pretrain {params.phases} --loss {output.loss:q}"
+        "python -m workflow.report.report pretrain {params.phases} --loss {output.loss:q}"
         " --accuracy {output.accuracy:q} --throughput {output.throughput:q} 2> {log}"
 
 
@@ -66,7 +66,7 @@ rule report_gpu_telemetry:
     conda:
         "../envs/report.yaml"
     shell:
-        "python -m workflow.report telemetry {params.phases} --output {output:q} 2> {log}"
+        "python -m workflow.report.report telemetry {params.phases} --output {output:q} 2> {log}"
 
 
 rule report_squad_plot:
@@ -80,7 +80,7 @@ rule report_squad_plot:
     conda:
         "../envs/report.yaml"
     shell:
-        "python -m workflow.report squad --metrics {input.metrics:q} --eval {input.squad_eval:q}"
+        "python -m workflow.report.report squad --metrics {input.metrics:q} --eval {input.squad_eval:q}"
         " --output {output:q} 2> {log}"
 
 
@@ -95,4 +95,4 @@ rule report_config:
     conda:
         "../envs/report.yaml"
     shell:
-        "python -m workflow.report config --json {params.config:q} --output {output:q} 2> {log}"
+        "python -m workflow.report.report config --json {params.config:q} --output {output:q} 2> {log}"

@@ -23,7 +23,7 @@ rule shard:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.shard --input {input:q} --input-style {params.style}"
+        "python -m workflow.data.shard --input {input:q} --input-style {params.style}"
         " --punkt-model={params.punkt_model:q}"
         " --output-dir {output:q}"
         " --n-training-shards {params.n_training_shards} --n-test-shards {params.n_test_shards}"

@@ -20,7 +20,7 @@ rule squad_download_train:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.download file --url {params.url:q} --output {output:q} 2> {log}"
+        "python -m workflow.data.download file --url {params.url:q} --output {output:q} 2> {log}"
 
 
 rule squad_download_dev:
@@ -33,7 +33,7 @@ rule squad_download_dev:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.download file --url {params.url:q} --output {output:q} 2> {log}"
+        "python -m workflow.data.download file --url {params.url:q} --output {output:q} 2> {log}"
 
 
 rule squad_featurize:
@@ -53,7 +53,7 @@ rule squad_featurize:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.squad_data --input {input.squad:q} --vocab {input.vocab:q} --output {output:q}"
+        "python -m workflow.squad.data --input {input.squad:q} --vocab {input.vocab:q} --output {output:q}"
         " --split {wildcards.squad_split} --version {params.version} {params.lowercase}"
         " --max-seq-length {params.max_seq_length} --doc-stride {params.doc_stride}"
         " --max-query-length {params.max_query_length} 2> {log}"
@@ -85,7 +85,7 @@ rule squad_finetune:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.distributed -- python -m workflow.squad_finetune"
+        "python -m workflow.train.distributed -- python -m workflow.squad.finetune"
         " --init {input.model:q} --vocab {input.vocab:q} --features {input.features:q}"
         " --output {output.model:q} --metrics {output.metrics:q} --run-dir {params.run_dir}"
         " --learning-rate {params.learning_rate} --epochs {params.epochs} --batch-size {params.batch_size}"
@@ -117,7 +117,7 @@ rule squad_predict:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.squad_predict --model {input.model:q} --features {input.features:q}"
+        "python -m workflow.squad.predict --model {input.model:q} --features {input.features:q}"
         " --dataset {input.squad:q} --predictions {output.predictions:q} --nbest {output.nbest:q}"
         " --version {params.version}"
         " --n-best-size {params.n_best_size} --max-answer-length {params.max_answer_length}"
@@ -139,5 +139,5 @@ rule squad_eval:
     conda:
         "../envs/report.yaml"
     shell:
-        "python -m workflow.squad_eval --dataset {input.squad:q} --predictions {input.predictions:q}"
+        "python -m workflow.squad.evaluate --dataset {input.squad:q} --predictions {input.predictions:q}"
         " --version {params.version} --output {output:q} 2> {log}"

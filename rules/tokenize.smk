@@ -15,6 +15,6 @@ rule tokenize:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.tokenize --text {input.shards}/{wildcards.split}/shard_{wildcards.index}.txt"
+        "python -m workflow.data.tokenize --text {input.shards}/{wildcards.split}/shard_{wildcards.index}.txt"
         " --vocab {input.vocab} --output {output}"
         " {params.lowercase} --threads {threads} 2> {log}"

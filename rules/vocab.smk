@@ -14,7 +14,7 @@ if config["vocab"]["file"]:
         conda:
             "../envs/data.yaml"
         shell:
-            "python -m workflow.vocab --vocab-file {input:q} --output {output} 2> {log}"
+            "python -m workflow.data.vocab --vocab-file {input:q} --output {output} 2> {log}"
 
 else:
 
@@ -33,5 +33,5 @@ else:
             "../envs/data.yaml"
         shell:
             # The shard directory, not {input}: thousands of paths would overflow one shell argument.
-            "python -m workflow.vocab --shard-dir data/shards/training --n-shards {params.n_shards}"
+            "python -m workflow.data.vocab --shard-dir data/shards/training --n-shards {params.n_shards}"
             " --size {params.size} {params.lowercase} --output {output} 2> {log}"

@@ -29,7 +29,7 @@ def test_demo_all_finishes_with_squad_scores(tmp_path):
     evaluation = json.loads((tmp_path / "results/squad/eval.json").read_text())
     assert evaluation["total"] > 0 and evaluation["missing"] == 0
     assert 0 <= evaluation["exact_match"] <= 100 and 0 <= evaluation["f1"] <= 100
-    printed = subprocess.run([sys.executable, "-m", "workflow.summary", "--print", "results/summary.csv"],
+    printed = subprocess.run([sys.executable, "-m", "workflow.report.summary", "--print", "results/summary.csv"],
                              cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
     assert f"EM {evaluation['exact_match']:.2f}  F1 {evaluation['f1']:.2f}" in printed
     assert "Report:" in printed

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from workflow.cli import UserError
-from workflow.download import fetch, fetch_books
+from workflow.data.download import fetch, fetch_books
 
 DUMP = "enwiki-sample-pages-articles.xml.bz2"
 
@@ -82,7 +82,7 @@ def test_checksum_list_not_naming_the_file_is_an_error(served, tmp_path):
 def test_cli_error_is_one_line_naming_the_url(served, tmp_path, repo_env):
     url = f"{served.url}/missing.xml.bz2"
     result = subprocess.run(
-        [sys.executable, "-m", "workflow.download", "file", "--url", url, "--checksum-url=", "--output", str(tmp_path / "x")],
+        [sys.executable, "-m", "workflow.data.download", "file", "--url", url, "--checksum-url=", "--output", str(tmp_path / "x")],
         capture_output=True, text=True, env=repo_env,
     )
     assert result.returncode == 1

@@ -14,11 +14,11 @@ import h5py
 import numpy as np
 import pytest
 
-from workflow.encode import EncodeSettings, Vocab, _truncate_pair, build_batch, encode_shard, plan_instances, shard_rng
+from workflow.data.encode import EncodeSettings, Vocab, _truncate_pair, build_batch, encode_shard, plan_instances, shard_rng
 from workflow.cli import UserError
-from workflow.hdf5_dir import build_hdf5_dir
-from workflow.tokenize import load_tokenized, tokenize_shard
-from workflow.vocab import train_vocab
+from workflow.data.hdf5_dir import build_hdf5_dir
+from workflow.data.tokenize import load_tokenized, tokenize_shard
+from workflow.data.vocab import train_vocab
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = {
@@ -261,7 +261,7 @@ def test_vocab_without_mask_is_a_one_line_error(shard, tmp_path):
     bad = tmp_path / "vocab.txt"
     bad.write_text("".join(t + "\n" for t in vocab.read_text().split("\n") if t and t != "[MASK]"))
     output = tmp_path / "out.hdf5"
-    result = run_stage("workflow.encode", "--tokenized", tokenized, "--vocab", bad, "--output", output,
+    result = run_stage("workflow.data.encode", "--tokenized", tokenized, "--vocab", bad, "--output", output,
                        "--max-seq-length", 128, "--max-predictions-per-seq", 20, "--split", "training",
                        "--shard-index", 0)
     assert result.returncode == 1
@@ -283,7 +283,7 @@ def test_unwritable_output_dir_is_a_clear_error_and_nothing_is_promoted(shard, t
     vocab, tokenized, _ = shard
     for directory in unwritable_dirs(tmp_path):
         output = directory / "shard_0.hdf5"
-        result = run_stage("workflow.encode", "--tokenized", tokenized, "--vocab", vocab, "--output", output,
+        result = run_stage("workflow.data.encode", "--tokenized", tokenized, "--vocab", vocab, "--output", output,
                            "--max-seq-length", 128, "--max-predictions-per-seq", 20, "--split", "training",
                            "--shard-index", 0)
         assert result.returncode == 1

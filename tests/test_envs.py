@@ -159,9 +159,9 @@ def test_gpu_rules_use_the_cuda_env():
 
 
 def test_import_scan_finds_transitive_and_skips_optional_imports(tmp_path):
-    # The scanner itself: workflow.pretrain reaches torch through workflow.* imports; apex (try/except) is optional.
-    pretrain = REPO / "workflow" / "pretrain.py"
+    # The scanner itself: workflow.train.pretrain reaches torch through workflow.* imports; apex (try/except) is optional.
+    pretrain = REPO / "workflow" / "train" / "pretrain.py"
     if not pretrain.exists():
-        pytest.skip("workflow/pretrain.py not present yet")
-    needed = module_imports("workflow.pretrain")
+        pytest.skip("workflow/train/pretrain.py not present yet")
+    needed = module_imports("workflow.train.pretrain")
     assert "torch" in needed and "apex" not in needed, needed

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from workflow.extract import extract
+from workflow.data.extract import extract
 
 DUMP = "enwiki-sample-pages-articles.xml.bz2"
 
@@ -23,7 +23,7 @@ def articles(tmp_path_factory, sample_dir):
 
 def run_cli(dump, output, env):
     return subprocess.run(
-        [sys.executable, "-m", "workflow.extract", "--input", str(dump), "--output", str(output), "--processes", "2"],
+        [sys.executable, "-m", "workflow.data.extract", "--input", str(dump), "--output", str(output), "--processes", "2"],
         capture_output=True, text=True, env=env,
     )
 

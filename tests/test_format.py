@@ -7,8 +7,8 @@ import pytest
 from nltk.tokenize.punkt import PunktSentenceTokenizer
 
 from workflow.cli import UserError
-from workflow.extract import extract
-from workflow.format import format_corpus, read_documents, train_punkt, write_punkt_tab
+from workflow.data.extract import extract
+from workflow.data.format import format_corpus, read_documents, train_punkt, write_punkt_tab
 
 # Each item is one paragraph, as its gold sentences. Abbreviations mid-sentence (must not split) and at the end
 # of a sentence (must split), initials, numbers, quotes: the cases an untrained Punkt gets wrong.
@@ -138,7 +138,7 @@ def test_a_preinstalled_punkt_tab_model_is_used(extracted, tmp_path):
 def test_empty_corpus_after_filtering_is_a_one_line_error(extracted, tmp_path, repo_env):
     output = tmp_path / "out.txt"
     result = subprocess.run(
-        [sys.executable, "-m", "workflow.format", "--input", str(extracted), "--output", str(output),
+        [sys.executable, "-m", "workflow.data.format", "--input", str(extracted), "--output", str(output),
          "--min-article-chars", "1000000"],
         capture_output=True, text=True, env=repo_env,
     )

@@ -3,8 +3,8 @@ import math
 
 import torch
 
-from workflow.lamb import Lamb, PolyWarmup, make_scheduler, param_groups
-from workflow.model import BertConfig, BertForPreTraining
+from workflow.train.lamb import Lamb, PolyWarmup, make_scheduler, param_groups
+from workflow.train.model import BertConfig, BertForPreTraining
 
 
 def reference_lamb(params, grads_per_step, lr, weight_decays, beta1=0.9, beta2=0.999, eps=1e-6, max_grad_norm=1.0):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from workflow.cli import UserError
-from workflow.model import (BertConfig, BertForPreTraining, BertModel, encoder_state_dict, load_pretrained,
+from workflow.train.model import (BertConfig, BertForPreTraining, BertModel, encoder_state_dict, load_pretrained,
                             load_weights, save_pretrained)
 
 transformers = pytest.importorskip("transformers")

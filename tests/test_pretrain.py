@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from workflow import checkpoint as ckpt
+from workflow.train import checkpoint as ckpt
 from workflow.cli import UserError, run
-from workflow.model import BertConfig, load_pretrained
-from workflow.pretrain import TrainSettings, accumulation_steps, main, pretrain
-from workflow.pretraining_data import list_shards, write_synthetic_shards
+from workflow.train.model import BertConfig, load_pretrained
+from workflow.train.pretrain import TrainSettings, accumulation_steps, main, pretrain
+from workflow.train.pretraining_data import list_shards, write_synthetic_shards
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def settings(data, out, **overrides) -> TrainSettings:
 
 
 def command(s: TrainSettings) -> list[str]:
-    argv = [sys.executable, "-m", "workflow.pretrain"]
+    argv = [sys.executable, "-m", "workflow.train.pretrain"]
     for key, value in vars(s).items():
         if value is None or value is False:
             continue
@@ -144,7 +144,7 @@ def test_stop_signal_writes_a_checkpoint_and_exits_non_zero(data, tmp_path, sign
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_stream_started_at_a_position_continues_exactly_like_one_that_got_there(tmp_path, world):
-    from workflow.pretraining_data import PretrainingStream
+    from workflow.train.pretraining_data import PretrainingStream
 
     write_synthetic_shards(tmp_path, n_training_shards=3, sequences_per_shard=21, seed=2)
     shards = list_shards(tmp_path, "training")
@@ -218,7 +218,7 @@ def test_empty_data_directory_is_named(tmp_path, data, capsys):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_auto_precision_picks_bf16_only_where_the_gpu_has_it_natively(monkeypatch, native):
-    from workflow.precision import resolve_precision
+    from workflow.train.precision import resolve_precision
 
     # A V100 reports bf16 "supported" through emulation (slow); an A100/H100 natively.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or including_emulation)
@@ -254,7 +254,7 @@ def _free_port() -> int:
 
 
 def _micro_batches(data_dir, count):
-    from workflow.pretraining_data import PretrainingStream
+    from workflow.train.pretraining_data import PretrainingStream
 
     stream = PretrainingStream(list_shards(data_dir, "training"), 8, seed=1)
     return [next(stream) for _ in range(count)]
@@ -264,9 +264,9 @@ def _ddp_worker(rank, world, port, data_dir, config_path, result_path, full_sett
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from workflow import distributed
-    from workflow.pretrain import build_model, train_step
-    from workflow.lamb import make_optimizer
+    from workflow.train import distributed
+    from workflow.train.pretrain import build_model, train_step
+    from workflow.train.lamb import make_optimizer
 
     env = distributed.setup("cpu")
     torch.manual_seed(0)
@@ -287,8 +287,8 @@ def _ddp_worker(rank, world, port, data_dir, config_path, result_path, full_sett
 
 
 def test_two_process_gloo_ddp_equals_one_process_with_the_same_global_batch(data, tmp_path):
-    from workflow.lamb import make_optimizer
-    from workflow.pretrain import build_model, train_step
+    from workflow.train.lamb import make_optimizer
+    from workflow.train.pretrain import build_model, train_step
 
     config_path = bert_config(tmp_path / "config.json", dropout=0.0)
     full = settings(data, tmp_path / "ddp", total_steps=4, checkpoint_every=2, log_every=2, global_batch_size=16,
@@ -317,7 +317,7 @@ def test_two_process_gloo_ddp_equals_one_process_with_the_same_global_batch(data
 
 
 def test_rank_and_world_come_from_torchrun_or_from_a_slurm_step_only():
-    from workflow.distributed import launch_command, read_environment
+    from workflow.train.distributed import launch_command, read_environment
 
     assert read_environment({}) == (0, 1, 0)
     assert read_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)
@@ -344,10 +344,10 @@ def _slurm_answers() -> bool:
 
 @pytest.mark.skipif(not _slurm_answers(), reason="no idle Slurm node here")
 def test_srun_tasks_join_one_process_group_from_slurm_variables(tmp_path):
-    script = ("import torch; from workflow import distributed as d; e = d.setup('cpu'); t = torch.ones(1) * "
+    script = ("import torch; from workflow.train import distributed as d; e = d.setup('cpu'); t = torch.ones(1) * "
               "(e.rank + 1); d.all_reduce_(t); print(e.rank, e.world_size, int(t.item()), flush=True); d.cleanup()")
     result = subprocess.run(["timeout", "120", "sbatch", "--wait", "--ntasks=2", "-o", str(tmp_path / "out"),
-                             "--wrap", f"{sys.executable} -m workflow.distributed -- {sys.executable} -c \"{script}\""],
+                             "--wrap", f"{sys.executable} -m workflow.train.distributed -- {sys.executable} -c \"{script}\""],
                             cwd=REPO, env=environment(), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr + (tmp_path / "out").read_text(errors="replace")
     lines = sorted(line for line in (tmp_path / "out").read_text().splitlines() if len(line.split()) == 3)

@@ -8,7 +8,7 @@ import matplotlib.image
 import pytest
 import yaml
 
-from workflow import report, summary
+from workflow.report import report, summary
 from workflow.cli import UserError
 
 
@@ -50,7 +50,7 @@ def run(tmp_path):
 def test_summary_table_holds_the_key_numbers_of_each_stage(run, tmp_path, repo_env):
     _, phase1, phase2, squad = run
     output = tmp_path / "summary.csv"
-    subprocess.run([sys.executable, "-m", "workflow.summary", "--phase", f"phase1={phase1}",
+    subprocess.run([sys.executable, "-m", "workflow.report.summary", "--phase", f"phase1={phase1}",
                     "--phase", f"phase2={phase2}", "--squad-eval", str(squad / "eval.json"),
                     "--squad-metrics", str(squad / "finetune_metrics.jsonl"), "--output", str(output)],
                    check=True, env=repo_env, capture_output=True)
@@ -63,7 +63,7 @@ def test_summary_table_holds_the_key_numbers_of_each_stage(run, tmp_path, repo_e
     assert table[("squad", "exact_match")] == "12.5" and table[("squad", "f1")] == "34.5678"
     assert table[("squad", "finetune_final_loss")] == "0.166667"
 
-    printed = subprocess.run([sys.executable, "-m", "workflow.summary", "--print", str(output), "--report",
+    printed = subprocess.run([sys.executable, "-m", "workflow.report.summary", "--print", str(output), "--report",
                               str(tmp_path / "report.html")], check=True, env=repo_env, capture_output=True,
                              text=True).stdout
     assert "SQuAD v1.1 dev: EM 12.50  F1 34.57  (40 questions)" in printed

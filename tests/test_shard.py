@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import yaml
 
-import workflow.shard
+import workflow.data.shard
 from workflow.cli import UserError
-from workflow.extract import extract
-from workflow.format import format_corpus
-from workflow.shard import assign, shard_corpus
+from workflow.data.extract import extract
+from workflow.data.format import format_corpus
+from workflow.data.shard import assign, shard_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def test_same_seed_gives_identical_bytes_and_another_seed_another_assignment(for
 
 def test_small_write_buffers_give_the_same_shards(formatted, tmp_path, monkeypatch):
     _, reference = make_shards(formatted, tmp_path / "a")
-    monkeypatch.setattr(workflow.shard, "BUFFER_BYTES", 512)  # flush every few documents: the streaming path
+    monkeypatch.setattr(workflow.data.shard, "BUFFER_BYTES", 512)  # flush every few documents: the streaming path
     _, streamed = make_shards(formatted, tmp_path / "b")
     assert [f.read_bytes() for f in reference] == [f.read_bytes() for f in streamed]
 
@@ -99,7 +99,7 @@ def test_articles_style_input_still_gives_one_sentence_per_line(formatted, tmp_p
 
 
 def test_too_many_shards_for_the_corpus_is_a_one_line_error_with_no_output(formatted, tmp_path, repo_env):
-    command = [sys.executable, "-m", "workflow.shard", "--input", *map(str, formatted),
+    command = [sys.executable, "-m", "workflow.data.shard", "--input", *map(str, formatted),
                "--output-dir", str(tmp_path / "shards"), "--n-training-shards", "40", "--n-test-shards", "4"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=repo_env)
     assert result.returncode == 1

@@ -7,9 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from workflow import squad_data
+from workflow.squad import data as squad_data
 from workflow.cli import UserError
-from workflow.squad_eval import normalize_answer
+from workflow.squad.evaluate import normalize_answer
 
 TRAIN = "squad/train-sample.json"
 DEV = "squad/dev-sample.json"
@@ -106,7 +106,7 @@ def test_small_windows_leave_some_answers_outside(sample_dir, vocab):
 def test_featurize_cli_is_deterministic(sample_dir, vocab, tmp_path, repo_env):
     outputs = []
     for name in ("a.npz", "b.npz"):
-        subprocess.run([sys.executable, "-m", "workflow.squad_data", "--input", str(sample_dir / DEV),
+        subprocess.run([sys.executable, "-m", "workflow.squad.data", "--input", str(sample_dir / DEV),
                         "--vocab", str(vocab), "--output", str(tmp_path / name), "--max-seq-length", "128",
                         "--doc-stride", "64", "--max-query-length", "32"], check=True, env=repo_env,
                        capture_output=True)
@@ -164,7 +164,7 @@ def test_cli_rejects_malformed_input_without_promoting_output(sample_dir, vocab,
     bad = tmp_path / "train.json"
     bad.write_text(json.dumps(data))
     output = tmp_path / "features.npz"
-    result = subprocess.run([sys.executable, "-m", "workflow.squad_data", "--input", str(bad), "--vocab", str(vocab),
+    result = subprocess.run([sys.executable, "-m", "workflow.squad.data", "--input", str(bad), "--vocab", str(vocab),
                              "--output", str(output), "--split", "train"], env=repo_env, capture_output=True, text=True)
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from workflow.squad_eval import evaluate, exact_match_score, f1_score, normalize_answer
+from workflow.squad.evaluate import evaluate, exact_match_score, f1_score, normalize_answer
 
 
 def _dataset(questions, version="1.1"):
@@ -89,7 +89,7 @@ def test_cli_writes_eval_json_and_rejects_bad_predictions(tmp_path, repo_env):
     predictions = tmp_path / "predictions.json"
     predictions.write_text(json.dumps({"q1": "moon", "q2": "Armstrong"}))
     output = tmp_path / "eval.json"
-    command = [sys.executable, "-m", "workflow.squad_eval", "--dataset", str(dataset),
+    command = [sys.executable, "-m", "workflow.squad.evaluate", "--dataset", str(dataset),
                "--predictions", str(predictions), "--output", str(output)]
     subprocess.run(command, check=True, env=repo_env, capture_output=True)
     result = json.loads(output.read_text())

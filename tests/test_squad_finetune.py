@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from workflow import squad_data, squad_eval, squad_finetune, squad_predict
-from workflow.model import BertConfig, BertForPreTraining, save_pretrained
+from workflow.squad import data as squad_data, evaluate as squad_eval, finetune as squad_finetune, predict as squad_predict
+from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
 
 FILLER = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
           "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -122,7 +122,7 @@ def test_killed_finetuning_resumes_to_the_identical_model(synthetic, tmp_path, r
     root, _, _ = synthetic
 
     def command(name):
-        return [sys.executable, "-m", "workflow.squad_finetune", "--init", str(root / "init"),
+        return [sys.executable, "-m", "workflow.squad.finetune", "--init", str(root / "init"),
                 "--features", str(root / "train.npz"), "--output", str(tmp_path / name), "--run-dir",
                 str(tmp_path / f"run-{name}"), "--learning-rate", "1e-3", "--epochs", "1", "--batch-size", "32",
                 "--micro-batch-size", "16", "--checkpoint-every", "2", "--precision", "fp32", "--log-every", "1", "--threads", "1",
@@ -145,7 +145,7 @@ def test_killed_finetuning_resumes_to_the_identical_model(synthetic, tmp_path, r
 
 def test_sigterm_checkpoints_and_exits_then_a_rerun_finishes(synthetic, tmp_path, repo_env):
     root, _, _ = synthetic
-    command = [sys.executable, "-m", "workflow.squad_finetune", "--init", str(root / "init"), "--features",
+    command = [sys.executable, "-m", "workflow.squad.finetune", "--init", str(root / "init"), "--features",
                str(root / "train.npz"), "--output", str(tmp_path / "model"), "--run-dir", str(tmp_path / "run"),
                "--epochs", "20", "--batch-size", "8", "--micro-batch-size", "8", "--checkpoint-every", "10000",
                "--log-every", "1", "--metrics", str(tmp_path / "metrics.jsonl"), "--threads", "1"]
@@ -169,7 +169,7 @@ def test_sigterm_checkpoints_and_exits_then_a_rerun_finishes(synthetic, tmp_path
 
 
 def test_learning_rate_never_exceeds_the_peak_with_a_fractional_warmup():
-    from workflow.squad_finetune import linear_warmup_decay
+    from workflow.squad.finetune import linear_warmup_decay
 
     total = 25  # warmup 0.1 x 25 = 2.5 steps: step 2 would give 3 / 2.5 = 1.2 unclamped
     multipliers = [linear_warmup_decay(step, total, 0.1) for step in range(total)]

@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from workflow import squad_data
-from workflow.squad_predict import postprocess
+from workflow.squad import data as squad_data
+from workflow.squad.predict import postprocess
 
 WORDS = "the cat sat on mat today . where did what ? a b c d e f g h i j k l m n o p".split()
 CONTEXT = "The cat sat on the mat today."

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from workflow import squad_data
-from workflow.model import BertConfig, BertForPreTraining, save_pretrained
+from workflow.squad import data as squad_data
+from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
 
 TARGETS = ["results/squad/eval.json", "results/summary.csv", "results/report/pretrain_loss.png",
            "results/report/gpu_telemetry.png", "results/report/squad_finetune.png", "results/report/config.yaml"]

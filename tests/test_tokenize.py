@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from transformers import BertTokenizer
 
-from workflow.tokenize import load_tokenized, tokenize_shard
-from workflow.vocab import train_vocab
+from workflow.data.tokenize import load_tokenized, tokenize_shard
+from workflow.data.vocab import train_vocab
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = [
@@ -72,7 +72,7 @@ def test_non_utf8_shard_is_an_error_naming_the_line(tokenized, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     output = tmp_path / "out.npz"
     result = subprocess.run(
-        [sys.executable, "-m", "workflow.tokenize", "--text", str(text), "--vocab", str(directory / "vocab.txt"),
+        [sys.executable, "-m", "workflow.data.tokenize", "--text", str(text), "--vocab", str(directory / "vocab.txt"),
          "--output", str(output)], capture_output=True, text=True, env=env)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {text}:3: not UTF-8")

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import BertWordPieceTokenizer
 
 from workflow.cli import UserError
-from workflow.vocab import SPECIAL_TOKENS, copy_vocab, read_vocab, special_token_ids, train_vocab
+from workflow.data.vocab import SPECIAL_TOKENS, copy_vocab, read_vocab, special_token_ids, train_vocab
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = (
@@ -20,7 +20,7 @@ TEXT = (
 
 def run_vocab(*args):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "workflow.vocab", *map(str, args)], capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, "-m", "workflow.data.vocab", *map(str, args)], capture_output=True, text=True, env=env)
 
 
 def test_given_vocab_is_copied_byte_for_byte_with_specials_found_by_name(tmp_path):

@@ -200,7 +200,7 @@ def format_corpus(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m workflow.format", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m workflow.data.format", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="extract's JSON lines, or a directory of .txt books")
     parser.add_argument("--output", required=True)
     parser.add_argument("--style", choices=["sentences", "articles"], default="sentences")

@@ -4,7 +4,7 @@ A feature is one window of `[CLS] question [SEP] context-window [SEP]`, `max_seq
 `doc_stride` tokens apart (Google's run_squad.py). Character->token alignment uses the `tokenizers` offsets.
 A training answer outside a window is labelled (0, 0), i.e. [CLS], as the reference implementations do.
 
-    python -m workflow.squad_data --input data/download/squad/train.json --vocab data/vocab.txt \
+    python -m workflow.squad.data --input data/download/squad/train.json --vocab data/vocab.txt \
         --version 1.1 --split train --output data/squad/train_features.npz
 """
 import argparse

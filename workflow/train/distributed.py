@@ -8,7 +8,7 @@ API:
     cleanup()                    destroy the process group (if any)
     all_reduce_(tensor, op="sum") in place; a no-op in a 1-process run
     broadcast_object(obj, src=0) the object from rank `src` (identity in a 1-process run)
-    `python -m workflow.distributed -- CMD ...`   run CMD once per Slurm task (via srun) when the batch step of a
+    `python -m workflow.train.distributed -- CMD ...`   run CMD once per Slurm task (via srun) when the batch step of a
         Slurm job holds SLURM_NTASKS > 1, else run CMD directly (1 process, or already inside torchrun/srun).
 """
 from __future__ import annotations
@@ -159,7 +159,7 @@ def main(argv=None) -> None:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        raise UserError("usage: python -m workflow.distributed -- COMMAND [ARGS...]")
+        raise UserError("usage: python -m workflow.train.distributed -- COMMAND [ARGS...]")
     command = launch_command(argv)
     log.info("launching: %s", " ".join(command))
     os.execvp(command[0], command)

@@ -114,7 +114,7 @@ def extract(dump: str | Path, output: str | Path, processes: int = 1) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m workflow.extract", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m workflow.data.extract", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="MediaWiki pages-articles XML dump (.xml.bz2 or .xml)")
     parser.add_argument("--output", required=True, help="JSON lines: one {id, title, text} per article")
     parser.add_argument("--processes", type=int, default=1, help="wikiextractor worker processes")

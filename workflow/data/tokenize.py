@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
-from workflow.vocab import read_vocab
+from workflow.data.vocab import read_vocab
 
 log = logging.getLogger(__name__)
 

@@ -252,7 +252,7 @@ def fetch_books(source: str, destination: str | os.PathLike) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m workflow.download", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m workflow.data.download", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     one = commands.add_parser("file", help="one file (a Wikipedia dump, a SQuAD JSON)")
     one.add_argument("--url", required=True, help="http(s)://, file:// or local path")

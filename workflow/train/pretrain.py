@@ -32,16 +32,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from workflow import checkpoint as ckpt
-from workflow import distributed
+from workflow.train import checkpoint as ckpt
+from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, run
-from workflow.lamb import make_optimizer, make_scheduler
-from workflow.model import (BertConfig, BertForPreTraining, count_parameters, flops_per_sequence, load_pretrained,
+from workflow.train.lamb import make_optimizer, make_scheduler
+from workflow.train.model import (BertConfig, BertForPreTraining, count_parameters, flops_per_sequence, load_pretrained,
                             load_weights, pretraining_loss, save_pretrained)
-from workflow.precision import autocast, resolve_precision
-from workflow.pretraining_data import PretrainingStream, iterate_in_order, list_shards
-from workflow.telemetry import GpuTelemetry
+from workflow.train.precision import autocast, resolve_precision
+from workflow.train.pretraining_data import PretrainingStream, iterate_in_order, list_shards
+from workflow.train.telemetry import GpuTelemetry
 
 log = logging.getLogger("pretrain")
 STAT_KEYS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count")

@@ -108,7 +108,7 @@ def shard_corpus(
     shard_of = assign(sizes, n_training, n_test, test_fraction, seed)
     splitter = None
     if style == "articles":  # shards are always one sentence per line: split the one-line documents again
-        from workflow.format import PunktSentenceTokenizer, load_splitter, train_punkt
+        from workflow.data.format import PunktSentenceTokenizer, load_splitter, train_punkt
 
         splitter = load_splitter(punkt_model) if punkt_model else PunktSentenceTokenizer(
             train_punkt(line[0] for path in inputs for line in documents(path, style))
@@ -151,7 +151,7 @@ def shard_corpus(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m workflow.shard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m workflow.data.shard", description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, help="formatted corpora, in order")
     parser.add_argument("--input-style", choices=["sentences", "articles"], default="sentences")
     parser.add_argument("--punkt-model", default=None, help="articles style only: punkt_tab model directory")

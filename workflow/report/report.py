@@ -1,11 +1,11 @@
 """Report figures from the metrics files (pandas + matplotlib, Agg backend) and the run's effective config.
 
-    python -m workflow.report pretrain --phase phase1=results/pretrain/phase1 --phase phase2=results/pretrain/phase2 \
+    python -m workflow.report.report pretrain --phase phase1=results/pretrain/phase1 --phase phase2=results/pretrain/phase2 \
         --loss loss.png --accuracy mlm_accuracy.png --throughput throughput.png
-    python -m workflow.report telemetry --phase phase1=results/pretrain/phase1 ... --output gpu_telemetry.png
-    python -m workflow.report squad --metrics results/squad/finetune_metrics.jsonl --eval results/squad/eval.json \
+    python -m workflow.report.report telemetry --phase phase1=results/pretrain/phase1 ... --output gpu_telemetry.png
+    python -m workflow.report.report squad --metrics results/squad/finetune_metrics.jsonl --eval results/squad/eval.json \
         --output squad.png
-    python -m workflow.report config --json '{...}' --output config.yaml
+    python -m workflow.report.report config --json '{...}' --output config.yaml
 
 A phase directory holds metrics.jsonl, summary.json and, only when a GPU was used, gpu_telemetry.csv; without
 telemetry the figure says so instead of failing.

@@ -5,7 +5,7 @@ EM and token-level F1 take the maximum over a question's ground-truth answers; s
 all questions of the dataset (a question without a prediction scores 0). SQuAD 2.0 adds the HasAns/NoAns
 split; an unanswerable question's only ground truth is "" (and an empty prediction scores 1).
 
-    python -m workflow.squad_eval --dataset data/download/squad/dev.json \
+    python -m workflow.squad.evaluate --dataset data/download/squad/dev.json \
         --predictions results/squad/predictions.json --version 1.1 --output results/squad/eval.json
 """
 import argparse

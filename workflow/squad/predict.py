@@ -5,7 +5,7 @@ spans inside the context, end >= start, at most `max_answer_length` tokens, star
 gives it the most context; score = start + end logit. SQuAD 2.0: predict "" when the null score ([CLS] start +
 end, minimum over windows) exceeds the best span's score by more than `null_score_diff_threshold`.
 
-    python -m workflow.squad_predict --model results/squad/model --features data/squad/dev_features.npz \
+    python -m workflow.squad.predict --model results/squad/model --features data/squad/dev_features.npz \
         --dataset data/download/squad/dev.json --predictions results/squad/predictions.json \
         --nbest results/squad/nbest_predictions.json
 """
@@ -19,8 +19,8 @@ import numpy as np
 
 from workflow.atomic import write_text
 from workflow.cli import UserError, run
-from workflow.precision import autocast, resolve_precision
-from workflow.squad_data import SquadExample, load_features, load_squad
+from workflow.train.precision import autocast, resolve_precision
+from workflow.squad.data import SquadExample, load_features, load_squad
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from workflow.squad_finetune import load_qa_model
+    from workflow.squad.finetune import load_qa_model
 
     examples = load_squad(args.dataset, args.version)
     features = load_features(args.features)

@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
-from workflow.tokenize import load_tokenized
-from workflow.vocab import read_vocab, special_token_ids
+from workflow.data.tokenize import load_tokenized
+from workflow.data.vocab import read_vocab, special_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ def _check(settings: EncodeSettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokenized", required=True, help="tokenized shard (.npz from workflow.tokenize)")
+    parser.add_argument("--tokenized", required=True, help="tokenized shard (.npz from workflow.data.tokenize)")
     parser.add_argument("--vocab", required=True, help="the vocab.txt it was tokenized with")
     parser.add_argument("--output", required=True, help="HDF5 file to write")
     parser.add_argument("--max-seq-length", type=int, required=True)

@@ -1,9 +1,9 @@
 """The run in one table: pretraining losses/accuracies/throughput per phase and the SQuAD EM/F1.
 
-    python -m workflow.summary --phase phase1=results/pretrain/phase1 --phase phase2=results/pretrain/phase2 \
+    python -m workflow.report.summary --phase phase1=results/pretrain/phase1 --phase phase2=results/pretrain/phase2 \
         --squad-eval results/squad/eval.json --squad-metrics results/squad/finetune_metrics.jsonl \
         --output results/summary.csv
-    python -m workflow.summary --print results/summary.csv      # the table, EM/F1 and where the report is
+    python -m workflow.report.summary --print results/summary.csv      # the table, EM/F1 and where the report is
 
 results/summary.csv has the columns stage, metric, value (one row per number; floats to 6 significant digits).
 A pretraining directory holds metrics.jsonl (one line per logged step) and summary.json (the phase's totals).

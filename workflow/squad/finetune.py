@@ -5,7 +5,7 @@ biases and LayerNorm), linear warmup then linear decay, gradient clipping at 1.0
 DDP over torchrun/srun ranks like pretraining; checkpoints in `--run-dir` (resumed automatically, SIGTERM/SIGUSR1
 checkpoint and exit). The result is an HF directory (BertForQuestionAnswering names: `bert.*`, `qa_outputs.*`).
 
-    python -m workflow.squad_finetune --init results/pretrain/phase2/model \
+    python -m workflow.squad.finetune --init results/pretrain/phase2/model \
         --features data/squad/train_features.npz --output results/squad/model --run-dir runs/squad
 """
 import argparse
@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workflow import checkpoint, distributed
+from workflow.train import checkpoint, distributed
 from workflow.atomic import atomic_path, write_text
 from workflow.cli import UserError, run
-from workflow.model import BertConfig, BertModel, load_pretrained, load_weights, save_pretrained
-from workflow.precision import autocast, resolve_precision
-from workflow.squad_data import load_features
+from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights, save_pretrained
+from workflow.train.precision import autocast, resolve_precision
+from workflow.squad.data import load_features
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The run's summary table and HTML report."""

@@ -1,0 +1,1 @@
+"""SQuAD: featurize, fine-tune, predict, evaluate with the official metric."""

@@ -1,0 +1,1 @@
+"""Pretraining: BERT model, LAMB, the training loop, its data loading, checkpoints, distributed launch."""
