@@ -2,6 +2,8 @@
 
 Runs the real wikiextractor 3.1.0 (parallel processes; it keeps only namespace-0, non-redirect pages, judged by
 <ns>, so `--namespaces` is not needed: that flag is about link prefixes) and works around its quirks:
+- it drops section titles' markup to a bare `Title.` line, indistinguishable from a one-line paragraph; its own
+  `mark_headers` (which its CLI does not expose) is switched on, so they come out as `## Title.` (HEADING_MARK);
 - it HTML-escapes text by default (`AT&T` -> `AT&amp;T`); only `--html-safe ''` disables that (`False` does not);
   titles come out still escaped, so they are unescaped here;
 - `-b` below 200K writes nothing and exits 0, so a size far above any article is passed;
@@ -30,6 +32,21 @@ log = logging.getLogger("extract")
 
 MEDIAWIKI_ROOT = re.compile(r"\{http://www\.mediawiki\.org/xml/export-[0-9.]+/\}mediawiki")
 OUTPUT_FILE_SIZE = "1G"  # wikiextractor's -b: must be >= 200K or it silently writes nothing
+HEADING_MARK = "## "  # wikiextractor's mark_headers prefix; no other line can start with it (`#` lines are lists, dropped)
+
+
+def wikiextractor_main() -> None:
+    """wikiextractor's own CLI with its `mark_headers` on: section titles come out as `## Title.` lines."""
+    from wikiextractor import WikiExtractor
+    from wikiextractor.extract import Extractor
+
+    clean_text = Extractor.clean_text
+
+    def clean_text_marking_headers(self, text, mark_headers=False, **options):
+        return clean_text(self, text, mark_headers=True, **options)
+
+    Extractor.clean_text = clean_text_marking_headers  # its workers are forked, so they inherit this
+    WikiExtractor.main()
 
 
 def open_dump(path: Path):
@@ -68,7 +85,7 @@ def check_mediawiki_export(path: Path) -> None:
 def run_wikiextractor(dump: Path, workdir: Path, processes: int) -> None:
     """Run wikiextractor on `dump`, writing JSON files under `workdir`; its log goes to our stderr."""
     command = [
-        sys.executable, "-m", "wikiextractor.WikiExtractor",
+        sys.executable, "-c", "from workflow.data.extract import wikiextractor_main; wikiextractor_main()",
         "--json", "--html-safe", "",
         "--processes", str(processes), "-b", OUTPUT_FILE_SIZE, "-o", str(workdir), str(dump),
     ]  # fmt: skip

@@ -2,31 +2,50 @@
 
 `sentences` style: one sentence per line, a blank line between documents (what shard and tokenize read);
 `articles` style: one document per line. Sentences are split with nltk Punkt, offline: either a pre-installed
-punkt_tab model directory, or Punkt trained here on the corpus itself plus a curated list of abbreviations
-(nltk's own model is a download, which air-gapped clusters don't have).
+punkt_tab model directory, or Punkt trained here on the corpus itself; in both, a curated list of abbreviations
+and single-letter initials is added (nltk's own model is a download, which air-gapped clusters don't have).
+
+Nothing is dropped silently. What is not written is counted by reason in the log and in the `--summary` JSON:
+- heading: a section title (extract marks wikiextractor's with HEADING_MARK), a book's title or chapter line;
+- disambiguation: a "(disambiguation)" page, or one whose text opens with "X may refer to:";
+- no_prose: a document with no prose at all (wikiextractor left nothing but headings, or nothing);
+- too_short: a document with less than min_article_chars characters of prose (stubs).
+Every other line of an article is prose and is kept, whatever its last character.
 """
 import argparse
+import collections
 import json
 import logging
 import multiprocessing
 import re
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
-from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer, PunktTrainer
+from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer, PunktToken, PunktTrainer
 from tqdm import tqdm
 
-from workflow.atomic import atomic_path
+from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, run
+from workflow.data.extract import HEADING_MARK
 
 log = logging.getLogger("format")
 
-# Abbreviations Punkt cannot be trusted to learn from a small corpus (lower case, no final period).
-# Deliberately absent: ones that usually end a sentence (etc, a.m, p.m, b.c, a.d).
-ABBREVIATIONS = frozenset(
+# Titles and Latin abbreviations that never end a sentence: Punkt's learned statistics may not split after them
+# (a corpus where "Lincoln" often starts sentences otherwise splits "Mr. | Lincoln").
+NEVER_SENTENCE_FINAL = frozenset(
     """
-    mr mrs ms dr prof sr jr st mt ft gen col lt maj capt sgt cmdr adm gov sen rep rev hon pres supt insp
-    e.g i.e cf vs viz approx ca incl esp fig figs no nos vol vols pp p ed eds ch sec art op
+    mr mrs ms messrs dr prof gen brig col lt maj capt sgt cpl cmdr adm gov sen rep rev hon pres supt insp
+    e.g i.e cf vs viz approx ca incl esp fig figs
+    """.split()
+)
+# Single-letter initials (T. S. Eliot, W. B. Yeats); not "i", which ends sentences as a numeral (World War I.).
+INITIALS = frozenset("abcdefghjklmnopqrstuvwxyz")
+# Abbreviations Punkt cannot be trusted to learn from a small corpus (lower case, no final period); these can end
+# a sentence ("... Eastmarsh Foods Inc. It was ..."), so Punkt's evidence still decides after them.
+# Deliberately absent: ones that usually end a sentence (etc, a.m, p.m, b.c, a.d).
+ABBREVIATIONS = NEVER_SENTENCE_FINAL | INITIALS | frozenset(
+    """
+    sr jr st mt ft no nos vol vols pp p ed eds ch sec art op
     jan feb mar apr jun jul aug sep sept oct nov dec mon tue wed thu fri sat sun
     inc ltd co corp bros dept univ assn inst est intl natl govt
     u.s u.s.a u.k u.n e.u d.c n.y l.a ph.d m.d b.a m.a b.sc m.sc
@@ -36,55 +55,100 @@ DEFAULT_TRAIN_CHARS = 20_000_000  # Punkt's statistics settle long before this; 
 # Below this much training text, Punkt "learns" ordinary words that happen to end sentences (does., sky.) as
 # abbreviations; only dotted forms (s.a, e.g) and initials are kept from such a small corpus.
 MIN_CHARS_TO_TRUST_LEARNED_WORDS = 5_000_000
+BOOK_HEADING_MAX_WORDS = 8  # a book's title, byline or "Chapter 12" line: short, with no sentence punctuation
 _SENTENCE_END = ('.', '!', '?', '"', "'", "\u201d", "\u2019", ")")
-_INNER_PUNCTUATION = re.compile(r"[.,;:!?\"()]")
 _SPACES = re.compile(r"\s+")
+# how wikiextractor leaves a disambiguation page once its lists are gone: "Mercury may refer to:"
+_DISAMBIGUATION_LEAD = re.compile(r"\b(?:refers?|stands?) (?:to|for):$")
+DOCUMENT_DROP_REASONS = ("disambiguation", "no_prose", "too_short")
+PARAGRAPH_DROP_REASONS = ("heading", *DOCUMENT_DROP_REASONS)  # a dropped document's prose counts under its reason
 
 
-def is_heading(line: str) -> bool:
-    """Section titles and the like: no final punctuation, or a few words and a period (wikiextractor's `History.`)."""
-    if not line.endswith(_SENTENCE_END):
-        return True
-    words = line.split()
-    return len(words) <= 5 and line.endswith(".") and not _INNER_PUNCTUATION.search(line[:-1])
+class Document(NamedTuple):
+    title: str
+    text: str
+    is_book: bool  # books: paragraphs between blank lines; articles: wikiextractor's one paragraph per line
 
 
-def paragraphs_of(text: str) -> list[str]:
-    """The prose paragraphs of a document: blank-line or newline separated, headings dropped, whitespace collapsed."""
+def _collapsed(text: str) -> str:
+    return _SPACES.sub(" ", text).strip()
+
+
+def article_paragraphs(text: str) -> tuple[list[str], list[str]]:
+    """(prose, headings) of an extracted article: each non-blank line is one paragraph, marked lines are headings."""
+    prose, headings = [], []
+    for line in text.split("\n"):
+        paragraph = _collapsed(line)
+        if paragraph:
+            (headings if line.startswith(HEADING_MARK) else prose).append(paragraph)
+    return prose, headings
+
+
+def is_book_heading(paragraph: str) -> bool:
+    """A book's title, byline or chapter line: a few words without sentence punctuation at the end."""
+    return not paragraph.endswith(_SENTENCE_END) and len(paragraph.split()) <= BOOK_HEADING_MAX_WORDS
+
+
+def book_paragraphs(text: str) -> tuple[list[str], list[str]]:
+    """(prose, headings) of a book: paragraphs between blank lines (or one per line without any), lines joined."""
     blocks = re.split(r"\n\s*\n", text) if "\n\n" in text else text.split("\n")
-    result = []
+    prose, headings = [], []
     for block in blocks:
-        paragraph = _SPACES.sub(" ", block).strip()
-        if paragraph and not is_heading(paragraph):
-            result.append(paragraph)
-    return result
+        paragraph = _collapsed(block)
+        if paragraph:
+            (headings if is_book_heading(paragraph) else prose).append(paragraph)
+    return prose, headings
 
 
-def read_documents(source: Path) -> Iterator[str]:
-    """Raw document texts: one per line of extract's JSON lines, or one per `*.txt` book of a directory."""
+def paragraphs_of(document: Document) -> tuple[list[str], list[str]]:
+    return (book_paragraphs if document.is_book else article_paragraphs)(document.text)
+
+
+def document_drop_reason(document: Document, prose: list[str], min_article_chars: int) -> str | None:
+    """Why a whole document is not written (one of DOCUMENT_DROP_REASONS), or None to keep it."""
+    if not document.is_book and (
+        document.title.endswith("(disambiguation)") or (prose and _DISAMBIGUATION_LEAD.search(prose[0]))
+    ):
+        return "disambiguation"
+    chars = sum(map(len, prose))
+    if chars == 0:
+        return "no_prose"
+    if chars < min_article_chars:
+        return "too_short"
+    return None
+
+
+def prose_texts(documents: Iterable[Document]) -> Iterator[str]:
+    """The prose of each document, paragraphs separated by blank lines (what Punkt trains on)."""
+    for document in documents:
+        yield "\n\n".join(paragraphs_of(document)[0])
+
+
+def read_documents(source: Path) -> Iterator[Document]:
+    """Raw documents: one per line of extract's JSON lines, or one per `*.txt` book of a directory."""
     if source.is_dir():
         books = sorted(source.glob("*.txt"))
         if not books:
             raise UserError(f"{source}: no *.txt books in this directory")
         for book in books:
-            yield book.read_text(encoding="utf-8", errors="replace")
+            yield Document(book.stem, book.read_text(encoding="utf-8", errors="replace"), True)
         return
     if not source.is_file():
         raise UserError(f"{source}: no such file")
     with open(source, encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             try:
-                yield json.loads(line)["text"]
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                article = json.loads(line)
+                yield Document(str(article.get("title", "")), article["text"], False)
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
                 raise UserError(f"{source}:{number}: not an extracted article ({error})") from error
 
 
 def train_punkt(texts: Iterable[str], train_chars: int = DEFAULT_TRAIN_CHARS) -> PunktParameters:
-    """Punkt parameters learned (unsupervised) from the first `train_chars` characters of `texts`, plus ABBREVIATIONS."""
+    """Punkt parameters learned (unsupervised) from the first `train_chars` characters of prose `texts`, plus ABBREVIATIONS."""
     trainer = PunktTrainer()
     seen = 0
     for text in texts:
-        text = "\n\n".join(paragraphs_of(text))
         trainer.train(text, finalize=False)
         seen += len(text)
         if seen >= train_chars:
@@ -96,6 +160,17 @@ def train_punkt(texts: Iterable[str], train_chars: int = DEFAULT_TRAIN_CHARS) ->
     params.abbrev_types.update(ABBREVIATIONS)
     log.info("Punkt trained on %d characters: %d abbreviations", seen, len(params.abbrev_types))
     return params
+
+
+class CuratedPunkt(PunktSentenceTokenizer):
+    """Punkt that never splits after NEVER_SENTENCE_FINAL, whatever its statistics say about the next word."""
+
+    def _second_pass_annotation(self, aug_tok1: PunktToken, aug_tok2: PunktToken | None) -> str | None:
+        reason = super()._second_pass_annotation(aug_tok1, aug_tok2)
+        if aug_tok1.sentbreak and aug_tok2 is not None and aug_tok1.type_no_period in NEVER_SENTENCE_FINAL:
+            aug_tok1.sentbreak, aug_tok1.abbr = False, True
+            return "curated abbreviation"
+        return reason
 
 
 PUNKT_TAB_FILES = ("abbrev_types.txt", "collocations.tab", "sent_starters.txt", "ortho_context.tab")
@@ -139,28 +214,78 @@ def write_punkt_tab(params: PunktParameters, directory: str | Path) -> Path:
 
 
 def load_splitter(punkt_model: str | None, corpus: Path | None = None, train_chars: int = DEFAULT_TRAIN_CHARS) -> PunktSentenceTokenizer:
-    """A Punkt sentence splitter: the punkt_tab model in directory `punkt_model`, else one trained on `corpus`."""
+    """A Punkt sentence splitter: the punkt_tab model in directory `punkt_model`, else one trained on `corpus`.
+
+    Either way ABBREVIATIONS are abbreviations and NEVER_SENTENCE_FINAL never end a sentence.
+    """
     if punkt_model:
-        log.info("Punkt model loaded from %s", punkt_model)
-        return PunktSentenceTokenizer(read_punkt_tab(punkt_model))
-    return PunktSentenceTokenizer(train_punkt(read_documents(corpus), train_chars))
+        params = read_punkt_tab(punkt_model)
+        params.abbrev_types.update(ABBREVIATIONS)
+        log.info("Punkt model loaded from %s, plus %d curated abbreviations", punkt_model, len(ABBREVIATIONS))
+    else:
+        params = train_punkt(prose_texts(read_documents(corpus)), train_chars)
+    return CuratedPunkt(params)
+
+
+class DocumentResult(NamedTuple):
+    drop_reason: str | None
+    prose_chars: list[int]  # per prose paragraph
+    heading_chars: list[int]  # per heading
+    sentences: list[str]
 
 
 _splitter: PunktSentenceTokenizer | None = None
+_min_article_chars = 0
 
 
-def _init_worker(splitter: PunktSentenceTokenizer) -> None:
-    global _splitter
-    _splitter = splitter
+def _init_worker(splitter: PunktSentenceTokenizer, min_article_chars: int) -> None:
+    global _splitter, _min_article_chars
+    _splitter, _min_article_chars = splitter, min_article_chars
 
 
-def split_document(text: str) -> tuple[int, list[str]]:
-    """(prose characters, sentences) of one raw document, with the worker's splitter."""
-    sentences, chars = [], 0
-    for paragraph in paragraphs_of(text):
-        chars += len(paragraph)
-        sentences.extend(s for s in (_SPACES.sub(" ", s).strip() for s in _splitter.tokenize(paragraph)) if s)
-    return chars, sentences
+def split_document(document: Document) -> DocumentResult:
+    """One raw document judged and, if kept, sentence-split with the worker's splitter."""
+    prose, headings = paragraphs_of(document)
+    reason = document_drop_reason(document, prose, _min_article_chars)
+    sentences = []
+    if reason is None:
+        for paragraph in prose:
+            sentences.extend(s for s in (_collapsed(s) for s in _splitter.tokenize(paragraph)) if s)
+    return DocumentResult(reason, [len(p) for p in prose], [len(h) for h in headings], sentences)
+
+
+class DropCounts:
+    """Documents, paragraphs and characters read, kept, and dropped by reason (headings always count as headings)."""
+
+    UNITS = ("documents", "paragraphs", "characters")
+
+    def __init__(self):
+        self.read = collections.Counter()
+        self.kept = collections.Counter()
+        self.dropped = {unit: dict.fromkeys(DOCUMENT_DROP_REASONS if unit == "documents" else PARAGRAPH_DROP_REASONS, 0)
+                        for unit in self.UNITS}
+
+    def add(self, result: DocumentResult) -> None:
+        for unit, count in (("documents", 1), ("paragraphs", len(result.prose_chars) + len(result.heading_chars)),
+                            ("characters", sum(result.prose_chars) + sum(result.heading_chars))):
+            self.read[unit] += count
+        self.dropped["paragraphs"]["heading"] += len(result.heading_chars)
+        self.dropped["characters"]["heading"] += sum(result.heading_chars)
+        prose = {"documents": 1, "paragraphs": len(result.prose_chars), "characters": sum(result.prose_chars)}
+        for unit, count in prose.items():
+            if result.drop_reason is None:
+                self.kept[unit] += count
+            else:
+                self.dropped[unit][result.drop_reason] += count
+
+    def as_dict(self) -> dict:
+        return {unit: {"read": self.read[unit], "kept": self.kept[unit], "dropped": self.dropped[unit]} for unit in self.UNITS}
+
+    def log_line(self) -> str:
+        def reasons(unit):
+            return ", ".join(f"{reason} {count}" for reason, count in self.dropped[unit].items() if count) or "none"
+
+        return "; ".join(f"{unit}: {self.read[unit]} read, {self.kept[unit]} kept, dropped {reasons(unit)}" for unit in self.UNITS)
 
 
 def format_corpus(
@@ -171,38 +296,47 @@ def format_corpus(
     punkt_model: str | None = None,
     processes: int = 1,
     train_chars: int = DEFAULT_TRAIN_CHARS,
+    summary: str | Path | None = None,
 ) -> dict:
-    """Write the documents of `source` (JSON lines or a books directory) to `output` in `style`; return counts."""
+    """Write the documents of `source` (JSON lines or a books directory) to `output` in `style`.
+
+    Returns (and writes to `summary`, if given) what was read, kept and dropped by reason, and the sentence count.
+    """
     source, output = Path(source), Path(output)
     if style not in ("sentences", "articles"):
         raise UserError(f"format style {style!r}: expected 'sentences' or 'articles'")
     splitter = load_splitter(punkt_model, source, train_chars)
-    kept = dropped = sentences_written = 0
+    counts = DropCounts()
+    sentences_written = 0
     with atomic_path(output) as temporary, open(temporary, "w", encoding="utf-8") as out:
-        with multiprocessing.get_context("fork").Pool(max(1, processes), _init_worker, (splitter,)) as pool:
+        with multiprocessing.get_context("fork").Pool(max(1, processes), _init_worker, (splitter, min_article_chars)) as pool:
             results = pool.imap(split_document, read_documents(source), chunksize=16)  # ordered: deterministic
-            for chars, sentences in tqdm(results, desc=f"format {source.name}", unit=" docs"):
-                if chars < min_article_chars or not sentences:
-                    dropped += 1
+            for result in tqdm(results, desc=f"format {source.name}", unit=" docs"):
+                counts.add(result)
+                if result.drop_reason is not None:
                     continue
-                kept += 1
-                sentences_written += len(sentences)
+                sentences_written += len(result.sentences)
                 if style == "sentences":
-                    out.write("\n".join(sentences) + "\n\n")
+                    out.write("\n".join(result.sentences) + "\n\n")
                 else:
-                    out.write(" ".join(sentences) + "\n")
-        if kept == 0:
+                    out.write(" ".join(result.sentences) + "\n")
+        if counts.kept["documents"] == 0:
             raise UserError(
-                f"{source}: empty corpus: none of its {dropped} documents has min_article_chars={min_article_chars} characters of prose"
+                f"{source}: empty corpus: none of its {counts.read['documents']} documents has "
+                f"min_article_chars={min_article_chars} characters of prose"
             )
-    log.info("%s: %d documents kept, %d dropped, %d sentences -> %s", source, kept, dropped, sentences_written, output)
-    return {"documents": kept, "dropped": dropped, "sentences": sentences_written}
+        report = {"input": str(source), "output": str(output), **counts.as_dict(), "sentences": sentences_written}
+        if summary is not None:
+            write_json(summary, report)
+    log.info("%s -> %s: %d sentences; %s", source, output, sentences_written, counts.log_line())
+    return report
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m workflow.data.format", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="extract's JSON lines, or a directory of .txt books")
     parser.add_argument("--output", required=True)
+    parser.add_argument("--summary", default=None, help="JSON file: documents/paragraphs/characters read, kept, dropped by reason")
     parser.add_argument("--style", choices=["sentences", "articles"], default="sentences")
     parser.add_argument("--min-article-chars", type=int, default=200)
     parser.add_argument("--punkt-model", default=None, help="punkt_tab model directory (default: train on the input)")
@@ -210,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--train-chars", type=int, default=DEFAULT_TRAIN_CHARS, help="characters Punkt trains on")
     args = parser.parse_args(argv)
     format_corpus(args.input, args.output, args.style, args.min_article_chars, args.punkt_model or None,
-                  args.processes, args.train_chars)
+                  args.processes, args.train_chars, args.summary)
 
 
 if __name__ == "__main__":
