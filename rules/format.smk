@@ -11,7 +11,8 @@ rule format:
     input:
         lookup(dpath="{source}", within=FORMAT_INPUTS),
     output:
-        "data/formatted/{source}.txt",
+        text="data/formatted/{source}.txt",
+        summary="data/formatted/{source}.summary.json",  # read, kept, dropped by reason
     wildcard_constraints:
         source="wikipedia|bookcorpus",
     params:
@@ -24,6 +25,6 @@ rule format:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.data.format --input {input:q} --output {output:q} --style {params.style}"
+        "python -m workflow.data.format --input {input:q} --output {output.text:q} --summary {output.summary:q} --style {params.style}"
         " --min-article-chars {params.min_article_chars} --punkt-model={params.punkt_model:q}"
         " --processes {threads} 2> {log}"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from workflow.data.extract import extract
+from workflow.data.extract import HEADING_MARK, extract
 
 DUMP = "enwiki-sample-pages-articles.xml.bz2"
 
@@ -121,3 +121,11 @@ def test_export_without_articles_is_an_error(tmp_path, sample_dir, repo_env):
     dump.write_bytes(bz2.compress((head + "</siteinfo>\n</mediawiki>\n").encode()))
     output = tmp_path / "out.jsonl"
     assert_one_line_error(run_cli(dump, output, repo_env), dump, output, r"no articles \(namespace 0\) in this MediaWiki export")
+
+
+def test_section_titles_come_out_marked_as_headings_and_empty_sections_not_at_all(articles):
+    lines = articles["Alderbrook"]["text"].split("\n")
+    headings = [line for line in lines if line.startswith(HEADING_MARK)]
+    # wikiextractor's own titles ("History."), marked by its mark_headers; "Statistics" holds only a table
+    assert headings == ["## History.", "## Geography.", "## Economy.", "## Culture."]
+    assert lines[lines.index("## History.") + 1].startswith("The decline of the textile trade after 1926")

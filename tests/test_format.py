@@ -1,14 +1,16 @@
-"""Stage 3: NVIDIA's layouts, offline Punkt sentence splitting (measured F1 on hard abbreviations), clear errors."""
+"""Stage 3: NVIDIA's layouts, no prose lost (real-shaped articles through real wikiextractor), drops counted by
+reason, offline Punkt sentence splitting (measured F1 on hard abbreviations; curated ones hold), clear errors."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from nltk.tokenize.punkt import PunktSentenceTokenizer
 
 from workflow.cli import UserError
 from workflow.data.extract import extract
-from workflow.data.format import format_corpus, prose_texts, read_documents, train_punkt, write_punkt_tab
+from workflow.data.format import ABBREVIATIONS, CuratedPunkt, format_corpus, prose_texts, read_documents, train_punkt, write_punkt_tab
 
 # Each item is one paragraph, as its gold sentences. Abbreviations mid-sentence (must not split) and at the end
 # of a sentence (must split), initials, numbers, quotes: the cases an untrained Punkt gets wrong.
@@ -73,7 +75,7 @@ def documents_of(path):
 
 def test_trained_punkt_splits_hard_abbreviations_with_high_f1(extracted, sample_dir):
     texts = list(prose_texts(read_documents(extracted))) + list(prose_texts(read_documents(sample_dir / "books")))
-    trained = boundary_f1(PunktSentenceTokenizer(train_punkt(texts)))
+    trained = boundary_f1(CuratedPunkt(train_punkt(texts)))
     untrained = boundary_f1(PunktSentenceTokenizer())
     print(f"sentence boundary F1 on {len(HARD)} hard paragraphs: trained {trained:.3f}, untrained {untrained:.3f}")
     assert trained >= 0.9
@@ -153,3 +155,113 @@ def test_empty_corpus_after_filtering_is_a_one_line_error(extracted, tmp_path, r
 def test_missing_punkt_model_is_an_error(extracted, tmp_path):
     with pytest.raises(UserError, match=r"not a punkt_tab model directory \(missing abbrev_types.txt"):
         format_corpus(extracted, tmp_path / "out.txt", punkt_model=str(tmp_path / "nowhere"))
+
+
+# --- Real-shaped articles through real wikiextractor: nothing but headings and non-articles is dropped ---
+
+REAL_SHAPED = Path(__file__).parent / "fixtures" / "enwiki-real-shaped-pages-articles.xml"
+# Every prose paragraph of REAL_SHAPED's two real articles, as its sentences, word for word: colon-ended paragraphs
+# introducing a quotation, an indented `:` quote block (wikiextractor leaves blank lines around it), a blockquote,
+# lines without final punctuation. Lists, tables, `(...)` lines and empty sections are wikiextractor's to drop.
+KESTREL_FALLS_MILL = [
+    ["Kestrel Falls Mill is a former cotton mill on the Alder in the Vale of Marrow.",
+     "It was built in 1821 by the engineer Thomas Marsh."],
+    ["The mill prospered until the 1880s.",
+     "Its owner described the collapse of the trade in a letter to his brother:"],
+    ['"We have lost every order from the coast, and the looms stand idle.'],
+    ['I do not know how long we can keep the doors open."'],
+    ["The letter was published in 1952 by his grandson."],
+    ["The last shift ended in 1931.", "The manager read the workers the following notice:"],
+    ["There is no more work here, and there will be none next year."],
+    ["Most of them moved to Port Ellery"],
+    ["The mill made three kinds of cloth for the home market and for export:"],
+    ["The building was listed in 1974 (see below)"],
+    ["Today it houses a museum of the textile trade, which opened in 1998."],
+]
+MARROW_REVIEW = [
+    ["The Marrow Review was a literary magazine published in Port Ellery from 1919 to 1940.",
+     "Its first issue was praised by T. S. Eliot and by W. B. Yeats.",
+     "Its war reporting was edited by Brig. Gen. Arthur Lowe after 1922.",
+     "Its most famous essay was read aloud by Mr. Lincoln Hale at the annual dinner.",
+     "Many poets, e.g. Eliot and Pound, sent it verse.",
+     "Its prose style, i.e. the plain style, was new at the time.",
+     "For a later view, cf. the history written in 1950."],
+    ["Lincoln Hale wrote for it for many years.", "He later moved to London, where he died in 1961."],
+]
+HEADINGS = ["History.", "Closure.", "Products.", "Legacy.", "Contributors."]  # as wikiextractor titles them
+DISAMBIGUATION = ["Mercury commonly refers to:", "Springfield may refer to:"]  # all wikiextractor leaves of them
+STUB = "Harrow Green is a hamlet in the Vale of Marrow."
+
+
+@pytest.fixture(scope="module")
+def real_shaped(tmp_path_factory):
+    output = tmp_path_factory.mktemp("real_shaped") / "wikipedia.jsonl"
+    extract(REAL_SHAPED, output, processes=2)
+    return output
+
+
+def test_every_prose_sentence_of_real_shaped_articles_arrives_word_for_word(real_shaped, tmp_path):
+    format_corpus(real_shaped, tmp_path / "out.txt")
+    expected = [[s for paragraph in article for s in paragraph] for article in (KESTREL_FALLS_MILL, MARROW_REVIEW)]
+    assert documents_of(tmp_path / "out.txt") == expected
+
+
+def test_summary_counts_every_dropped_document_paragraph_and_character_by_reason(real_shaped, tmp_path, repo_env):
+    output, summary = tmp_path / "out.txt", tmp_path / "summary.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "workflow.data.format", "--input", str(real_shaped), "--output", str(output),
+         "--summary", str(summary), "--min-article-chars", "200"],
+        capture_output=True, text=True, env=repo_env,
+    )
+    assert result.returncode == 0, result.stderr
+    kept = [" ".join(paragraph) for article in (KESTREL_FALLS_MILL, MARROW_REVIEW) for paragraph in article]
+    chars = lambda paragraphs: sum(map(len, paragraphs))  # noqa: E731
+    assert json.loads(summary.read_text()) == {
+        "input": str(real_shaped),
+        "output": str(output),
+        # 6 articles: the redirect and the Talk page never leave wikiextractor; the list page leaves it empty
+        "documents": {"read": 6, "kept": 2, "dropped": {"disambiguation": 2, "no_prose": 1, "too_short": 1}},
+        "paragraphs": {"read": len(kept) + 5 + 2 + 1, "kept": len(kept),
+                       "dropped": {"heading": 5, "disambiguation": 2, "no_prose": 0, "too_short": 1}},
+        "characters": {"read": chars(kept + HEADINGS + DISAMBIGUATION) + len(STUB), "kept": chars(kept),
+                       "dropped": {"heading": chars(HEADINGS), "disambiguation": chars(DISAMBIGUATION),
+                                   "no_prose": 0, "too_short": len(STUB)}},
+        "sentences": sum(len(paragraph) for article in (KESTREL_FALLS_MILL, MARROW_REVIEW) for paragraph in article),
+    }
+    log = result.stderr.strip().splitlines()[-1]
+    assert log.endswith(
+        f"documents: 6 read, 2 kept, dropped disambiguation 2, no_prose 1, too_short 1; "
+        f"paragraphs: {len(kept) + 8} read, {len(kept)} kept, dropped heading 5, disambiguation 2, too_short 1; "
+        f"characters: {chars(kept + HEADINGS + DISAMBIGUATION) + len(STUB)} read, {chars(kept)} kept, dropped "
+        f"heading {chars(HEADINGS)}, disambiguation {chars(DISAMBIGUATION)}, too_short {len(STUB)}"
+    ), log
+
+
+# --- Curated abbreviations and initials hold, whatever Punkt's statistics or a supplied model say ---
+
+INITIALS_AND_TITLES = MARROW_REVIEW[0][1:]  # T. S. Eliot, W. B. Yeats, Brig. Gen., Mr. Lincoln, e.g., i.e., cf.
+# A corpus in which the words after those abbreviations often start sentences: Punkt learns them as sentence starters.
+STARTERS = ["Lincoln", "Arthur", "Eliot", "Pound", "Gen", "S", "B", "The", "For"]
+ADVERSE = " ".join(f"{word} went north in year {i} with the others." for i in range(40) for word in STARTERS)
+
+
+@pytest.fixture(scope="module")
+def adverse_corpus(extracted, tmp_path_factory):
+    corpus = tmp_path_factory.mktemp("adverse") / "wikipedia.jsonl"
+    records = [json.loads(line) for line in extracted.read_text(encoding="utf-8").splitlines()]
+    records += [{"id": "1", "title": "Starters", "text": ADVERSE},
+                {"id": "2", "title": "The Marrow Review", "text": " ".join(INITIALS_AND_TITLES)}]
+    corpus.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    return corpus
+
+
+@pytest.mark.parametrize("mode", ["trained on the corpus", "supplied punkt_tab model"])
+def test_curated_abbreviations_and_initials_hold_in_both_punkt_modes(adverse_corpus, tmp_path, mode):
+    params = train_punkt(prose_texts(read_documents(adverse_corpus)))
+    assert len(PunktSentenceTokenizer(params).tokenize(" ".join(INITIALS_AND_TITLES))) > len(INITIALS_AND_TITLES)
+    model = None
+    if mode == "supplied punkt_tab model":  # a model that knows none of the curated abbreviations
+        params.abbrev_types -= ABBREVIATIONS
+        model = str(write_punkt_tab(params, tmp_path / "punkt_tab"))
+    format_corpus(adverse_corpus, tmp_path / "out.txt", punkt_model=model)
+    assert documents_of(tmp_path / "out.txt")[-1] == INITIALS_AND_TITLES

@@ -78,9 +78,10 @@ def article_paragraphs(text: str) -> tuple[list[str], list[str]]:
     """(prose, headings) of an extracted article: each non-blank line is one paragraph, marked lines are headings."""
     prose, headings = [], []
     for line in text.split("\n"):
-        paragraph = _collapsed(line)
-        if paragraph:
-            (headings if line.startswith(HEADING_MARK) else prose).append(paragraph)
+        if line.startswith(HEADING_MARK):
+            headings.append(_collapsed(line[len(HEADING_MARK):]))
+        elif paragraph := _collapsed(line):
+            prose.append(paragraph)
     return prose, headings
 
 
