@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from workflow.data.extract import HEADING_MARK, extract
+from workflow.data.extract import HEADING_MARK, PAGES_LOG, extract
 
 DUMP = "enwiki-sample-pages-articles.xml.bz2"
 
@@ -129,3 +129,10 @@ def test_section_titles_come_out_marked_as_headings_and_empty_sections_not_at_al
     # wikiextractor's own titles ("History."), marked by its mark_headers; "Statistics" holds only a table
     assert headings == ["## History.", "## Geography.", "## Economy.", "## Culture."]
     assert lines[lines.index("## History.") + 1].startswith("The decline of the textile trade after 1926")
+
+
+def test_pages_skipped_by_wikiextractor_are_counted_by_reason_in_the_log(tmp_path, sample_dir, repo_env):
+    result = run_cli(sample_dir / DUMP, tmp_path / "out.jsonl", repo_env)
+    assert result.returncode == 0, result.stderr
+    # 48 pages: 42 in namespace 0, one of them "Alderbrook, England" (a redirect); Talk, User, File, Template x2, Category
+    assert f"INFO: {PAGES_LOG} 48 read: 41 articles, 1 redirects and 6 pages of other namespaces skipped" in result.stderr

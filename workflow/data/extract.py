@@ -4,6 +4,7 @@ Runs the real wikiextractor 3.1.0 (parallel processes; it keeps only namespace-0
 <ns>, so `--namespaces` is not needed: that flag is about link prefixes) and works around its quirks:
 - it drops section titles' markup to a bare `Title.` line, indistinguishable from a one-line paragraph; its own
   `mark_headers` (which its CLI does not expose) is switched on, so they come out as `## Title.` (HEADING_MARK);
+- it skips redirects and pages of other namespaces without a word: they are counted by fate in the log (PAGES_LOG);
 - it HTML-escapes text by default (`AT&T` -> `AT&amp;T`); only `--html-safe ''` disables that (`False` does not);
   titles come out still escaped, so they are unescaped here;
 - `-b` below 200K writes nothing and exits 0, so a size far above any article is passed;
@@ -23,7 +24,7 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
@@ -32,11 +33,29 @@ log = logging.getLogger("extract")
 
 MEDIAWIKI_ROOT = re.compile(r"\{http://www\.mediawiki\.org/xml/export-[0-9.]+/\}mediawiki")
 OUTPUT_FILE_SIZE = "1G"  # wikiextractor's -b: must be >= 200K or it silently writes nothing
+PAGES_LOG = "pages of the dump:"
 HEADING_MARK = "## "  # wikiextractor's mark_headers prefix; no other line can start with it (`#` lines are lists, dropped)
 
 
+def tally_pages(lines: Iterable[str], fates: collections.Counter) -> Iterator[str]:
+    """The dump's lines, unchanged, counting each page as an article, a redirect or a page of another namespace."""
+    ns, redirect = None, False
+    for line in lines:
+        if "<" in line:  # markup; text inside <text> is XML-escaped, so its lines never start with a tag
+            tag = line.lstrip()
+            if tag.startswith("<ns>"):
+                ns = tag[4:tag.find("<", 4)]
+            elif tag.startswith("<redirect"):
+                redirect = True
+            elif tag.startswith("</page>"):
+                fates["other namespaces" if ns != "0" else "redirects" if redirect else "articles"] += 1
+                ns, redirect = None, False
+        yield line
+
+
 def wikiextractor_main() -> None:
-    """wikiextractor's own CLI with its `mark_headers` on: section titles come out as `## Title.` lines."""
+    """wikiextractor's own CLI with its `mark_headers` on (section titles come out as `## Title.` lines), ending
+    with one log line of the pages it read by fate (it skips redirects and other namespaces without a word)."""
     from wikiextractor import WikiExtractor
     from wikiextractor.extract import Extractor
 
@@ -46,7 +65,13 @@ def wikiextractor_main() -> None:
         return clean_text(self, text, mark_headers=True, **options)
 
     Extractor.clean_text = clean_text_marking_headers  # its workers are forked, so they inherit this
+    fates = collections.Counter()
+    collect_pages = WikiExtractor.collect_pages  # runs in this (the reading) process
+    WikiExtractor.collect_pages = lambda lines: collect_pages(tally_pages(lines, fates))
     WikiExtractor.main()
+    print(f"INFO: {PAGES_LOG} {sum(fates.values())} read: {fates['articles']} articles, "
+          f"{fates['redirects']} redirects and {fates['other namespaces']} pages of other namespaces skipped",
+          file=sys.stderr)
 
 
 def open_dump(path: Path):
