@@ -160,7 +160,7 @@ def test_missing_punkt_model_is_an_error(extracted, tmp_path):
 # --- Real-shaped articles through real wikiextractor: nothing but headings and non-articles is dropped ---
 
 REAL_SHAPED = Path(__file__).parent / "fixtures" / "enwiki-real-shaped-pages-articles.xml"
-# Every prose paragraph of REAL_SHAPED's two real articles, as its sentences, word for word: colon-ended paragraphs
+# Every prose paragraph of REAL_SHAPED's three real articles, as its sentences, word for word: colon-ended paragraphs
 # introducing a quotation, an indented `:` quote block (wikiextractor leaves blank lines around it), a blockquote,
 # lines without final punctuation. Lists, tables, `(...)` lines and empty sections are wikiextractor's to drop.
 KESTREL_FALLS_MILL = [
@@ -188,6 +188,12 @@ MARROW_REVIEW = [
      "For a later view, cf. the history written in 1950."],
     ["Lincoln Hale wrote for it for many years.", "He later moved to London, where he died in 1961."],
 ]
+MARROW_BRIDGE = [  # opens like a disambiguation page, but is an article
+    ["Marrow bridge is a name that refers to:"],
+    ["Both bridges were built of local sandstone, and both were repaired after the floods of 1888.",
+     "The viaduct carried the last passenger train in 1964, and the packhorse bridge is still used by walkers today."],
+]
+ARTICLES = (KESTREL_FALLS_MILL, MARROW_REVIEW, MARROW_BRIDGE)
 HEADINGS = ["History.", "Closure.", "Products.", "Legacy.", "Contributors."]  # as wikiextractor titles them
 DISAMBIGUATION = ["Mercury commonly refers to:", "Springfield may refer to:"]  # all wikiextractor leaves of them
 STUB = "Harrow Green is a hamlet in the Vale of Marrow."
@@ -202,7 +208,7 @@ def real_shaped(tmp_path_factory):
 
 def test_every_prose_sentence_of_real_shaped_articles_arrives_word_for_word(real_shaped, tmp_path):
     format_corpus(real_shaped, tmp_path / "out.txt")
-    expected = [[s for paragraph in article for s in paragraph] for article in (KESTREL_FALLS_MILL, MARROW_REVIEW)]
+    expected = [[s for paragraph in article for s in paragraph] for article in ARTICLES]
     assert documents_of(tmp_path / "out.txt") == expected
 
 
@@ -214,23 +220,23 @@ def test_summary_counts_every_dropped_document_paragraph_and_character_by_reason
         capture_output=True, text=True, env=repo_env,
     )
     assert result.returncode == 0, result.stderr
-    kept = [" ".join(paragraph) for article in (KESTREL_FALLS_MILL, MARROW_REVIEW) for paragraph in article]
+    kept = [" ".join(paragraph) for article in ARTICLES for paragraph in article]
     chars = lambda paragraphs: sum(map(len, paragraphs))  # noqa: E731
     assert json.loads(summary.read_text()) == {
         "input": str(real_shaped),
         "output": str(output),
-        # 6 articles: the redirect and the Talk page never leave wikiextractor; the list page leaves it empty
-        "documents": {"read": 6, "kept": 2, "dropped": {"disambiguation": 2, "no_prose": 1, "too_short": 1}},
+        # 7 articles: the redirect and the Talk page never leave wikiextractor; the list page leaves it empty
+        "documents": {"read": 7, "kept": 3, "dropped": {"disambiguation": 2, "no_prose": 1, "too_short": 1}},
         "paragraphs": {"read": len(kept) + 5 + 2 + 1, "kept": len(kept),
                        "dropped": {"heading": 5, "disambiguation": 2, "no_prose": 0, "too_short": 1}},
         "characters": {"read": chars(kept + HEADINGS + DISAMBIGUATION) + len(STUB), "kept": chars(kept),
                        "dropped": {"heading": chars(HEADINGS), "disambiguation": chars(DISAMBIGUATION),
                                    "no_prose": 0, "too_short": len(STUB)}},
-        "sentences": sum(len(paragraph) for article in (KESTREL_FALLS_MILL, MARROW_REVIEW) for paragraph in article),
+        "sentences": sum(len(paragraph) for article in ARTICLES for paragraph in article),
     }
     log = result.stderr.strip().splitlines()[-1]
     assert log.endswith(
-        f"documents: 6 read, 2 kept, dropped disambiguation 2, no_prose 1, too_short 1; "
+        f"documents: 7 read, 3 kept, dropped disambiguation 2, no_prose 1, too_short 1; "
         f"paragraphs: {len(kept) + 8} read, {len(kept)} kept, dropped heading 5, disambiguation 2, too_short 1; "
         f"characters: {chars(kept + HEADINGS + DISAMBIGUATION) + len(STUB)} read, {chars(kept)} kept, dropped "
         f"heading {chars(HEADINGS)}, disambiguation {chars(DISAMBIGUATION)}, too_short {len(STUB)}"

@@ -7,7 +7,7 @@ and single-letter initials is added (nltk's own model is a download, which air-g
 
 Nothing is dropped silently. What is not written is counted by reason in the log and in the `--summary` JSON:
 - heading: a section title (extract marks wikiextractor's with HEADING_MARK), a book's title or chapter line;
-- disambiguation: a "(disambiguation)" page, or one whose text opens with "X may refer to:";
+- disambiguation: a "(disambiguation)" page, or one whose prose is only "X may refer to:" and the like;
 - no_prose: a document with no prose at all (wikiextractor left nothing but headings, or nothing);
 - too_short: a document with less than min_article_chars characters of prose (stubs).
 Every other line of an article is prose and is kept, whatever its last character.
@@ -108,7 +108,9 @@ def paragraphs_of(document: Document) -> tuple[list[str], list[str]]:
 def document_drop_reason(document: Document, prose: list[str], min_article_chars: int) -> str | None:
     """Why a whole document is not written (one of DOCUMENT_DROP_REASONS), or None to keep it."""
     if not document.is_book and (
-        document.title.endswith("(disambiguation)") or (prose and _DISAMBIGUATION_LEAD.search(prose[0]))
+        document.title.endswith("(disambiguation)")
+        # an article may open with "refers to:" too; a disambiguation page has nothing but such list introductions
+        or (prose and _DISAMBIGUATION_LEAD.search(prose[0]) and all(p.endswith(":") for p in prose))
     ):
         return "disambiguation"
     chars = sum(map(len, prose))
