@@ -5,7 +5,8 @@
 punkt_tab model directory, or Punkt trained here on the corpus itself; in both, a curated list of abbreviations
 and single-letter initials is added (nltk's own model is a download, which air-gapped clusters don't have).
 
-Nothing is dropped silently. What is not written is counted by reason in the log and in the `--summary` JSON:
+Nothing is dropped silently. What is not written is counted by reason in the log and in the `--summary` JSON
+(documents, paragraphs, and characters of whitespace-collapsed paragraphs: read = kept + dropped):
 - heading: a section title (extract marks wikiextractor's with HEADING_MARK), a book's title or chapter line;
 - disambiguation: a "(disambiguation)" page, or one whose prose is only "X may refer to:" and the like;
 - no_prose: a document with no prose at all (wikiextractor left nothing but headings, or nothing);
@@ -232,8 +233,8 @@ def load_splitter(punkt_model: str | None, corpus: Path | None = None, train_cha
 
 class DocumentResult(NamedTuple):
     drop_reason: str | None
-    prose_chars: list[int]  # per prose paragraph
-    heading_chars: list[int]  # per heading
+    prose: tuple[int, int]  # (paragraphs, characters)
+    headings: tuple[int, int]  # (paragraphs, characters)
     sentences: list[str]
 
 
@@ -254,7 +255,7 @@ def split_document(document: Document) -> DocumentResult:
     if reason is None:
         for paragraph in prose:
             sentences.extend(s for s in (_collapsed(s) for s in _splitter.tokenize(paragraph)) if s)
-    return DocumentResult(reason, [len(p) for p in prose], [len(h) for h in headings], sentences)
+    return DocumentResult(reason, (len(prose), sum(map(len, prose))), (len(headings), sum(map(len, headings))), sentences)
 
 
 class DropCounts:
@@ -269,16 +270,15 @@ class DropCounts:
                         for unit in self.UNITS}
 
     def add(self, result: DocumentResult) -> None:
-        for unit, count in (("documents", 1), ("paragraphs", len(result.prose_chars) + len(result.heading_chars)),
-                            ("characters", sum(result.prose_chars) + sum(result.heading_chars))):
-            self.read[unit] += count
-        self.dropped["paragraphs"]["heading"] += len(result.heading_chars)
-        self.dropped["characters"]["heading"] += sum(result.heading_chars)
-        prose = {"documents": 1, "paragraphs": len(result.prose_chars), "characters": sum(result.prose_chars)}
-        for unit, count in prose.items():
-            if result.drop_reason is None:
-                self.kept[unit] += count
-            else:
+        (prose_paragraphs, prose_chars), (heading_paragraphs, heading_chars) = result.prose, result.headings
+        self.read.update(documents=1, paragraphs=prose_paragraphs + heading_paragraphs, characters=prose_chars + heading_chars)
+        self.dropped["paragraphs"]["heading"] += heading_paragraphs
+        self.dropped["characters"]["heading"] += heading_chars
+        prose = {"documents": 1, "paragraphs": prose_paragraphs, "characters": prose_chars}
+        if result.drop_reason is None:
+            self.kept.update(prose)
+        else:
+            for unit, count in prose.items():
                 self.dropped[unit][result.drop_reason] += count
 
     def as_dict(self) -> dict:
