@@ -19,6 +19,7 @@ from workflow.cli import UserError
 from workflow.data.hdf5_dir import build_hdf5_dir
 from workflow.data.tokenize import load_tokenized, tokenize_shard
 from workflow.data.vocab import train_vocab
+from workflow.train.pretraining_data import list_shards
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = {
@@ -238,9 +239,11 @@ def test_hdf5_dir_links_shards_and_writes_manifest(shard, encoded, tmp_path):
     n = h5py.File(directory / "a.hdf5", "r")["input_ids"].shape[0]
     assert manifest["n_instances"] == {"training": n, "test": n}
     assert manifest["settings"]["max_seq_length"] == 128 and manifest["settings"]["seed"] == 12345
-    for entry in manifest["shards"]:
+    assert [entry["path"] for entry in manifest["shards"]] == ["training/seq128_training_shard_0.hdf5",
+                                                              "test/seq128_test_shard_0.hdf5"]
+    for entry, split in zip(manifest["shards"], ("training", "test")):
         linked = tmp_path / "hdf5_seq128" / entry["path"]
-        assert os.path.samefile(linked, source / entry["path"])  # hard link, no copy
+        assert os.path.samefile(linked, source / split / "shard_0.hdf5")  # hard link, no copy
         assert hashlib.sha256(linked.read_bytes()).hexdigest() == entry["sha256"]
     # A stale shard encoded with other settings is refused, and nothing is promoted.
     vocab, tokenized, _ = shard
@@ -249,6 +252,37 @@ def test_hdf5_dir_links_shards_and_writes_manifest(shard, encoded, tmp_path):
     with pytest.raises(UserError, match=r"shard_0.hdf5: encoded with other settings \(seed\) than training/shard_0"):
         build_hdf5_dir(source, {"training": 1, "test": 1}, tmp_path / "again")
     assert not (tmp_path / "again").exists()
+
+
+def nvidia_training_files(input_dir: str) -> list[str]:
+    """NVIDIA DLE run_pretraining.py's file list, verbatim: the files of --input_dir whose name contains 'training'."""
+    return [os.path.join(input_dir, f) for f in os.listdir(input_dir) if
+            os.path.isfile(os.path.join(input_dir, f)) and 'training' in f]
+
+
+def test_nvidia_trainer_file_filter_finds_exactly_the_training_shards(shard, encoded, tmp_path):
+    directory, _ = encoded
+    source = tmp_path / "encoded_seq128"
+    counts = {"training": 12, "test": 3}
+    for split, count in counts.items():
+        (source / split).mkdir(parents=True)
+        for index in range(count):
+            os.link(directory / "a.hdf5", source / split / f"shard_{index}.hdf5")
+    output = tmp_path / "hdf5_seq128"
+    manifest = build_hdf5_dir(source, counts, output)
+    on_disk = {split: sorted(p.relative_to(output).as_posix() for p in (output / split).iterdir()) for split in counts}
+    listed = {split: sorted(e["path"] for e in manifest["shards"] if e["path"].startswith(f"{split}/")) for split in counts}
+    assert on_disk == listed and [len(listed[s]) for s in counts] == [12, 3]
+    # The directory a user passes as --input_dir: every training shard, nothing else.
+    found = nvidia_training_files(str(output / "training"))
+    assert sorted(os.path.relpath(f, output) for f in found) == listed["training"]
+    # No test shard passes the filter, wherever it is pointed; nor does the manifest.
+    assert nvidia_training_files(str(output / "test")) == [] and nvidia_training_files(str(output)) == []
+    # Our trainer reads the same shards, in the same order as before the rename (sorted by name).
+    ours = list_shards(output, "training")
+    assert [Path(s.path).name for s in ours] == sorted(Path(f).name for f in found)
+    assert [Path(s.path).name for s in ours][:3] == [f"seq128_training_shard_{i}.hdf5" for i in (0, 1, 10)]
+    assert len(list_shards(output, "test")) == 3
 
 
 def run_stage(module, *args, cwd=None):
@@ -336,7 +370,8 @@ def test_snakemake_hdf5_seq_target_is_byte_identical_with_1_or_2_jobs(shard, tmp
         assert not (workdir / "data" / "encoded_seq512").exists()  # phase-1 target builds phase-1 data only
         trees.append(tree_digest(workdir / "data" / "hdf5_seq64"))
     assert trees[0] == trees[1]
-    assert sorted(trees[0]) == ["manifest.json", "test/shard_0.hdf5"] + [f"training/shard_{i}.hdf5" for i in range(3)]
+    assert sorted(trees[0]) == ["manifest.json", "test/seq64_test_shard_0.hdf5"] + [
+        f"training/seq64_training_shard_{i}.hdf5" for i in range(3)]
     manifest = json.loads((tmp_path / "j1" / "data" / "hdf5_seq64" / "manifest.json").read_text())
     assert manifest["settings"]["max_seq_length"] == 64 and manifest["settings"]["dupe_factor"] == 2
     assert manifest["n_instances"]["training"] == sum(e["n_instances"] for e in manifest["shards"][:3])
@@ -357,7 +392,7 @@ def test_snakemake_other_seed_changes_the_data(shard, tmp_path):
     result = snakemake(workdir, "--cores", "2", "data/hdf5_seq64", "--config", "seed=7")
     assert result.returncode == 0, result.stderr[-3000:]
     after = tree_digest(workdir / "data" / "hdf5_seq64")
-    assert before["training/shard_0.hdf5"] != after["training/shard_0.hdf5"]
+    assert before["training/seq64_training_shard_0.hdf5"] != after["training/seq64_training_shard_0.hdf5"]
 
 
 def reference_pairs(documents: list[list[int]], settings: EncodeSettings, rng: random.Random) -> list[tuple]:
