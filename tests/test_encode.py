@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
+from benchmarks import google_reference
 from workflow.data.encode import EncodeSettings, Vocab, _truncate_pair, build_batch, encode_shard, plan_instances, shard_rng
 from workflow.cli import UserError
 from workflow.data.hdf5_dir import build_hdf5_dir
@@ -395,53 +396,24 @@ def test_snakemake_other_seed_changes_the_data(shard, tmp_path):
     assert before["training/seq64_training_shard_0.hdf5"] != after["training/seq64_training_shard_0.hdf5"]
 
 
-def reference_pairs(documents: list[list[int]], settings: EncodeSettings, rng: random.Random) -> list[tuple]:
-    """Google's create_instances_from_document, sentence by sentence, on sentence lengths: (len_a, len_b, random)."""
-    max_num_tokens = settings.max_seq_length - 3
+def reference_pairs(documents: list[list[list[int]]], settings: EncodeSettings, rng: random.Random) -> list[tuple]:
+    """(len_a, len_b, is_random_next) of every instance Google's create_training_instances makes (shared port)."""
+    instances = google_reference.create_training_instances(
+        [list(document) for document in documents], list(range(len(documents))), rng, settings.max_seq_length,
+        settings.dupe_factor, settings.short_seq_prob, settings.masked_lm_prob, settings.max_predictions_per_seq)
     pairs = []
-    for _ in range(settings.dupe_factor):
-        for index, document in enumerate(documents):
-            target = max_num_tokens
-            if rng.random() < settings.short_seq_prob:
-                target = rng.randint(2, max_num_tokens)
-            chunk, length, i = [], 0, 0
-            while i < len(document):
-                chunk.append(document[i])
-                length += document[i]
-                if i == len(document) - 1 or length >= target:
-                    a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
-                    len_a = sum(chunk[:a_end])
-                    if len(chunk) == 1 or rng.random() < 0.5:
-                        is_random = True
-                        other = index
-                        while other == index and len(documents) > 1:
-                            other = rng.randint(0, len(documents) - 1)
-                        start = rng.randint(0, len(documents[other]) - 1)
-                        len_b = 0
-                        for sentence in documents[other][start:]:
-                            len_b += sentence
-                            if len_b >= target - len_a:
-                                break
-                        i -= len(chunk) - a_end
-                    else:
-                        is_random, len_b = False, sum(chunk[a_end:])
-                    while len_a + len_b > max_num_tokens:
-                        if len_a > len_b:
-                            len_a -= 1
-                        else:
-                            len_b -= 1
-                    pairs.append((len_a, len_b, is_random))
-                    chunk, length = [], 0
-                i += 1
+    for instance in instances:
+        len_a = instance.segment_ids.count(0) - 2
+        pairs.append((len_a, len(instance.tokens) - len_a - 3, instance.is_random_next))
     return pairs
 
 
 @pytest.mark.parametrize("length", [64, 128, 512])
 def test_pairing_statistics_match_a_sentence_by_sentence_reference(shard, length):
     settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=20, dupe_factor=10)
-    _, sentence_offsets, document_offsets = load_tokenized(shard[1])
-    sentence_lengths = np.diff(sentence_offsets)
-    documents = [sentence_lengths[s:e].tolist() for s, e in zip(document_offsets[:-1], document_offsets[1:])]
+    ids, sentence_offsets, document_offsets = load_tokenized(shard[1])
+    sentences = [ids[s:e].tolist() for s, e in zip(sentence_offsets[:-1], sentence_offsets[1:])]
+    documents = [sentences[s:e] for s, e in zip(document_offsets[:-1], document_offsets[1:])]
     reference = np.array(reference_pairs(documents, settings, random.Random(3)))
     plan = plan_instances(sentence_offsets, document_offsets, settings, shard_rng(3, "training", 0)[0])
     ours = np.stack([plan[:, 1] - plan[:, 0], plan[:, 3] - plan[:, 2], plan[:, 4]], axis=1)
@@ -457,14 +429,11 @@ def test_closed_form_truncation_equals_googles_token_by_token_loop():
     len_a, len_b = rng.integers(1, 300, 5000), rng.integers(1, 300, 5000)
     a_start, b_start = rng.integers(0, 10**6, 5000), rng.integers(0, 10**6, 5000)
     a0, a1, b0, b1 = _truncate_pair(a_start, a_start + len_a, b_start, b_start + len_b, 125, rng)
+    reference_rng = random.Random(0)
     for i in range(5000):
-        la, lb = int(len_a[i]), int(len_b[i])
-        while la + lb > 125:
-            if la > lb:
-                la -= 1
-            else:
-                lb -= 1
-        assert (a1[i] - a0[i], b1[i] - b0[i]) == (la, lb)
+        tokens_a, tokens_b = list(range(len_a[i])), list(range(len_b[i]))
+        google_reference.truncate_seq_pair(tokens_a, tokens_b, 125, reference_rng)
+        assert (a1[i] - a0[i], b1[i] - b0[i]) == (len(tokens_a), len(tokens_b))
     # Each trimmed token comes off a random end: about half of the trims are at the front.
     trimmed_front = (a0 - a_start).sum() + (b0 - b_start).sum()
     trimmed = (len_a - (a1 - a0)).sum() + (len_b - (b1 - b0)).sum()
