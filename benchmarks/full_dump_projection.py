@@ -27,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import h5py
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wikipedia_sample import ROOT, SAMPLE_XML, replicate_dump, run_stage  # noqa: E402
 
@@ -131,8 +134,6 @@ def measure(args, work: Path) -> dict:
     tokenized = work / "wikipedia.npz"
     m["tokenize"] = run_stage([PYTHON, "-m", "workflow.data.tokenize", "--text", formatted, "--vocab", vocab,
                                "--output", tokenized, "--threads", 1], env=one_thread)
-    import numpy as np
-
     with np.load(tokenized) as data:
         m["tokens"] = int(len(data["ids"]))
     for length in (128, 512):
@@ -141,8 +142,6 @@ def measure(args, work: Path) -> dict:
                                           vocab, "--output", output, "--max-seq-length", length,
                                           "--max-predictions-per-seq", PREDICTIONS[length], "--split", "training",
                                           "--shard-index", 0])
-        import h5py
-
         with h5py.File(output, "r") as handle:
             m[f"instances{length}"] = int(handle["input_ids"].shape[0])
         m[f"hdf5_bytes{length}"] = output.stat().st_size
