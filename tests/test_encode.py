@@ -14,11 +14,13 @@ import h5py
 import numpy as np
 import pytest
 
+from benchmarks import google_reference
 from workflow.data.encode import EncodeSettings, Vocab, _truncate_pair, build_batch, encode_shard, plan_instances, shard_rng
 from workflow.cli import UserError
 from workflow.data.hdf5_dir import build_hdf5_dir
 from workflow.data.tokenize import load_tokenized, tokenize_shard
 from workflow.data.vocab import train_vocab
+from workflow.train.pretraining_data import list_shards
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = {
@@ -238,9 +240,11 @@ def test_hdf5_dir_links_shards_and_writes_manifest(shard, encoded, tmp_path):
     n = h5py.File(directory / "a.hdf5", "r")["input_ids"].shape[0]
     assert manifest["n_instances"] == {"training": n, "test": n}
     assert manifest["settings"]["max_seq_length"] == 128 and manifest["settings"]["seed"] == 12345
-    for entry in manifest["shards"]:
+    assert [entry["path"] for entry in manifest["shards"]] == ["training/seq128_training_shard_0.hdf5",
+                                                              "test/seq128_test_shard_0.hdf5"]
+    for entry, split in zip(manifest["shards"], ("training", "test")):
         linked = tmp_path / "hdf5_seq128" / entry["path"]
-        assert os.path.samefile(linked, source / entry["path"])  # hard link, no copy
+        assert os.path.samefile(linked, source / split / "shard_0.hdf5")  # hard link, no copy
         assert hashlib.sha256(linked.read_bytes()).hexdigest() == entry["sha256"]
     # A stale shard encoded with other settings is refused, and nothing is promoted.
     vocab, tokenized, _ = shard
@@ -249,6 +253,37 @@ def test_hdf5_dir_links_shards_and_writes_manifest(shard, encoded, tmp_path):
     with pytest.raises(UserError, match=r"shard_0.hdf5: encoded with other settings \(seed\) than training/shard_0"):
         build_hdf5_dir(source, {"training": 1, "test": 1}, tmp_path / "again")
     assert not (tmp_path / "again").exists()
+
+
+def nvidia_training_files(input_dir: str) -> list[str]:
+    """NVIDIA DLE run_pretraining.py's file list, verbatim: the files of --input_dir whose name contains 'training'."""
+    return [os.path.join(input_dir, f) for f in os.listdir(input_dir) if
+            os.path.isfile(os.path.join(input_dir, f)) and 'training' in f]
+
+
+def test_nvidia_trainer_file_filter_finds_exactly_the_training_shards(shard, encoded, tmp_path):
+    directory, _ = encoded
+    source = tmp_path / "encoded_seq128"
+    counts = {"training": 12, "test": 3}
+    for split, count in counts.items():
+        (source / split).mkdir(parents=True)
+        for index in range(count):
+            os.link(directory / "a.hdf5", source / split / f"shard_{index}.hdf5")
+    output = tmp_path / "hdf5_seq128"
+    manifest = build_hdf5_dir(source, counts, output)
+    on_disk = {split: sorted(p.relative_to(output).as_posix() for p in (output / split).iterdir()) for split in counts}
+    listed = {split: sorted(e["path"] for e in manifest["shards"] if e["path"].startswith(f"{split}/")) for split in counts}
+    assert on_disk == listed and [len(listed[s]) for s in counts] == [12, 3]
+    # The directory a user passes as --input_dir: every training shard, nothing else.
+    found = nvidia_training_files(str(output / "training"))
+    assert sorted(os.path.relpath(f, output) for f in found) == listed["training"]
+    # No test shard passes the filter, wherever it is pointed; nor does the manifest.
+    assert nvidia_training_files(str(output / "test")) == [] and nvidia_training_files(str(output)) == []
+    # Our trainer reads the same shards, in the same order as before the rename (sorted by name).
+    ours = list_shards(output, "training")
+    assert [Path(s.path).name for s in ours] == sorted(Path(f).name for f in found)
+    assert [Path(s.path).name for s in ours][:3] == [f"seq128_training_shard_{i}.hdf5" for i in (0, 1, 10)]
+    assert len(list_shards(output, "test")) == 3
 
 
 def run_stage(module, *args, cwd=None):
@@ -336,7 +371,8 @@ def test_snakemake_hdf5_seq_target_is_byte_identical_with_1_or_2_jobs(shard, tmp
         assert not (workdir / "data" / "encoded_seq512").exists()  # phase-1 target builds phase-1 data only
         trees.append(tree_digest(workdir / "data" / "hdf5_seq64"))
     assert trees[0] == trees[1]
-    assert sorted(trees[0]) == ["manifest.json", "test/shard_0.hdf5"] + [f"training/shard_{i}.hdf5" for i in range(3)]
+    assert sorted(trees[0]) == ["manifest.json", "test/seq64_test_shard_0.hdf5"] + [
+        f"training/seq64_training_shard_{i}.hdf5" for i in range(3)]
     manifest = json.loads((tmp_path / "j1" / "data" / "hdf5_seq64" / "manifest.json").read_text())
     assert manifest["settings"]["max_seq_length"] == 64 and manifest["settings"]["dupe_factor"] == 2
     assert manifest["n_instances"]["training"] == sum(e["n_instances"] for e in manifest["shards"][:3])
@@ -357,56 +393,27 @@ def test_snakemake_other_seed_changes_the_data(shard, tmp_path):
     result = snakemake(workdir, "--cores", "2", "data/hdf5_seq64", "--config", "seed=7")
     assert result.returncode == 0, result.stderr[-3000:]
     after = tree_digest(workdir / "data" / "hdf5_seq64")
-    assert before["training/shard_0.hdf5"] != after["training/shard_0.hdf5"]
+    assert before["training/seq64_training_shard_0.hdf5"] != after["training/seq64_training_shard_0.hdf5"]
 
 
-def reference_pairs(documents: list[list[int]], settings: EncodeSettings, rng: random.Random) -> list[tuple]:
-    """Google's create_instances_from_document, sentence by sentence, on sentence lengths: (len_a, len_b, random)."""
-    max_num_tokens = settings.max_seq_length - 3
+def reference_pairs(documents: list[list[list[int]]], settings: EncodeSettings, rng: random.Random) -> list[tuple]:
+    """(len_a, len_b, is_random_next) of every instance Google's create_training_instances makes (shared port)."""
+    instances = google_reference.create_training_instances(
+        [list(document) for document in documents], list(range(len(documents))), rng, settings.max_seq_length,
+        settings.dupe_factor, settings.short_seq_prob, settings.masked_lm_prob, settings.max_predictions_per_seq)
     pairs = []
-    for _ in range(settings.dupe_factor):
-        for index, document in enumerate(documents):
-            target = max_num_tokens
-            if rng.random() < settings.short_seq_prob:
-                target = rng.randint(2, max_num_tokens)
-            chunk, length, i = [], 0, 0
-            while i < len(document):
-                chunk.append(document[i])
-                length += document[i]
-                if i == len(document) - 1 or length >= target:
-                    a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
-                    len_a = sum(chunk[:a_end])
-                    if len(chunk) == 1 or rng.random() < 0.5:
-                        is_random = True
-                        other = index
-                        while other == index and len(documents) > 1:
-                            other = rng.randint(0, len(documents) - 1)
-                        start = rng.randint(0, len(documents[other]) - 1)
-                        len_b = 0
-                        for sentence in documents[other][start:]:
-                            len_b += sentence
-                            if len_b >= target - len_a:
-                                break
-                        i -= len(chunk) - a_end
-                    else:
-                        is_random, len_b = False, sum(chunk[a_end:])
-                    while len_a + len_b > max_num_tokens:
-                        if len_a > len_b:
-                            len_a -= 1
-                        else:
-                            len_b -= 1
-                    pairs.append((len_a, len_b, is_random))
-                    chunk, length = [], 0
-                i += 1
+    for instance in instances:
+        len_a = instance.segment_ids.count(0) - 2
+        pairs.append((len_a, len(instance.tokens) - len_a - 3, instance.is_random_next))
     return pairs
 
 
 @pytest.mark.parametrize("length", [64, 128, 512])
 def test_pairing_statistics_match_a_sentence_by_sentence_reference(shard, length):
     settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=20, dupe_factor=10)
-    _, sentence_offsets, document_offsets = load_tokenized(shard[1])
-    sentence_lengths = np.diff(sentence_offsets)
-    documents = [sentence_lengths[s:e].tolist() for s, e in zip(document_offsets[:-1], document_offsets[1:])]
+    ids, sentence_offsets, document_offsets = load_tokenized(shard[1])
+    sentences = [ids[s:e].tolist() for s, e in zip(sentence_offsets[:-1], sentence_offsets[1:])]
+    documents = [sentences[s:e] for s, e in zip(document_offsets[:-1], document_offsets[1:])]
     reference = np.array(reference_pairs(documents, settings, random.Random(3)))
     plan = plan_instances(sentence_offsets, document_offsets, settings, shard_rng(3, "training", 0)[0])
     ours = np.stack([plan[:, 1] - plan[:, 0], plan[:, 3] - plan[:, 2], plan[:, 4]], axis=1)
@@ -422,14 +429,11 @@ def test_closed_form_truncation_equals_googles_token_by_token_loop():
     len_a, len_b = rng.integers(1, 300, 5000), rng.integers(1, 300, 5000)
     a_start, b_start = rng.integers(0, 10**6, 5000), rng.integers(0, 10**6, 5000)
     a0, a1, b0, b1 = _truncate_pair(a_start, a_start + len_a, b_start, b_start + len_b, 125, rng)
+    reference_rng = random.Random(0)
     for i in range(5000):
-        la, lb = int(len_a[i]), int(len_b[i])
-        while la + lb > 125:
-            if la > lb:
-                la -= 1
-            else:
-                lb -= 1
-        assert (a1[i] - a0[i], b1[i] - b0[i]) == (la, lb)
+        tokens_a, tokens_b = list(range(len_a[i])), list(range(len_b[i]))
+        google_reference.truncate_seq_pair(tokens_a, tokens_b, 125, reference_rng)
+        assert (a1[i] - a0[i], b1[i] - b0[i]) == (len(tokens_a), len(tokens_b))
     # Each trimmed token comes off a random end: about half of the trims are at the front.
     trimmed_front = (a0 - a_start).sum() + (b0 - b_start).sum()
     trimmed = (len_a - (a1 - a0)).sum() + (len_b - (b1 - b0)).sum()

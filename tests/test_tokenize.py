@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from transformers import BertTokenizer
 
+from benchmarks import google_reference
 from workflow.data.tokenize import load_tokenized, tokenize_shard
 from workflow.data.vocab import train_vocab
 
@@ -37,13 +38,25 @@ def tokenized(tmp_path_factory):
     return directory, counts
 
 
-def test_ids_equal_the_reference_bert_tokenizer_per_sentence(tokenized):
+def python_wordpiece(vocab: Path):
+    """Google's FullTokenizer in Python (transformers 5's BertTokenizer is the Rust one): line -> ids."""
+    tokenizer = google_reference.FullTokenizer(str(vocab), do_lower_case=True)
+    return lambda line: tokenizer.convert_tokens_to_ids(tokenizer.tokenize(line))
+
+
+def transformers_bert_tokenizer(vocab: Path):
+    tokenizer = BertTokenizer(str(vocab), do_lower_case=True)
+    return lambda line: tokenizer.encode(line, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("reference", [python_wordpiece, transformers_bert_tokenizer])
+def test_ids_equal_the_reference_bert_tokenizer_per_sentence(tokenized, reference):
     directory, counts = tokenized
     ids, sentence_offsets, document_offsets = load_tokenized(directory / "shard_0.npz")
-    reference = BertTokenizer(str(directory / "vocab.txt"), do_lower_case=True)
+    encode = reference(directory / "vocab.txt")
     expected_documents = []
     for document in DOCUMENTS:
-        sentences = [reference.encode(line, add_special_tokens=False) for line in document]
+        sentences = [encode(line) for line in document]
         sentences = [sentence for sentence in sentences if sentence]
         if sentences:
             expected_documents.append(sentences)

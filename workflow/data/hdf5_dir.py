@@ -3,6 +3,10 @@
 It holds training/ and test/ with every encoded shard hard-linked (copied where links are impossible) from
 data/encoded_seq{L}, and manifest.json: the shard list with instance counts, sizes and sha256 checksums, and
 the encode settings used (read from the shards' own attributes, which must agree).
+
+File names follow NVIDIA DLE's bertPrep.py (`wikicorpus_en_training_0.hdf5`, `wikicorpus_en_test_0.hdf5`):
+its run_pretraining.py keeps only the files of `--input_dir` whose name contains "training", so
+`--input_dir data/hdf5_seq128/training` finds every training shard, and no test shard could ever be taken.
 """
 import argparse
 import hashlib
@@ -62,6 +66,11 @@ def _plain(value):
     return value.item() if hasattr(value, "item") else value
 
 
+def trainer_name(seq_length: int, split: str, index: int) -> str:
+    """Path of shard `index` of `split` inside data/hdf5_seq{L}: only training shards have "training" in the name."""
+    return f"{split}/seq{seq_length}_{split}_shard_{index}.hdf5"
+
+
 def link_or_copy(source: Path, target: Path) -> None:
     try:
         os.link(source, target)
@@ -70,31 +79,34 @@ def link_or_copy(source: Path, target: Path) -> None:
 
 
 def build_hdf5_dir(encoded: str | os.PathLike, n_shards: dict[str, int], output: str | os.PathLike, threads: int = 1) -> dict:
-    """Assemble `output` from `encoded`/{split}/shard_{i}.hdf5, i < n_shards[split]; returns the manifest."""
+    """Assemble `output` from `encoded`/{split}/shard_{i}.hdf5, i < n_shards[split], under trainer_name()s;
+    returns the manifest."""
     encoded, output = Path(encoded), Path(output)
-    names = [f"{split}/shard_{index}.hdf5" for split, count in n_shards.items() for index in range(count)]
+    shards = [(split, index) for split, count in n_shards.items() for index in range(count)]
+    names = [f"{split}/shard_{index}.hdf5" for split, index in shards]
     infos = [shard_info(encoded / name) for name in names]
     reference = infos[0]["settings"] if infos else {}
     for name, info in zip(names, infos):
         if info["settings"] != reference:
             changed = sorted(key for key in SETTINGS if info["settings"][key] != reference[key])
             raise UserError(f"{encoded / name}: encoded with other settings ({', '.join(changed)}) than {names[0]}")
+    targets = [trainer_name(reference["max_seq_length"], split, index) for split, index in shards]
     with ThreadPoolExecutor(max(1, threads)) as pool:  # hashlib releases the GIL
         checksums = list(pool.map(sha256, (encoded / name for name in names)))
     manifest = {
         "settings": reference,
         "n_instances": {split: sum(i["n_instances"] for n, i in zip(names, infos) if n.startswith(f"{split}/")) for split in n_shards},
         "shards": [
-            {"path": name, "n_instances": info["n_instances"], "bytes": (encoded / name).stat().st_size, "sha256": checksum}
-            for name, info, checksum in zip(names, infos, checksums)
+            {"path": target, "n_instances": info["n_instances"], "bytes": (encoded / name).stat().st_size, "sha256": checksum}
+            for name, target, info, checksum in zip(names, targets, infos, checksums)
         ],
     }
     try:
         with atomic_path(output) as temporary:
             for split in n_shards:
                 (temporary / split).mkdir(parents=True)
-            for name in names:
-                link_or_copy(encoded / name, temporary / name)
+            for name, target in zip(names, targets):
+                link_or_copy(encoded / name, temporary / target)
             write_json(temporary / "manifest.json", manifest)
     except OSError as error:
         raise UserError(f"{output}: cannot write ({error.strerror or error})") from None

@@ -1,0 +1,90 @@
+"""Benchmark inputs from the bundled real export, and stage runs measured like a cluster job sees them.
+
+- replicate_dump: a MediaWiki dump of any size made of sample/enwiki-sample-pages-articles.xml's pages
+  (articles, redirects, templates, as exported), repeated with fresh page ids; bz2 like the real dump.
+- real_text: Wikipedia text in shard format (one sentence per line, blank line between documents) of about N MB,
+  made by the real extract and format stages from that sample, documents repeated in a shuffled order.
+- run_stage: one command in its own process; wall seconds, CPU seconds (its own and its waited-for children's,
+  e.g. wikiextractor's workers) and peak RSS from wait4's rusage.
+"""
+import bz2
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_XML = ROOT / "sample" / "enwiki-sample-pages-articles.xml"
+PAGE = re.compile(r"  <page>\n.*?</page>\n", re.S)
+PAGE_ID = re.compile(r"(<id>)\d+(</id>)")  # the page's own id comes first, before its revision's
+
+
+@dataclass(frozen=True)
+class Measured:
+    wall: float  # seconds
+    cpu: float  # user + system seconds of the process and its waited-for children
+    rss_mb: float  # peak resident set of the largest of them
+    stdout: str
+
+
+def run_stage(command: list, env: dict | None = None) -> Measured:
+    """Run `command` (cwd: the repository) and measure it; a failure stops the benchmark with its stderr."""
+    environment = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        start = time.perf_counter()
+        process = subprocess.Popen([str(part) for part in command], cwd=ROOT, env=environment, stdout=stdout,
+                                   stderr=stderr)
+        _, status, usage = os.wait4(process.pid, 0)  # reaped here, so Popen never sees the rusage
+        wall = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)
+        stdout.seek(0)
+        stderr.seek(0)
+        if process.returncode:
+            message = stderr.read().decode(errors="replace")[-2000:]
+            raise SystemExit(f"{' '.join(map(str, command))} failed ({process.returncode}):\n{message}")
+        return Measured(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, stdout.read().decode())
+
+
+def replicate_dump(megabytes: float, output: Path, source: Path = SAMPLE_XML) -> dict:
+    """Write a bz2 MediaWiki dump of about `megabytes` MB of XML to `output`; returns its sizes and page count."""
+    xml = source.read_text(encoding="utf-8")
+    pages = PAGE.findall(xml)
+    head, tail = xml[: xml.index(pages[0])], xml[xml.rindex(pages[-1]) + len(pages[-1]):]
+    written = len(head.encode()) + len(tail.encode())
+    n_pages = 0
+    with bz2.open(output, "wt", encoding="utf-8", compresslevel=9) as out:
+        out.write(head)
+        while written < megabytes * 1e6:
+            for page in pages:
+                n_pages += 1
+                page = PAGE_ID.sub(rf"\g<1>{n_pages}\g<2>", page, count=1)
+                out.write(page)
+                written += len(page.encode())
+        out.write(tail)
+    return {"xml_bytes": written, "bz2_bytes": output.stat().st_size, "pages": n_pages}
+
+
+def real_text(megabytes: float, output: Path, seed: int = 0) -> Path:
+    """About `megabytes` MB of shard-format text from the sample through the real extract and format stages."""
+    work = output.parent
+    extracted, formatted = work / "sample.jsonl", work / "sample.txt"
+    python = sys.executable
+    run_stage([python, "-m", "workflow.data.extract", "--input", str(SAMPLE_XML), "--output", str(extracted)])
+    run_stage([python, "-m", "workflow.data.format", "--input", str(extracted), "--output", str(formatted)])
+    documents = [d.strip("\n") + "\n" for d in formatted.read_text(encoding="utf-8").split("\n\n") if d.strip()]
+    rng = random.Random(seed)
+    out, size = [], 0
+    while size < megabytes * 1e6:
+        rng.shuffle(documents)
+        for document in documents:
+            out.append(document)
+            size += len(document.encode("utf-8")) + 1
+            if size >= megabytes * 1e6:
+                break
+    output.write_text("\n".join(out), encoding="utf-8")
+    return output
