@@ -1,0 +1,1 @@
+"""Data half: download, extract, format, shard, vocab, tokenize, encode to HDF5."""
