@@ -1,8 +1,16 @@
 # Config validation, shared path helpers and input functions. No rule lives here.
+import os
+import sys
+
 import jsonschema
 import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
+
+# the repository root, so that the workflow package is importable whichever Snakefile includes this file
+sys.path.insert(0, os.path.dirname(workflow.current_basedir.get_path_or_uri(secret_free=True)))
+from workflow.cli import UserError
+from workflow.data.download import dump_parts
 
 
 def config_error(config, schema_path):
@@ -27,12 +35,66 @@ except WorkflowError:
 SPLITS = ["training", "test"]
 PHASES = ["phase1", "phase2"]
 
+# The files the Wikipedia dump is processed as (config wikipedia.parts), known before any job runs:
+# {name: DumpPart}, in page-id order; names are page-id ranges `pFIRSTpLAST`, or `whole`.
+try:
+    WIKIPEDIA_PARTS = {
+        part.name: part
+        for part in dump_parts(
+            config["wikipedia"]["url"],
+            config["wikipedia"]["checksum_url"],
+            config["wikipedia"]["parts"],
+            "data/download/wikipedia",
+        )
+    }
+except UserError as error:
+    raise ValueError(f"wikipedia.parts {config['wikipedia']['parts']}: {error}") from None
+
 
 wildcard_constraints:
+    part=r"whole|p\d+p\d+",
     split="training|test",
     index=r"\d+",
     seq=r"\d+",
     phase="phase1|phase2",
+
+
+def wikipedia_part_url(wildcards):
+    return WIKIPEDIA_PARTS[wildcards.part].url
+
+
+def wikipedia_part_checksum_url(wildcards):
+    """The checksum list a part is verified against ("" = the list beside the dump, if any)."""
+    return WIKIPEDIA_PARTS[wildcards.part].checksum_url
+
+
+def wikipedia_parts(pattern):
+    """`pattern` filled in for every part of the dump, in page-id order (the order of the articles)."""
+    return expand(pattern, part=list(WIKIPEDIA_PARTS))
+
+
+def formatted_corpora():
+    """The formatted text the shards are cut from, in corpus order: every Wikipedia part, then BookCorpus if enabled."""
+    books = ["data/formatted/bookcorpus.txt"] if config["bookcorpus"]["enabled"] else []
+    return wikipedia_parts("data/formatted/wikipedia/{part}.txt") + books
+
+
+def format_inputs(wildcards):
+    """What format reads: a part's extracted articles and the corpus' Punkt model, or the books directory."""
+    if wildcards.corpus == "bookcorpus":
+        return {"text": "data/download/bookcorpus"}
+    inputs = {"text": f"data/extracted/{wildcards.corpus}.jsonl"}
+    if not config["format"]["punkt_model"]:
+        inputs["punkt"] = "data/punkt/wikipedia"
+    return inputs
+
+
+def format_punkt_model(wildcards):
+    """The Punkt model format loads: the configured one, else (Wikipedia) the one trained on all parts, else none
+    (books: format trains on them)."""
+    if config["format"]["punkt_model"] or wildcards.corpus == "bookcorpus":
+        return config["format"]["punkt_model"] or ""
+    return "data/punkt/wikipedia"
 
 
 def shard_indices(split):

@@ -1,13 +1,11 @@
 # Stage 4: balanced, deterministic training/test text shards (one sentence per line, blank line between documents).
 
-
-# the formatted corpora the shards are cut from: Wikipedia, plus BookCorpus when enabled
-CORPORA = ["wikipedia"] + (["bookcorpus"] if config["bookcorpus"]["enabled"] else [])
+# Streams over every formatted part in corpus order, so the shards do not depend on the parts' order of completion.
 
 
 rule shard:
     input:
-        expand("data/formatted/{source}.txt", source=CORPORA),
+        formatted_corpora(),
     output:
         # one directory, not thousands of files: Snakemake's DAG cost grows with outputs per job x consumers
         directory("data/shards"),
