@@ -1,4 +1,5 @@
 # Config validation, shared path helpers and input functions. No rule lives here.
+import functools
 import os
 import sys
 
@@ -35,20 +36,17 @@ except WorkflowError:
 SPLITS = ["training", "test"]
 PHASES = ["phase1", "phase2"]
 
-# The files the Wikipedia dump is processed as (config wikipedia.parts), known before any job runs:
-# {name: DumpPart}, in page-id order; names are page-id ranges `pFIRSTpLAST`, or `whole`.
-try:
-    WIKIPEDIA_PARTS = {
-        part.name: part
-        for part in dump_parts(
-            config["wikipedia"]["url"],
-            config["wikipedia"]["checksum_url"],
-            config["wikipedia"]["parts"],
-            "data/download/wikipedia",
-        )
-    }
-except UserError as error:
-    raise ValueError(f"wikipedia.parts {config['wikipedia']['parts']}: {error}") from None
+
+@functools.cache
+def wikipedia_dump_parts():
+    """The files the Wikipedia dump is processed as (config wikipedia.parts): {name: DumpPart} in page-id order;
+    names are page-id ranges `pFIRSTpLAST`, or `whole`. Read when the DAG first needs them (not by --lint), once."""
+    wikipedia = config["wikipedia"]
+    try:
+        parts = dump_parts(wikipedia["url"], wikipedia["checksum_url"], wikipedia["parts"], "data/download/wikipedia")
+    except UserError as error:
+        raise ValueError(f"wikipedia.parts {wikipedia['parts']}: {error}") from None
+    return {part.name: part for part in parts}
 
 
 wildcard_constraints:
@@ -60,20 +58,29 @@ wildcard_constraints:
 
 
 def wikipedia_part_url(wildcards):
-    return WIKIPEDIA_PARTS[wildcards.part].url
+    return wikipedia_dump_parts()[wildcards.part].url
 
 
 def wikipedia_part_checksum_url(wildcards):
     """The checksum list a part is verified against ("" = the list beside the dump, if any)."""
-    return WIKIPEDIA_PARTS[wildcards.part].checksum_url
+    return wikipedia_dump_parts()[wildcards.part].checksum_url
 
 
 def wikipedia_parts(pattern):
     """`pattern` filled in for every part of the dump, in page-id order (the order of the articles)."""
-    return expand(pattern, part=list(WIKIPEDIA_PARTS))
+    return expand(pattern, part=list(wikipedia_dump_parts()))
 
 
-def formatted_corpora():
+def all_template_pages(wildcards):
+    """The template pages of every part: each part is extracted with all of them, as in the whole dump."""
+    return wikipedia_parts("data/extracted/wikipedia/{part}.templates.xml")
+
+
+def all_extracted_parts(wildcards):
+    return wikipedia_parts("data/extracted/wikipedia/{part}.jsonl")
+
+
+def formatted_corpora(wildcards):
     """The formatted text the shards are cut from, in corpus order: every Wikipedia part, then BookCorpus if enabled."""
     books = ["data/formatted/bookcorpus.txt"] if config["bookcorpus"]["enabled"] else []
     return wikipedia_parts("data/formatted/wikipedia/{part}.txt") + books

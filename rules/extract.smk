@@ -18,7 +18,7 @@ rule wikipedia_templates:
 rule extract_wikipedia:
     input:
         dump="data/download/wikipedia/{part}.xml.bz2",
-        templates=wikipedia_parts("data/extracted/wikipedia/{part}.templates.xml"),
+        templates=all_template_pages,
     output:
         "data/extracted/wikipedia/{part}.jsonl",
     threads: 4

@@ -4,7 +4,7 @@
 
 rule punkt:
     input:
-        wikipedia_parts("data/extracted/wikipedia/{part}.jsonl"),
+        all_extracted_parts,
     output:
         directory("data/punkt/wikipedia"),
     log:

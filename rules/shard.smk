@@ -5,7 +5,7 @@
 
 rule shard:
     input:
-        formatted_corpora(),
+        formatted_corpora,
     output:
         # one directory, not thousands of files: Snakemake's DAG cost grows with outputs per job x consumers
         directory("data/shards"),
