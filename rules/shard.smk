@@ -18,6 +18,7 @@ rule shard:
         punkt_model=config["format"]["punkt_model"] or "",
     log:
         "logs/shard/shard.log",
+    threads: 4  # pass 1 measures the parts in parallel; pass 2 streams them in corpus order
     conda:
         "../envs/data.yaml"
     shell:
@@ -25,4 +26,4 @@ rule shard:
         " --punkt-model={params.punkt_model:q}"
         " --output-dir {output:q}"
         " --n-training-shards {params.n_training_shards} --n-test-shards {params.n_test_shards}"
-        " --test-fraction {params.test_fraction} --seed {params.seed} 2> {log}"
+        " --test-fraction {params.test_fraction} --seed {params.seed} --processes {threads} 2> {log}"

@@ -184,3 +184,16 @@ def test_snakemake_runs_stages_1_to_4_over_http_on_the_dump_as_one_file_or_in_pa
                                                               "enwiki-sample-md5sums.txt"])
     assert gets.count("/enwiki-sample-md5sums.txt") == 2  # once per working directory (then its cached copy)
     assert "/enwiki-sample-pages-articles.xml.bz2" not in gets  # the whole file is not downloaded as well
+
+
+def test_measuring_the_parts_in_parallel_gives_the_same_shards(formatted, tmp_path):
+    parts = []
+    for number, path in enumerate(formatted):  # more inputs than processes, in a fixed order
+        documents = documents_of(path)
+        for half, chunk in enumerate((documents[: len(documents) // 2], documents[len(documents) // 2 :])):
+            part = tmp_path / f"part{number}{half}.txt"
+            part.write_text("".join(doc + "\n\n" for doc in chunk), encoding="utf-8")
+            parts.append(part)
+    _, reference = make_shards(formatted, tmp_path / "a")
+    _, parallel = make_shards(parts, tmp_path / "b", processes=3)
+    assert [f.read_bytes() for f in parallel] == [f.read_bytes() for f in reference]
