@@ -1,5 +1,6 @@
 """Stage 4: balanced, deterministic, complete shards; and stages 1-4 run for real by snakemake on the sample."""
 import collections
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -197,3 +198,25 @@ def test_measuring_the_parts_in_parallel_gives_the_same_shards(formatted, tmp_pa
     _, reference = make_shards(formatted, tmp_path / "a")
     _, parallel = make_shards(parts, tmp_path / "b", processes=3)
     assert [f.read_bytes() for f in parallel] == [f.read_bytes() for f in reference]
+
+
+def test_a_part_failing_its_checksum_stops_the_run_with_one_error_line_and_nothing_promoted(
+    tmp_path, sample_dir, http_server, repo_env
+):
+    site = tmp_path / "site"
+    shutil.copytree(sample_dir / "parts", site)
+    listing = site / "enwiki-sample-md5sums.txt"
+    bad = "enwiki-sample-pages-articles2.xml-p1017p1032.bz2"
+    listing.write_text("".join(f"{'0' * 32}  {bad}\n" if line.endswith(f"  {bad}") else line + "\n"
+                               for line in listing.read_text().splitlines()))
+    server = http_server(site)
+    work = tmp_path / "work"
+    result = run_data_rules(work, {"url": f"{server.url}/enwiki-sample-pages-articles.xml.bz2"}, 2, repo_env)
+    assert result.returncode != 0
+    log = (work / "logs/download_wikipedia/p1017p1032.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {server.url}/{bad}: md5 mismatch (expected {'0' * 32}, "
+                      f"got {hashlib.md5((site / bad).read_bytes()).hexdigest()}); nothing kept"]
+    assert "Traceback" not in log
+    assert not list((work / "data/download/wikipedia").glob("*p1017p1032*"))  # neither the file nor its .part
+    assert not (work / "data/shards").exists()

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ElementTree
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Sequence
 
@@ -140,10 +141,12 @@ def extract(dump: str | Path, output: str | Path, processes: int = 1, templates:
         raise UserError(f"{dump}: no such file")
     check_mediawiki_export(dump)
     count = 0
-    with atomic_path(output) as temporary, tempfile.TemporaryDirectory(dir=output.parent, prefix=".wikiextractor-") as work:
+    with ExitStack() as stack:
+        temporary = stack.enter_context(atomic_path(output))
+        work = stack.enter_context(tempfile.TemporaryDirectory(dir=output.parent, prefix=".wikiextractor-"))
         merged = None
-        if templates:
-            merged = Path(work) / "templates.xml"
+        if templates:  # one file for wikiextractor, on the node's local disk ($TMPDIR), not beside the output
+            merged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wikiextractor-templates-"))) / "t.xml"
             with open(merged, "wb") as out:
                 for path in templates:
                     with open(path, "rb") as pages:
