@@ -168,6 +168,8 @@ def test_snakemake_runs_stages_1_to_4_over_http_on_the_dump_as_one_file_or_in_pa
     # the same dump in parts (wikipedia.parts: auto, the md5sums list beside the dump), with 1 and with 2 cores
     server.requests.clear()
     parts = {"p1001p1016": 1, "p1017p1032": 2, "p1033p1048": 3}
+    cut = "enwiki-sample-pages-articles2.xml-p1017p1032.bz2"
+    server.cut_once(cut, 5_000)  # the connection drops mid-part: the download job resumes it
     for cores in (1, 2):
         work = tmp_path / f"parts-{cores}"
         result = run_data_rules(work, {"url": dump_url}, cores, repo_env)
@@ -185,6 +187,8 @@ def test_snakemake_runs_stages_1_to_4_over_http_on_the_dump_as_one_file_or_in_pa
                                                               "enwiki-sample-md5sums.txt"])
     assert gets.count("/enwiki-sample-md5sums.txt") == 2  # once per working directory (then its cached copy)
     assert "/enwiki-sample-pages-articles.xml.bz2" not in gets  # the whole file is not downloaded as well
+    assert [request for request in server.requests if request[0] == f"/{cut}"] == [
+        (f"/{cut}", None), (f"/{cut}", "bytes=5000-"), (f"/{cut}", None)]  # cut, resumed; then the 2-core run
 
 
 def test_measuring_the_parts_in_parallel_gives_the_same_shards(formatted, tmp_path):
