@@ -1,18 +1,21 @@
-# Stage 1: download the Wikipedia dump (resumable, checksum-verified) and, optionally, BookCorpus.
+# Stage 1: download the Wikipedia dump (each part its own job: resumable, checksum-verified) and, optionally, BookCorpus.
 
 
 rule download_wikipedia:
     output:
-        "data/download/wikipedia.xml.bz2",
+        "data/download/wikipedia/{part}.xml.bz2",
     params:
-        url=config["wikipedia"]["url"],
-        checksum_url=config["wikipedia"]["checksum_url"] or "",
+        url=wikipedia_part_url,
+        checksum_url=wikipedia_part_checksum_url,
     log:
-        "logs/download_wikipedia/wikipedia.log",
+        "logs/download_wikipedia/{part}.log",
+    resources:
+        # one connection per job: `--resources download_connections=N` caps the connections to the dump site
+        download_connections=1,
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.data.download file --url {params.url:q} --checksum-url={params.checksum_url:q}"
+        "python -m workflow.data.download dump --url {params.url:q} --checksum-url={params.checksum_url:q}"
         " --output {output:q} 2> {log}"
 
 

@@ -1,15 +1,31 @@
-# Stage 2: wikiextractor, articles only, into JSON lines {id, title, text}.
+# Stage 2: wikiextractor, articles only, into JSON lines {id, title, text}; one job per part of the dump.
+# Templates are expanded with the template pages of every part (collected per part), as in the whole dump.
+
+
+rule wikipedia_templates:
+    input:
+        "data/download/wikipedia/{part}.xml.bz2",
+    output:
+        "data/extracted/wikipedia/{part}.templates.xml",
+    log:
+        "logs/wikipedia_templates/{part}.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.data.extract --template-pages-only --input {input:q} --output {output:q} 2> {log}"
 
 
 rule extract_wikipedia:
     input:
-        "data/download/wikipedia.xml.bz2",
+        dump="data/download/wikipedia/{part}.xml.bz2",
+        templates=all_template_pages,
     output:
-        "data/extracted/wikipedia.jsonl",
+        "data/extracted/wikipedia/{part}.jsonl",
     threads: 4
     log:
-        "logs/extract_wikipedia/wikipedia.log",
+        "logs/extract_wikipedia/{part}.log",
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.data.extract --input {input:q} --output {output:q} --processes {threads} 2> {log}"
+        "python -m workflow.data.extract --input {input.dump:q} --output {output:q} --processes {threads}"
+        " --templates {input.templates:q} 2> {log}"

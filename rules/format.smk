@@ -1,30 +1,39 @@
-# Stage 3: one sentence per line (or one article per line), sentence-split with Punkt, offline.
+# Stage 3: one sentence per line (or one article per line), sentence-split with Punkt, offline; one job per part of
+# the Wikipedia dump. Unless format.punkt_model is set, Punkt is trained once on the corpus (all parts, in order).
 
-# what the format rule reads for each source: extracted articles, or the downloaded books directory
-FORMAT_INPUTS = {
-    "wikipedia": "data/extracted/wikipedia.jsonl",
-    "bookcorpus": "data/download/bookcorpus",
-}
+
+rule punkt:
+    input:
+        all_extracted_parts,
+    output:
+        directory("data/punkt/wikipedia"),
+    log:
+        "logs/punkt/wikipedia.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.data.punkt --input {input:q} --output {output:q} 2> {log}"
 
 
 rule format:
     input:
-        lookup(dpath="{source}", within=FORMAT_INPUTS),
+        unpack(format_inputs),
     output:
-        text="data/formatted/{source}.txt",
-        summary="data/formatted/{source}.summary.json",  # read, kept, dropped by reason
+        text="data/formatted/{corpus}.txt",
+        summary="data/formatted/{corpus}.summary.json",  # read, kept, dropped by reason
     wildcard_constraints:
-        source="wikipedia|bookcorpus",
+        corpus=r"bookcorpus|wikipedia/(whole|p\d+p\d+)",
     params:
         style=config["format"]["style"],
         min_article_chars=config["format"]["min_article_chars"],
-        punkt_model=config["format"]["punkt_model"] or "",
+        punkt_model=format_punkt_model,
     threads: 4
     log:
-        "logs/format/{source}.log",
+        "logs/format/{corpus}.log",
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.data.format --input {input:q} --output {output.text:q} --summary {output.summary:q} --style {params.style}"
+        "python -m workflow.data.format --input {input.text:q} --output {output.text:q} --summary {output.summary:q}"
+        " --style {params.style}"
         " --min-article-chars {params.min_article_chars} --punkt-model={params.punkt_model:q}"
         " --processes {threads} 2> {log}"

@@ -1,13 +1,11 @@
 # Stage 4: balanced, deterministic training/test text shards (one sentence per line, blank line between documents).
 
-
-# the formatted corpora the shards are cut from: Wikipedia, plus BookCorpus when enabled
-CORPORA = ["wikipedia"] + (["bookcorpus"] if config["bookcorpus"]["enabled"] else [])
+# Streams over every formatted part in corpus order, so the shards do not depend on the parts' order of completion.
 
 
 rule shard:
     input:
-        expand("data/formatted/{source}.txt", source=CORPORA),
+        formatted_corpora,
     output:
         # one directory, not thousands of files: Snakemake's DAG cost grows with outputs per job x consumers
         directory("data/shards"),
@@ -20,6 +18,7 @@ rule shard:
         punkt_model=config["format"]["punkt_model"] or "",
     log:
         "logs/shard/shard.log",
+    threads: 4  # pass 1 measures the parts in parallel; pass 2 streams them in corpus order
     conda:
         "../envs/data.yaml"
     shell:
@@ -27,4 +26,4 @@ rule shard:
         " --punkt-model={params.punkt_model:q}"
         " --output-dir {output:q}"
         " --n-training-shards {params.n_training_shards} --n-test-shards {params.n_test_shards}"
-        " --test-fraction {params.test_fraction} --seed {params.seed} 2> {log}"
+        " --test-fraction {params.test_fraction} --seed {params.seed} --processes {threads} 2> {log}"

@@ -146,3 +146,122 @@ def test_a_503_from_an_overloaded_mirror_is_retried(served, sample_dir, tmp_path
     destination = fetch(f"{served.url}/{DUMP}", tmp_path / "w.bz2", f"{served.url}/enwiki-sample-md5sums.txt")
     assert destination.read_bytes() == (sample_dir / DUMP).read_bytes()
     assert len(calls) >= 2
+
+
+# --- a local dump (checksum_url left null): the md5sums list beside it, if any ---
+
+
+def run_dump_cli(url, output, env, checksum_url=""):
+    return subprocess.run(
+        [sys.executable, "-m", "workflow.data.download", "dump", "--url", str(url), f"--checksum-url={checksum_url}",
+         "--output", str(output)], capture_output=True, text=True, env=env,
+    )
+
+
+def test_a_local_dump_is_verified_against_the_md5sums_list_beside_it(sample_dir, tmp_path, repo_env):
+    local = tmp_path / "export"
+    local.mkdir()
+    shutil.copy(sample_dir / DUMP, local)
+    shutil.copy(sample_dir / "enwiki-sample-md5sums.txt", local)
+    result = run_dump_cli(local / DUMP, tmp_path / "w.bz2", repo_env)
+    assert result.returncode == 0, result.stderr
+    assert "md5 verified" in result.stderr and "nothing verified" not in result.stderr
+    assert (tmp_path / "w.bz2").read_bytes() == (sample_dir / DUMP).read_bytes()
+    # the list beside it is really used: a wrong digest there rejects the dump
+    (local / "enwiki-sample-md5sums.txt").write_text(f"{'0' * 32}  {DUMP}\n")
+    result = run_dump_cli(local / DUMP, tmp_path / "v.bz2", repo_env)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and len(errors) == 1 and "md5 mismatch" in errors[0]
+    assert not (tmp_path / "v.bz2").exists() and not (tmp_path / "v.bz2.part").exists()
+
+
+def test_a_local_dump_with_no_list_beside_it_is_copied_and_the_log_says_nothing_was_verified(sample_dir, tmp_path, repo_env):
+    local = tmp_path / "export"
+    local.mkdir()
+    shutil.copy(sample_dir / DUMP, local)
+    result = run_dump_cli(local / DUMP, tmp_path / "w.bz2", repo_env)
+    assert result.returncode == 0, result.stderr
+    assert f"{local / DUMP}: nothing verified: wikipedia.checksum_url is not set and no enwiki-sample-md5sums.txt" \
+        in result.stderr
+    assert "error" not in result.stderr and "verified (" not in result.stderr
+    assert (tmp_path / "w.bz2").read_bytes() == (sample_dir / DUMP).read_bytes()
+
+
+def test_a_remote_dump_is_verified_against_the_list_beside_it_on_the_dump_site(served, sample_dir, tmp_path, repo_env):
+    result = run_dump_cli(f"{served.url}/{DUMP}", tmp_path / "w.bz2", repo_env)
+    assert result.returncode == 0 and "md5 verified" in result.stderr, result.stderr
+    assert ("/enwiki-sample-md5sums.txt", None) in served.requests
+
+
+# --- the dump in parts: the part list comes from the dump's md5sums list ---
+
+LISTING = """\
+{0}  enwiki-20240601-pages-articles-multistream2.xml-p41243p151573.bz2
+{1}  enwiki-20240601-pages-articles2.xml-p41243p151573.bz2
+{2}  enwiki-20240601-pages-articles.xml.bz2
+{3}  enwiki-20240601-pages-articles10.xml-p4045403p5399366.bz2
+{4}  enwiki-20240601-pages-articles1.xml-p1p41242.bz2
+{5}  enwiki-20240601-stub-articles1.xml-p1p41242.gz
+""".format(*(f"{i:032x}" for i in range(6)))
+
+
+def test_parts_are_the_pages_articles_files_of_the_list_in_page_id_order():
+    from workflow.data.download import listed_parts
+
+    parts = listed_parts("https://mirror.example/enwiki/20240601/enwiki-20240601-pages-articles.xml.bz2", "md5s", LISTING)
+    assert [part.name for part in parts] == ["p1p41242", "p41243p151573", "p4045403p5399366"]
+    assert [part.url for part in parts] == [
+        "https://mirror.example/enwiki/20240601/enwiki-20240601-pages-articles1.xml-p1p41242.bz2",
+        "https://mirror.example/enwiki/20240601/enwiki-20240601-pages-articles2.xml-p41243p151573.bz2",
+        "https://mirror.example/enwiki/20240601/enwiki-20240601-pages-articles10.xml-p4045403p5399366.bz2",
+    ]
+    assert {part.checksum_url for part in parts} == {"md5s"}
+
+
+def test_parts_of_a_latest_dump_are_fetched_from_its_dated_directory():
+    from workflow.data.download import listed_parts
+
+    parts = listed_parts("https://dumps.wikimedia.org/enwiki/latest/enwiki-latest-pages-articles.xml.bz2", "m", LISTING)
+    assert parts[0].url == "https://dumps.wikimedia.org/enwiki/20240601/enwiki-20240601-pages-articles1.xml-p1p41242.bz2"
+    elsewhere = listed_parts("/data/dumps/enwiki-latest-pages-articles.xml.bz2", "m", LISTING)
+    assert elsewhere[0].url == "/data/dumps/enwiki-latest-pages-articles1.xml-p1p41242.bz2"
+
+
+def test_overlapping_parts_are_an_error_naming_both():
+    from workflow.data.download import listed_parts
+
+    listing = f"{'0' * 32}  enwiki-x-pages-articles1.xml-p1p100.bz2\n{'1' * 32}  enwiki-x-pages-articles2.xml-p90p200.bz2\n"
+    with pytest.raises(UserError, match="parts enwiki-x-pages-articles1.xml-p1p100.bz2 and enwiki-x-pages-articles2"):
+        listed_parts("enwiki-x-pages-articles.xml.bz2", "list", listing)
+
+
+def test_the_remote_part_list_is_fetched_once_and_every_part_is_checked_against_that_copy(http_server, tmp_path, sample_dir):
+    from workflow.data.download import dump_parts, fetch_dump
+
+    served = http_server(sample_dir / "parts")
+    url = f"{served.url}/enwiki-sample-pages-articles.xml.bz2"
+    cache = tmp_path / "cache"
+    first = dump_parts(url, None, "auto", cache)
+    second = dump_parts(url, None, "auto", cache)
+    assert first == second
+    assert [part.name for part in first] == ["p1001p1016", "p1017p1032", "p1033p1048"]
+    assert served.requests == [("/enwiki-sample-md5sums.txt", None)]  # the second DAG build reads the copy
+    assert {part.checksum_url for part in first} == {str(cache / "enwiki-sample-md5sums.txt")}
+    for part in first:
+        destination = fetch_dump(part.url, tmp_path / f"{part.name}.xml.bz2", part.checksum_url)
+        assert destination.read_bytes() == (sample_dir / "parts" / part.url.rsplit("/", 1)[1]).read_bytes()
+    assert [path for path, _ in served.requests].count("/enwiki-sample-md5sums.txt") == 1
+
+
+def test_single_or_no_listed_parts_mean_the_one_file(sample_dir, tmp_path, http_server):
+    from workflow.data.download import dump_parts
+
+    whole = str(sample_dir / DUMP)
+    assert [(p.name, p.url) for p in dump_parts(whole, None, "auto", tmp_path)] == [("whole", whole)]  # lists no parts
+    parts_url = str(sample_dir / "parts" / DUMP)
+    assert [p.name for p in dump_parts(parts_url, None, "single", tmp_path)] == ["whole"]
+    assert len(dump_parts(parts_url, None, "auto", tmp_path)) == 3
+    nothing = http_server(tmp_path)  # serves no md5sums list: the one file, verified by nobody (logged when fetched)
+    assert [p.name for p in dump_parts(f"{nothing.url}/{DUMP}", None, "auto", tmp_path / "c")] == ["whole"]
+    with pytest.raises(UserError, match="HTTP 404"):  # a list the user names must exist
+        dump_parts(f"{nothing.url}/{DUMP}", f"{nothing.url}/md5sums.txt", "auto", tmp_path / "c")

@@ -1,5 +1,7 @@
 """Stage 4: balanced, deterministic, complete shards; and stages 1-4 run for real by snakemake on the sample."""
 import collections
+import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -115,13 +117,8 @@ def test_missing_input_is_an_error(tmp_path):
         shard_corpus([tmp_path / "nothing.txt"], tmp_path / "a", tmp_path / "b", 1, 1)
 
 
-def test_snakemake_runs_download_extract_format_shard_on_the_sample_over_http(tmp_path, sample_dir, http_server, repo_env):
-    site = tmp_path / "site"
-    site.mkdir()
-    for name in ("enwiki-sample-pages-articles.xml.bz2", "enwiki-sample-md5sums.txt"):
-        shutil.copy(sample_dir / name, site)
-    server = http_server(site)
-    work = tmp_path / "work"
+def run_data_rules(work: Path, wikipedia: dict, cores: int, env: dict) -> subprocess.CompletedProcess:
+    """`snakemake data/shards` in `work` on the real rule files, the sample config with `wikipedia` overriding."""
     work.mkdir()
     # only the data-prep rules (the other stages are not under test here), from the real rule files
     (work / "Snakefile").write_text(
@@ -130,27 +127,108 @@ def test_snakemake_runs_download_extract_format_shard_on_the_sample_over_http(tm
     )
     config = yaml.safe_load((REPO / "sample" / "config.yaml").read_text())
     config = {key: config[key] for key in ("wikipedia", "bookcorpus", "format", "shard")}
-    config["wikipedia"] = {"url": f"{server.url}/enwiki-sample-pages-articles.xml.bz2",
-                           "checksum_url": f"{server.url}/enwiki-sample-md5sums.txt"}
-    config["bookcorpus"]["source"] = str(sample_dir / "books")
+    config["wikipedia"] = wikipedia
+    config["bookcorpus"]["source"] = str(REPO / "sample" / "books")
     (work / "config.yaml").write_text(yaml.safe_dump(config))
-    targets = ["data/shards"]
-    shard_files = [f"data/shards/training/shard_{i}.txt" for i in range(4)] + ["data/shards/test/shard_0.txt"]
-    result = subprocess.run(
-        [sys.executable, "-m", "snakemake", *targets, "--cores", "2", "--configfile", "config.yaml"],
-        cwd=work, capture_output=True, text=True, env=repo_env,
-    )
+    return subprocess.run([sys.executable, "-m", "snakemake", "data/shards", "--cores", str(cores), "--configfile",
+                           "config.yaml"], cwd=work, capture_output=True, text=True, env=env)
+
+
+def shard_bytes(work: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(work)): path.read_bytes() for path in sorted((work / "data/shards").glob("*/*"))}
+
+
+def test_snakemake_runs_stages_1_to_4_over_http_on_the_dump_as_one_file_or_in_parts_with_identical_shards(
+    tmp_path, sample_dir, http_server, repo_env
+):
+    # the dump site: the whole dump, its three parts and the md5sums list naming them all, as dumps.wikimedia.org
+    site = tmp_path / "site"
+    shutil.copytree(sample_dir / "parts", site)
+    shutil.copy(sample_dir / "enwiki-sample-pages-articles.xml.bz2", site)
+    server = http_server(site)
+    dump_url = f"{server.url}/enwiki-sample-pages-articles.xml.bz2"
+    single = tmp_path / "single"
+    result = run_data_rules(single, {"url": dump_url, "checksum_url": f"{server.url}/enwiki-sample-md5sums.txt",
+                                     "parts": "single"}, 2, repo_env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert sorted(str(p.relative_to(work)) for p in (work / "data/shards").glob("*/*")) == sorted(shard_files)
-    files = [work / name for name in shard_files]
-    sharded = collections.Counter(doc for f in files for doc in documents_of(f))
-    corpus = collections.Counter(doc for name in ("wikipedia", "bookcorpus")
-                                 for doc in documents_of(work / "data" / "formatted" / f"{name}.txt"))
+    shard_files = [f"data/shards/training/shard_{i}.txt" for i in range(4)] + ["data/shards/test/shard_0.txt"]
+    assert sorted(shard_bytes(single)) == sorted(shard_files)
+    sharded = collections.Counter(doc for f in shard_files for doc in documents_of(single / f))
+    corpus = collections.Counter(doc for name in ("wikipedia/whole", "bookcorpus")
+                                 for doc in documents_of(single / "data" / "formatted" / f"{name}.txt"))
     assert sharded == corpus and len(corpus) == 43
-    assert (work / "data/download/wikipedia.xml.bz2").read_bytes() == (sample_dir / "enwiki-sample-pages-articles.xml.bz2").read_bytes()
-    assert "md5 verified" in (work / "logs/download_wikipedia/wikipedia.log").read_text()
-    assert "max/min" in (work / "logs/shard/shard.log").read_text()
+    assert (single / "data/download/wikipedia/whole.xml.bz2").read_bytes() == \
+        (sample_dir / "enwiki-sample-pages-articles.xml.bz2").read_bytes()
+    assert "md5 verified" in (single / "logs/download_wikipedia/whole.log").read_text()
+    assert "max/min" in (single / "logs/shard/shard.log").read_text()
     # nothing left to do: the outputs are complete and up to date
-    dry = subprocess.run([sys.executable, "-m", "snakemake", *targets, "-n", "--configfile", "config.yaml"],
-                         cwd=work, capture_output=True, text=True, env=repo_env)
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "data/shards", "-n", "--configfile", "config.yaml"],
+                         cwd=single, capture_output=True, text=True, env=repo_env)
     assert dry.returncode == 0 and "Nothing to be done" in dry.stdout + dry.stderr
+
+    # the same dump in parts (wikipedia.parts: auto, the md5sums list beside the dump), with 1 and with 2 cores
+    server.requests.clear()
+    parts = {"p1001p1016": 1, "p1017p1032": 2, "p1033p1048": 3}
+    cut = "enwiki-sample-pages-articles2.xml-p1017p1032.bz2"
+    server.cut_once(cut, 5_000)  # the connection drops mid-part: the download job resumes it
+    for cores in (1, 2):
+        work = tmp_path / f"parts-{cores}"
+        result = run_data_rules(work, {"url": dump_url}, cores, repo_env)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        for part, number in parts.items():
+            name = f"enwiki-sample-pages-articles{number}.xml-{part}.bz2"
+            assert (work / f"data/download/wikipedia/{part}.xml.bz2").read_bytes() == (site / name).read_bytes()
+            assert "md5 verified" in (work / f"logs/download_wikipedia/{part}.log").read_text()
+        formatted = work / "data/formatted/wikipedia"
+        assert sorted(p.name for p in formatted.glob("*.txt")) == [f"{p}.txt" for p in parts]
+        # the parts' drop counts add up to the one-file run's
+        whole = json.loads((single / "data/formatted/wikipedia/whole.summary.json").read_text())
+        for unit in ("documents", "paragraphs", "characters"):
+            summaries = [json.loads((formatted / f"{part}.summary.json").read_text())[unit] for part in parts]
+            assert sum(s["kept"] for s in summaries) == whole[unit]["kept"], unit
+            assert {r: sum(s["dropped"][r] for s in summaries) for r in whole[unit]["dropped"]} == whole[unit]["dropped"]
+        # a part's articles use templates defined in another part ({{convert}} is in the last one)
+        assert "Alderbrook lies 16 km south-east" in (work / "data/extracted/wikipedia/p1001p1016.jsonl").read_text()
+        assert shard_bytes(work) == shard_bytes(single)
+    gets = [path for path, _ in server.requests]
+    assert sorted(set(gets)) == sorted(f"/{name}" for name in [*(p.name for p in site.glob("*.xml-p*.bz2")),
+                                                              "enwiki-sample-md5sums.txt"])
+    assert gets.count("/enwiki-sample-md5sums.txt") == 2  # once per working directory (then its cached copy)
+    assert "/enwiki-sample-pages-articles.xml.bz2" not in gets  # the whole file is not downloaded as well
+    assert [request for request in server.requests if request[0] == f"/{cut}"] == [
+        (f"/{cut}", None), (f"/{cut}", "bytes=5000-"), (f"/{cut}", None)]  # cut, resumed; then the 2-core run
+
+
+def test_measuring_the_parts_in_parallel_gives_the_same_shards(formatted, tmp_path):
+    parts = []
+    for number, path in enumerate(formatted):  # more inputs than processes, in a fixed order
+        documents = documents_of(path)
+        for half, chunk in enumerate((documents[: len(documents) // 2], documents[len(documents) // 2 :])):
+            part = tmp_path / f"part{number}{half}.txt"
+            part.write_text("".join(doc + "\n\n" for doc in chunk), encoding="utf-8")
+            parts.append(part)
+    _, reference = make_shards(formatted, tmp_path / "a")
+    _, parallel = make_shards(parts, tmp_path / "b", processes=3)
+    assert [f.read_bytes() for f in parallel] == [f.read_bytes() for f in reference]
+
+
+def test_a_part_failing_its_checksum_stops_the_run_with_one_error_line_and_nothing_promoted(
+    tmp_path, sample_dir, http_server, repo_env
+):
+    site = tmp_path / "site"
+    shutil.copytree(sample_dir / "parts", site)
+    listing = site / "enwiki-sample-md5sums.txt"
+    bad = "enwiki-sample-pages-articles2.xml-p1017p1032.bz2"
+    listing.write_text("".join(f"{'0' * 32}  {bad}\n" if line.endswith(f"  {bad}") else line + "\n"
+                               for line in listing.read_text().splitlines()))
+    server = http_server(site)
+    work = tmp_path / "work"
+    result = run_data_rules(work, {"url": f"{server.url}/enwiki-sample-pages-articles.xml.bz2"}, 2, repo_env)
+    assert result.returncode != 0
+    log = (work / "logs/download_wikipedia/p1017p1032.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {server.url}/{bad}: md5 mismatch (expected {'0' * 32}, "
+                      f"got {hashlib.md5((site / bad).read_bytes()).hexdigest()}); nothing kept"]
+    assert "Traceback" not in log
+    assert not list((work / "data/download/wikipedia").glob("*p1017p1032*"))  # neither the file nor its .part
+    assert not (work / "data/shards").exists()

@@ -3,6 +3,9 @@
 `fetch(url, destination, checksum_url=None)` is the reusable entry point (Wikipedia dump, SQuAD JSON, books):
 bytes go to `<destination>.part`, an interrupted transfer resumes from there with an HTTP Range request,
 and the file is renamed to `destination` only after its size and checksum are verified.
+
+A Wikipedia dump is also published in parts (`enwiki-YYYYMMDD-pages-articlesN.xml-pFIRSTpLAST.bz2`, listed in the
+dump's md5sums file): `dump_parts` reads that list before any job runs, so each part is its own download job.
 """
 import argparse
 import hashlib
@@ -15,18 +18,24 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from tqdm import tqdm
 
-from workflow.atomic import atomic_path
+from workflow.atomic import atomic_path, write_text
 from workflow.cli import UserError, run
 
 log = logging.getLogger("download")
 
 CHUNK = 1 << 20
 HASH_BY_HEX_LENGTH = {32: "md5", 40: "sha1", 64: "sha256"}
+USER_AGENT = "snakebert"
+# dumps.wikimedia.org's names: the whole dump, and its parts (N-th file, pages with ids FIRST..LAST)
+DUMP_NAME = re.compile(r"(?P<prefix>.+)-pages-articles\.xml\.bz2")
+PART_SUFFIX = r"-pages-articles(?P<number>[0-9]+)\.xml-p(?P<first>[0-9]+)p(?P<last>[0-9]+)\.bz2"
+WHOLE = "whole"  # the part name of a dump processed as one file
 
 
 def _is_remote(url: str) -> bool:
@@ -48,15 +57,36 @@ def basename(url: str) -> str:
     return Path(url).name
 
 
-def read_small(url: str, timeout: float = 60) -> str:
-    """The whole text of a small resource (a checksum list, a URL list)."""
+def read_small(url: str, timeout: float = 60, missing_ok: bool = False) -> str | None:
+    """The whole text of a small resource (a checksum list, a URL list); None if absent (404) and `missing_ok`."""
     try:
         if _is_remote(url):
             with urllib.request.urlopen(url, timeout=timeout) as response:
                 return response.read().decode("utf-8")
         return _local_path(url).read_text(encoding="utf-8")
+    except urllib.error.HTTPError as error:
+        if missing_ok and error.code == 404:
+            return None
+        raise UserError(f"{url}: cannot read (HTTP {error.code} {error.reason})") from error
+    except FileNotFoundError as error:
+        if missing_ok:
+            return None
+        raise UserError(f"{url}: no such file") from error
     except (OSError, urllib.error.URLError, UnicodeDecodeError) as error:
         raise UserError(f"{url}: cannot read ({error})") from error
+
+
+def checksums_listed(text: str) -> dict[str, tuple[str, str]]:
+    """{file name: (algorithm, hex digest)} of an md5sums/sha1sums list (`<hex>  <name>` lines)."""
+    listed: dict[str, tuple[str, str]] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 2:
+            digest = fields[0].lower()
+            algorithm = HASH_BY_HEX_LENGTH.get(len(digest))
+            if algorithm and re.fullmatch(r"[0-9a-f]+", digest):
+                listed.setdefault(fields[1].lstrip("*"), (algorithm, digest))
+    return listed
 
 
 def expected_checksum(checksum_url: str, name: str) -> tuple[str, str]:
@@ -65,14 +95,7 @@ def expected_checksum(checksum_url: str, name: str) -> tuple[str, str]:
     The dump site's `*-latest-md5sums.txt` names files by dump date (enwiki-20240601-pages-articles.xml.bz2),
     not as `latest`: a `-latest-` name falls back to the one dated name it stands for.
     """
-    listed: dict[str, tuple[str, str]] = {}
-    for line in read_small(checksum_url).splitlines():
-        fields = line.split()
-        if len(fields) == 2:
-            digest = fields[0].lower()
-            algorithm = HASH_BY_HEX_LENGTH.get(len(digest))
-            if algorithm and re.fullmatch(r"[0-9a-f]+", digest):
-                listed.setdefault(fields[1].lstrip("*"), (algorithm, digest))
+    listed = checksums_listed(read_small(checksum_url))
     if name in listed:
         return listed[name]
     if "-latest-" in name:
@@ -113,7 +136,7 @@ def _copy_local(source: Path, part: Path, label: str) -> None:
 def _http_attempt(url: str, part: Path, label: str, timeout: float) -> None:
     """One HTTP GET, resuming `part` with a Range request. Raises OSError/HTTPException if cut short."""
     offset = part.stat().st_size if part.exists() else 0
-    request = urllib.request.Request(url, headers={"User-Agent": "snakebert"})
+    request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
     if offset:
         request.add_header("Range", f"bytes={offset}-")
     try:
@@ -251,6 +274,99 @@ def fetch_books(source: str, destination: str | os.PathLike) -> Path:
     return destination
 
 
+def _sibling(url: str, name: str) -> str:
+    """`name` (which may start with `../`) resolved beside `url`, a URL or a local path."""
+    if _is_remote(url) or url.startswith("file:"):
+        return urllib.parse.urljoin(url, name)
+    return os.path.normpath(os.path.join(os.path.dirname(url), name))
+
+
+def checksum_list_beside(url: str) -> str | None:
+    """Where the dump site keeps the md5sums list of dump `url`: `<prefix>-md5sums.txt` beside it (None: no dump name)."""
+    match = DUMP_NAME.fullmatch(basename(url))
+    return _sibling(url, f"{match['prefix']}-md5sums.txt") if match else None
+
+
+def fetch_dump(url: str, destination: str | os.PathLike, checksum_url: str | None = None) -> Path:
+    """`fetch` a Wikipedia dump (or one part), verified against `checksum_url`, else against the md5sums list beside it.
+
+    With neither (a local export with no list beside it), the file is copied and the log says it was not verified.
+    """
+    listing = checksum_url or checksum_list_beside(url)
+    if not checksum_url and listing and read_small(listing, missing_ok=True) is None:
+        listing = None
+    if not listing:
+        log.warning("%s: nothing verified: wikipedia.checksum_url is not set and no %s lies beside the dump",
+                    url, basename(checksum_list_beside(url) or "<prefix>-md5sums.txt"))
+    return fetch(url, destination, listing)
+
+
+@dataclass(frozen=True)
+class DumpPart:
+    """One file of a dump: `name` is its page-id range `pFIRSTpLAST` (`whole` for a one-file dump)."""
+
+    name: str
+    url: str
+    checksum_url: str  # "" = the list beside the dump, looked up when it is downloaded
+
+
+def listed_parts(url: str, listing: str, text: str) -> list[DumpPart]:
+    """The parts of dump `url` named in checksum list `text` (read from `listing`), in page-id order.
+
+    A `-latest-` dump's list names dated files: in the dump site's `latest/` directory these are fetched from the
+    dated directory beside it (`../YYYYMMDD/`), so a dump that is replaced by a newer one mid-download stays whole.
+    """
+    prefix = DUMP_NAME.fullmatch(basename(url))["prefix"]
+    pattern = re.escape(prefix)
+    if "-latest" in prefix:
+        pattern = pattern.replace("latest", "(?P<date>latest|[0-9]{8})", 1)
+    pattern = re.compile(pattern + PART_SUFFIX)
+    found = []
+    for name in checksums_listed(text):
+        match = pattern.fullmatch(name)
+        if match:
+            found.append((int(match["first"]), int(match["last"]), name, match.groupdict().get("date")))
+    found.sort()
+    dates = {date for *_, date in found}
+    if len(dates) > 1:
+        raise UserError(f"{listing}: lists parts of several dumps ({', '.join(sorted(dates))})")
+    for (_, last, name, _), (first, _, other, _) in zip(found, found[1:]):
+        if first <= last:
+            raise UserError(f"{listing}: parts {name} and {other} overlap")
+    in_latest_dir = Path(urllib.parse.urlsplit(url).path if _is_remote(url) else url).parent.name == "latest"
+    parts = []
+    for first, last, name, date in found:
+        if date and date != "latest":
+            name = f"../{date}/{name}" if in_latest_dir else name.replace(date, "latest", 1)
+        parts.append(DumpPart(f"p{first}p{last}", _sibling(url, name), listing))
+    return parts
+
+
+def dump_parts(url: str, checksum_url: str | None, mode: str, cache_dir: str | os.PathLike) -> list[DumpPart]:
+    """The files dump `url` is downloaded and processed as, known before any job runs (config `wikipedia.parts`).
+
+    `single`: the one file. `auto`: the parts the dump's checksum list (`checksum_url`, else the md5sums list beside
+    the dump) names, or the one file if it names none or there is no list. A remote list is fetched once and kept in
+    `cache_dir`; every part is then verified against that copy.
+    """
+    whole = [DumpPart(WHOLE, url, checksum_url or "")]
+    if mode == "single" or not DUMP_NAME.fullmatch(basename(url)):
+        return whole
+    listing = checksum_url or checksum_list_beside(url)
+    if _is_remote(listing):
+        cached = Path(cache_dir) / basename(listing)
+        if not cached.is_file():
+            text = read_small(listing, missing_ok=not checksum_url)
+            if text is None:
+                return whole
+            write_text(cached, text)
+        listing = str(cached)
+    text = read_small(listing, missing_ok=not checksum_url)
+    if text is None:
+        return whole
+    return listed_parts(url, listing, text) or [DumpPart(WHOLE, url, listing)]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m workflow.data.download", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -258,12 +374,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     one.add_argument("--url", required=True, help="http(s)://, file:// or local path")
     one.add_argument("--checksum-url", default=None, help="md5sums/sha1sums list naming the file by basename")
     one.add_argument("--output", required=True)
+    dump = commands.add_parser("dump", help="a Wikipedia dump or one of its parts (checked against the list beside it)")
+    dump.add_argument("--url", required=True, help="http(s)://, file:// or local path")
+    dump.add_argument("--checksum-url", default=None, help="md5sums list (default: <prefix>-md5sums.txt beside the dump)")
+    dump.add_argument("--output", required=True)
     books = commands.add_parser("books", help="BookCorpus: a directory of .txt books or a list of book URLs")
     books.add_argument("--source", required=True)
     books.add_argument("--output", required=True, help="output directory")
     args = parser.parse_args(argv)
     if args.command == "file":
         fetch(args.url, args.output, args.checksum_url or None)
+    elif args.command == "dump":
+        fetch_dump(args.url, args.output, args.checksum_url or None)
     else:
         fetch_books(args.source, args.output)
 

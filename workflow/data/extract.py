@@ -10,7 +10,10 @@ Runs the real wikiextractor 3.1.0 (parallel processes; it keeps only namespace-0
 - `-b` below 200K writes nothing and exits 0, so a size far above any article is passed;
 - its `revid` is the contributor's id, not the revision's, so it is dropped;
 - a truncated or corrupt bz2 dies with a traceback, and a non-MediaWiki XML yields zero articles with exit 0:
-  both become a one-line error naming the file, and no output.
+  both become a one-line error naming the file, and no output;
+- it expands templates with the definitions found in its input file: a dump processed in parts is extracted with
+  the template pages of every part (`--template-pages-only` collects them from one part, `--templates` passes them
+  in, in part order), so each part's articles read exactly as they would in the whole dump.
 """
 import argparse
 import bz2
@@ -19,10 +22,12 @@ import html
 import json
 import logging
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ElementTree
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -72,6 +77,7 @@ def wikiextractor_main() -> None:
     print(f"INFO: {PAGES_LOG} {sum(fates.values())} read: {fates['articles']} articles, "
           f"{fates['redirects']} redirects and {fates['other namespaces']} pages of other namespaces skipped",
           file=sys.stderr)
+TEMPLATE_NAMESPACE = "10"  # the only pages wikiextractor takes template definitions from
 
 
 def open_dump(path: Path):
@@ -107,13 +113,49 @@ def check_mediawiki_export(path: Path) -> None:
         raise UserError(f"{path}: not a MediaWiki XML export (root element: {tag})")
 
 
-def run_wikiextractor(dump: Path, workdir: Path, processes: int) -> None:
+def collect_template_pages(dump: str | Path, output: str | Path) -> int:
+    """Copy the template pages (namespace 10) of `dump`, verbatim and in order, to `output`; return their number.
+
+    The lines are the dump's own, so wikiextractor reads them (`--templates`) exactly as in its pre-scan of a dump.
+    """
+    dump, output = Path(dump), Path(output)
+    if not dump.is_file():
+        raise UserError(f"{dump}: no such file")
+    check_mediawiki_export(dump)
+    count = 0
+    with atomic_path(output) as temporary, open(temporary, "w", encoding="utf-8") as out:
+        try:
+            with open_dump(dump) as stream:
+                page: list[str] | None = None
+                for line in (raw.decode("utf-8", errors="replace") for raw in stream):
+                    stripped = line.strip()
+                    if stripped == "<page>":
+                        page = [line]
+                        continue
+                    if page is None:
+                        continue
+                    page.append(line)
+                    if stripped.startswith("<ns>") and stripped != f"<ns>{TEMPLATE_NAMESPACE}</ns>":
+                        page = None  # not a template: skip the rest of it
+                    elif stripped == "</page>":
+                        out.writelines(page)
+                        count += 1
+                        page = None
+        except (EOFError, OSError) as error:
+            raise UserError(f"{dump}: truncated or corrupt bz2 ({error})") from error
+    log.info("%s: %d template pages -> %s", dump, count, output)
+    return count
+
+
+def run_wikiextractor(dump: Path, workdir: Path, processes: int, templates: Path | None = None) -> None:
     """Run wikiextractor on `dump`, writing JSON files under `workdir`; its log goes to our stderr."""
     command = [
         sys.executable, "-c", "from workflow.data.extract import wikiextractor_main; wikiextractor_main()",
         "--json", "--html-safe", "",
         "--processes", str(processes), "-b", OUTPUT_FILE_SIZE, "-o", str(workdir), str(dump),
     ]  # fmt: skip
+    if templates is not None:
+        command[3:3] = ["--templates", str(templates)]
     log.info("running %s", " ".join(repr(part) if not part else part for part in command))
     tail = collections.deque(maxlen=20)
     traceback = False  # a crash's traceback is summarized in our one-line error, not echoed
@@ -130,15 +172,28 @@ def run_wikiextractor(dump: Path, workdir: Path, processes: int) -> None:
         raise UserError(f"{dump}: wikiextractor failed ({reason.strip()})")
 
 
-def extract(dump: str | Path, output: str | Path, processes: int = 1) -> int:
-    """Extract the articles of MediaWiki dump `dump` to JSON lines `output`; return the number of articles."""
+def extract(dump: str | Path, output: str | Path, processes: int = 1, templates: Sequence[str | Path] = ()) -> int:
+    """Extract the articles of MediaWiki dump `dump` to JSON lines `output`; return the number of articles.
+
+    `templates`: files of template pages (collect_template_pages) to expand templates with, in dump order;
+    none: wikiextractor takes them from `dump` itself.
+    """
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
         raise UserError(f"{dump}: no such file")
     check_mediawiki_export(dump)
     count = 0
-    with atomic_path(output) as temporary, tempfile.TemporaryDirectory(dir=output.parent, prefix=".wikiextractor-") as work:
-        run_wikiextractor(dump, Path(work) / "json", processes)
+    with ExitStack() as stack:
+        temporary = stack.enter_context(atomic_path(output))
+        work = stack.enter_context(tempfile.TemporaryDirectory(dir=output.parent, prefix=".wikiextractor-"))
+        merged = None
+        if templates:  # one file for wikiextractor, on the node's local disk ($TMPDIR), not beside the output
+            merged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wikiextractor-templates-"))) / "t.xml"
+            with open(merged, "wb") as out:
+                for path in templates:
+                    with open(path, "rb") as pages:
+                        shutil.copyfileobj(pages, out)
+        run_wikiextractor(dump, Path(work) / "json", processes, merged)
         # wikiextractor names its files AA/wiki_00, AA/wiki_01, ..., AB/wiki_00: sorted = written order
         parts = sorted((Path(work) / "json").glob("*/wiki_*"))
         with open(temporary, "w", encoding="utf-8") as out:
@@ -160,8 +215,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--input", required=True, help="MediaWiki pages-articles XML dump (.xml.bz2 or .xml)")
     parser.add_argument("--output", required=True, help="JSON lines: one {id, title, text} per article")
     parser.add_argument("--processes", type=int, default=1, help="wikiextractor worker processes")
+    parser.add_argument("--templates", nargs="*", default=(), help="template pages of every part of the dump, in order")
+    parser.add_argument("--template-pages-only", action="store_true",
+                        help="write the dump's template pages to --output instead of its articles")
     args = parser.parse_args(argv)
-    extract(args.input, args.output, args.processes)
+    if args.template_pages_only:
+        collect_template_pages(args.input, args.output)
+    else:
+        extract(args.input, args.output, args.processes, args.templates)
 
 
 if __name__ == "__main__":
