@@ -105,12 +105,6 @@ def prediction_width(max_length: int, max_predictions_per_seq: int, masked_lm_pr
                    np.floor(masked_lm_prob * max_length) + max_sequences_per_pack))
 
 
-def _ragged_arange(counts: np.ndarray) -> np.ndarray:
-    """concatenate([arange(c) for c in counts]) without a Python loop."""
-    starts = np.cumsum(counts) - counts
-    return np.arange(int(counts.sum())) - np.repeat(starts, counts)
-
-
 def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
                 masked_lm_prob: float = 0.15, algorithm: str = "lpfhp", source: str = "input") -> dict[str, np.ndarray]:
     """The packed arrays (module docstring) of the NVIDIA-schema `arrays` of one shard."""
@@ -143,46 +137,37 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     member = np.where(present, members, 0)
     member_lengths = np.where(present, lengths[member], 0)
     starts = np.cumsum(member_lengths, axis=1) - member_lengths
-    # One entry per (pack, slot) holding an instance, in row-major order; then one per real token.
+    out = {
+        "cls_positions": np.where(present, starts, 0).astype(np.int32),
+        "sequence_lengths": member_lengths.astype(np.int32),
+        "next_sentence_labels": np.where(present, arrays["next_sentence_labels"][member], -1).astype(np.int8),
+        "instance_index": members.astype(np.int32),
+    }
+    # The packs' instances in row-major order. A pack's sequences lie end to end from column 0 and an instance's
+    # tokens (and valid predictions) lead its row, so boolean selections in that order fill the packed rows.
     pack_of, slot_of = np.nonzero(present)
     instance = members[pack_of, slot_of]
-    counts = member_lengths[pack_of, slot_of]
-    within = _ragged_arange(counts)
-    target = np.repeat(pack_of * length + starts[pack_of, slot_of], counts) + within
-    origin = np.repeat(instance * length, counts) + within
+    real = np.arange(length)[None, :] < lengths[instance][:, None]
+    packed_real = np.arange(length)[None, :] < member_lengths.sum(axis=1)[:, None]
+    columns = np.broadcast_to(np.arange(length, dtype=np.int16), real.shape)
+    for name, dtype, values in (("input_ids", np.int32, arrays["input_ids"][instance]),
+                                ("segment_ids", np.int8, arrays["segment_ids"][instance]),
+                                ("input_mask", np.int8, np.broadcast_to((slot_of + 1)[:, None], real.shape)),
+                                ("position_ids", np.int16, columns)):
+        out[name] = np.zeros((n_packs, length), dtype)
+        out[name][packed_real] = values[real]
 
-    out = {
-        "input_ids": np.zeros((n_packs, length), np.int32),
-        "input_mask": np.zeros((n_packs, length), np.int8),
-        "segment_ids": np.zeros((n_packs, length), np.int8),
-        "position_ids": np.zeros((n_packs, length), np.int16),
-    }
-    out["input_ids"].reshape(-1)[target] = arrays["input_ids"].reshape(-1)[origin]
-    out["segment_ids"].reshape(-1)[target] = arrays["segment_ids"].reshape(-1)[origin]
-    out["input_mask"].reshape(-1)[target] = np.repeat(slot_of + 1, counts)
-    out["position_ids"].reshape(-1)[target] = within
-    out["cls_positions"] = np.where(present, starts, 0).astype(np.int32)
-    out["sequence_lengths"] = member_lengths.astype(np.int32)
-    out["next_sentence_labels"] = np.where(present, arrays["next_sentence_labels"][member], -1).astype(np.int8)
-    out["instance_index"] = members.astype(np.int32)
-
-    # Predictions: each instance's valid slots come first (encode pads at the end); shift them by the start.
-    n_valid = (arrays["masked_lm_positions"] > 0).sum(axis=1)
-    predicted = n_valid[instance]
-    per_pack = np.bincount(pack_of, weights=predicted, minlength=n_packs).astype(np.int64)
+    positions = arrays["masked_lm_positions"][instance]
+    valid = positions > 0  # encode puts a row's predictions first, then zeros
+    per_pack = np.bincount(pack_of, weights=valid.sum(axis=1), minlength=n_packs).astype(np.int64)
     if n_packs and per_pack.max() > width:
-        worst = int(np.argmax(per_pack))
-        raise UserError(f"{source}: a pack needs {int(per_pack[worst])} prediction slots, more than {width} "
+        raise UserError(f"{source}: a pack needs {int(per_pack.max())} prediction slots, more than {width} "
                         f"(masked_lm_prob {masked_lm_prob}); the shard was not encoded with these settings")
-    offset = (np.cumsum(predicted) - predicted) - (np.cumsum(per_pack) - per_pack)[pack_of]  # within its pack
-    within = _ragged_arange(predicted)
-    target = np.repeat(pack_of * width + offset, predicted) + within
-    origin = np.repeat(instance * n_predictions, predicted) + within
-    out["masked_lm_positions"] = np.zeros((n_packs, width), np.int32)
-    out["masked_lm_ids"] = np.zeros((n_packs, width), np.int32)
-    out["masked_lm_positions"].reshape(-1)[target] = (arrays["masked_lm_positions"].reshape(-1)[origin]
-                                                      + np.repeat(starts[pack_of, slot_of], predicted))
-    out["masked_lm_ids"].reshape(-1)[target] = arrays["masked_lm_ids"].reshape(-1)[origin]
+    packed_valid = np.arange(width)[None, :] < per_pack[:, None]
+    shifted = positions + starts[pack_of, slot_of][:, None]
+    for name, values in (("masked_lm_positions", shifted), ("masked_lm_ids", arrays["masked_lm_ids"][instance])):
+        out[name] = np.zeros((n_packs, width), np.int32)
+        out[name][packed_valid] = values[valid]
     return out
 
 
