@@ -121,12 +121,13 @@ def test_histogram_packing_of_a_large_shard_is_within_2_percent_of_the_optimum(a
     assert lengths.sum() / (n_packs * length) >= 0.98
 
 
-def test_packing_is_byte_identical_run_to_run(encoded, tmp_path):
-    digests = []
+def test_packing_is_byte_identical_run_to_run_and_from_the_command_line(encoded, tmp_path):
     for name, cap in (("a", 3), ("b", 3), ("c", 2)):
         pack_shard(encoded[512], tmp_path / f"{name}.hdf5", cap)
-        digests.append(hashlib.sha256((tmp_path / f"{name}.hdf5").read_bytes()).hexdigest())
-    assert digests[0] == digests[1] != digests[2]
+    result = run_pack("--encoded", encoded[512], "--output", tmp_path / "cli.hdf5")
+    assert result.returncode == 0, result.stderr
+    digests = [hashlib.sha256((tmp_path / f"{name}.hdf5").read_bytes()).hexdigest() for name in ("a", "b", "c", "cli")]
+    assert digests[0] == digests[1] == digests[3] != digests[2]
 
 
 def run_pack(*args):
