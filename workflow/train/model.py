@@ -10,15 +10,6 @@ API (stable; the SQuAD stage builds on it):
                                     -> (mlm_logits, nsp_logits); mlm_logits are [B, P, V] at the given positions only
                                     ([B, L, V] when positions is None)
     pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict of loss/accuracy tensors
-
-Packed batches (rows holding several sequences, workflow.data.pack): pass `cls_positions` [B, S] (each sequence's
-[CLS] slot), `position_ids` [B, L] restarting at 0 per sequence, and as `attention_mask` each token's sequence
-number 1..S (0 = padding; a sequence's tokens are contiguous). A token then attends only to its own sequence:
-through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEVICE_TYPES (CUDA), with the real
-tokens gathered to [T, H] for every layer and variable-length flash attention (nested jagged SDPA). The pooler and
-NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot). Without
-packing, a mask with no padding is dropped (SDPA may then pick the flash kernel); padding queries still attend to
-real keys, as in HF.
     save_pretrained(model, config, vocab_path, out_dir)   HF directory: model.safetensors + config.json + vocab.txt
     load_pretrained(directory) -> (config, state_dict)     state_dict in BertForPreTraining names (heads may be absent)
     encoder_state_dict(state_dict)  the `bert.*` entries with the prefix stripped, for BertModel.load_state_dict
@@ -26,6 +17,15 @@ real keys, as in HF.
 
 Parameter names equal Hugging Face `BertForPreTraining`'s, except the two tied aliases HF itself drops on save
 (`cls.predictions.decoder.weight` = word embeddings, `cls.predictions.decoder.bias` = `cls.predictions.bias`).
+
+Packed batches (rows holding several sequences, workflow.data.pack): pass `cls_positions` [B, S] (each sequence's
+[CLS] slot), `position_ids` [B, L] restarting at 0 per sequence, and as `attention_mask` each token's sequence
+number 1..S (0 = padding; a sequence's tokens are contiguous). A token then attends only to its own sequence:
+through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEVICE_TYPES (CUDA), with the real
+tokens gathered to [T, H] for every layer and variable-length flash attention (nested jagged SDPA). The pooler and
+NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot). Without
+packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; checking costs one device sync per
+forward on CUDA); padding queries still attend to real keys, as in HF.
 """
 from __future__ import annotations
 
