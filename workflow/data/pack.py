@@ -89,13 +89,12 @@ def histogram_packing(histogram: np.ndarray, max_length: int, max_sequences_per_
 
 def sequence_lengths_of(input_mask: np.ndarray, source: str = "input") -> np.ndarray:
     """Real tokens of each instance; they must be the row's leading cells (as encode writes them)."""
-    lengths = input_mask.astype(bool).sum(axis=1)
-    leading = np.arange(input_mask.shape[1])[None, :] < lengths[:, None]
-    bad = np.flatnonzero((leading != input_mask.astype(bool)).any(axis=1) | (lengths == 0))
+    real = input_mask.astype(bool, copy=False)
+    bad = np.flatnonzero((real[:, 1:] > real[:, :-1]).any(axis=1) | ~real[:, 0])  # a 0 before a 1, or empty
     if len(bad):
         raise UserError(f"{source}: instance {int(bad[0])} does not hold its tokens at the start of the row "
                         f"(input_mask must be 1...1 0...0); not an encoded shard")
-    return lengths
+    return real.sum(axis=1)
 
 
 def prediction_width(max_length: int, max_predictions_per_seq: int, masked_lm_prob: float,
@@ -120,43 +119,49 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
 
     strategies = histogram_packing(np.bincount(lengths, minlength=length + 1), length, slots, algorithm)
     n_packs = sum(count for _, count in strategies)
-    # Instances of each length in file order; each strategy takes the next `count` of every length it holds.
+    # Packs in strategy order: each strategy takes the next `count` instances (in file order) of every length it holds.
     by_length = np.argsort(lengths, kind="stable")
     cursor = np.searchsorted(lengths[by_length], np.arange(length + 1))
     members = np.full((n_packs, slots), -1, np.int64)
     row = 0
     for pack_lengths, count in strategies:
-        for slot, sequence_length in enumerate(pack_lengths):
-            members[row : row + count, slot] = by_length[cursor[sequence_length] : cursor[sequence_length] + count]
-            cursor[sequence_length] += count
+        for slot, size in enumerate(pack_lengths):
+            members[row : row + count, slot] = by_length[cursor[size] : cursor[size] + count]
+            cursor[size] += count
         row += count
-    first_member = np.where(members >= 0, members, n).min(axis=1)
-    members = members[np.argsort(first_member, kind="stable")]
+    # In the file, packs go by their first instance's row, so the file keeps the encode stage's shuffled order.
+    order = np.argsort(np.where(members >= 0, members, n).min(axis=1), kind="stable")
+    destination = np.empty(n_packs, np.int64)
+    destination[order] = np.arange(n_packs)
+    # The packs of one strategy share one layout: their rows fill by block copies.
+    out = {name: np.zeros((n_packs, length), dtype) for name, dtype in
+           (("input_ids", np.int32), ("segment_ids", np.int8), ("input_mask", np.int8), ("position_ids", np.int16))}
+    row = 0
+    for pack_lengths, count in strategies:
+        rows, start = destination[row : row + count], 0
+        for slot, size in enumerate(pack_lengths):
+            chosen, span = members[row : row + count, slot], slice(start, start + size)
+            out["input_ids"][rows, span] = arrays["input_ids"][chosen, :size]
+            out["segment_ids"][rows, span] = arrays["segment_ids"][chosen, :size]
+            out["input_mask"][rows, span] = slot + 1
+            out["position_ids"][rows, span] = np.arange(size)
+            start += size
+        row += count
+    members = members[order]
 
     present = members >= 0
     member = np.where(present, members, 0)
     member_lengths = np.where(present, lengths[member], 0)
     starts = np.cumsum(member_lengths, axis=1) - member_lengths
-    out = {
-        "cls_positions": np.where(present, starts, 0).astype(np.int32),
-        "sequence_lengths": member_lengths.astype(np.int32),
-        "next_sentence_labels": np.where(present, arrays["next_sentence_labels"][member], -1).astype(np.int8),
-        "instance_index": members.astype(np.int32),
-    }
-    # The packs' instances in row-major order. A pack's sequences lie end to end from column 0 and an instance's
-    # tokens (and valid predictions) lead its row, so boolean selections in that order fill the packed rows.
+    out.update(cls_positions=np.where(present, starts, 0).astype(np.int32),
+               sequence_lengths=member_lengths.astype(np.int32),
+               next_sentence_labels=np.where(present, arrays["next_sentence_labels"][member], -1).astype(np.int8),
+               instance_index=members.astype(np.int32))
+
+    # Predictions, in row-major order of the (pack, slot) instances: an instance's valid predictions lead its row,
+    # and a pack's lead the packed row, so one boolean selection fills them.
     pack_of, slot_of = np.nonzero(present)
     instance = members[pack_of, slot_of]
-    real = np.arange(length)[None, :] < lengths[instance][:, None]
-    packed_real = np.arange(length)[None, :] < member_lengths.sum(axis=1)[:, None]
-    columns = np.broadcast_to(np.arange(length, dtype=np.int16), real.shape)
-    for name, dtype, values in (("input_ids", np.int32, arrays["input_ids"][instance]),
-                                ("segment_ids", np.int8, arrays["segment_ids"][instance]),
-                                ("input_mask", np.int8, np.broadcast_to((slot_of + 1)[:, None], real.shape)),
-                                ("position_ids", np.int16, columns)):
-        out[name] = np.zeros((n_packs, length), dtype)
-        out[name][packed_real] = values[real]
-
     positions = arrays["masked_lm_positions"][instance]
     valid = positions > 0  # encode puts a row's predictions first, then zeros
     per_pack = np.bincount(pack_of, weights=valid.sum(axis=1), minlength=n_packs).astype(np.int64)
