@@ -6,8 +6,9 @@
    printed: real tokens / slots unpacked and packed (LPFHP per shard, as the stage runs; LPFHP and SPFHP on the
    histogram of all shards together; the best any packing with 3 sequences per row could do on that histogram).
    Then one shard of a real run's size (the sample's shards, --repeat times over) is encoded and packed, timed
-   (fastest of 3 runs each): CPU seconds (wall beside) of encode (plan, build, gzip write), of packing in memory (pack_arrays), and of the
-   pack stage as a separate job (HDF5 read, packing, gzip write), each as a share of encode.
+   (fastest of 3 runs each): CPU seconds (wall beside) of encode (plan, build, gzip write), of packing in memory
+   (pack_arrays), and of the pack stage as a separate job (HDF5 read, packing, gzip write), each as a share of
+   encode.
 2. Model (CPU, fp32, tiny preset, same weights): the same instances trained on (forward, MLM + NSP loss,
    backward) as padded rows and as packed rows, on one thread; printed: real tokens per CPU second of each (CPU
    time, not wall time: the machine is shared) and the fill ratios beside.
@@ -93,7 +94,8 @@ def data_side(tokenized: list[Path], big: Path, repeat: int, vocab: Path, length
         encoded.append(arrays)
         lengths.append(arrays["input_mask"].astype(bool).sum(axis=1))
     lengths = np.concatenate(lengths)
-    print(f"  all shards' histogram ({len(lengths)} instances): unpacked {lengths.sum() / (len(lengths) * length):.4f}, "
+    print(f"  all shards' histogram ({len(lengths)} instances): "
+          f"unpacked {lengths.sum() / (len(lengths) * length):.4f}, "
           f"LPFHP {fill_of(lengths, length, 'lpfhp'):.4f}, SPFHP {fill_of(lengths, length, 'spfhp'):.4f}, "
           f"best possible {best_possible_fill(lengths, length):.4f}")
 
@@ -104,9 +106,9 @@ def data_side(tokenized: list[Path], big: Path, repeat: int, vocab: Path, length
     stats, stage_cpu, stage_wall = timed(pack_shard, output, directory / f"packed_{length}_big.hdf5",
                                          SEQUENCES_PER_PACK)
     lengths = arrays["input_mask"].astype(bool).sum(axis=1)
-    print(f"  one shard of {n} instances (the sample's shards {repeat} times over): fill {stats['fill_unpacked']:.4f} -> "
-          f"{stats['fill']:.4f} (SPFHP {fill_of(lengths, length, 'spfhp'):.4f}, best possible "
-          f"{best_possible_fill(lengths, length):.4f})")
+    print(f"  one shard of {n} instances (the sample's shards {repeat} times over): "
+          f"fill {stats['fill_unpacked']:.4f} -> {stats['fill']:.4f} (SPFHP {fill_of(lengths, length, 'spfhp'):.4f}, "
+          f"best possible {best_possible_fill(lengths, length):.4f})")
     print(f"  CPU s (wall s): encode {encode_cpu:.3f} ({encode_wall:.3f}), packing in memory "
           f"{compute_cpu:.3f} ({compute_wall:.3f}) = {compute_cpu / encode_cpu:.1%} of encode, pack stage with "
           f"HDF5 read + gzip write {stage_cpu:.3f} ({stage_wall:.3f}) = {stage_cpu / encode_cpu:.1%} of encode")
@@ -146,10 +148,10 @@ def model_side(encoded: list[dict], length: int, vocab_size: int, n_instances: i
     real = int(arrays["input_mask"].astype(bool).sum())
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=vocab_size)).train()
-    sides = {"padded rows": (batches(arrays, rows), False, real / arrays["input_ids"].size),
-             "packed rows, block-diagonal mask (CPU path)": (batches(packed, rows), False, real / packed["input_ids"].size),
-             "packed, unpadded varlen (CUDA path, CPU fallback)": (batches(packed, rows), True,
-                                                                   real / packed["input_ids"].size)}
+    padded_fill, packed_fill = real / arrays["input_ids"].size, real / packed["input_ids"].size
+    sides = {"padded rows": (batches(arrays, rows), False, padded_fill),
+             "packed rows, block-diagonal mask (CPU path)": (batches(packed, rows), False, packed_fill),
+             "packed, unpadded varlen (CUDA path, CPU fallback)": (batches(packed, rows), True, packed_fill)}
     best = {name: float("inf") for name in sides}
     for _ in range(passes):
         for name, (data, varlen, _) in sides.items():
