@@ -1,12 +1,16 @@
-"""The BERT model: Hugging Face parity of exported weights, import round trip, config files, padding."""
+"""The BERT model: Hugging Face parity of exported weights, import round trip, config files, padding, packed rows
+(each sequence as if alone, on both packed-attention paths)."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
+import workflow.train.model as model_module
 from workflow.cli import UserError
+from workflow.data.pack import pack_arrays
 from workflow.train.model import (BertConfig, BertForPreTraining, BertModel, encoder_state_dict, load_pretrained,
-                            load_weights, save_pretrained)
+                                  load_weights, pretraining_loss, row_attention, save_pretrained)
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,3 +125,112 @@ def test_padding_does_not_change_the_outputs_of_real_tokens():
         long, pooled_long = model(padded, padded_types, mask)
     assert torch.allclose(short, long[:, :10], atol=1e-5)
     assert torch.allclose(pooled_short, pooled_long, atol=1e-5)
+
+
+# ---------------------------------------------------------------- packed rows
+
+def encoded_instances(n=9, length=32, predictions=5, vocab=64, seed=4) -> dict:
+    """NVIDIA-schema arrays of `n` instances of random lengths (one full), as workflow.data.encode writes them."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(6, length // 2, n)
+    sizes[0] = length
+    arrays = {name: np.zeros((n, length), dtype) for name, dtype in
+              (("input_ids", np.int32), ("input_mask", np.int8), ("segment_ids", np.int8))}
+    arrays["masked_lm_positions"] = np.zeros((n, predictions), np.int32)
+    arrays["masked_lm_ids"] = np.zeros((n, predictions), np.int32)
+    arrays["next_sentence_labels"] = rng.integers(0, 2, n).astype(np.int8)
+    for i, size in enumerate(sizes):
+        arrays["input_ids"][i, :size] = rng.integers(5, vocab, size)
+        arrays["input_ids"][i, 0] = 2
+        arrays["input_mask"][i, :size] = 1
+        arrays["segment_ids"][i, size // 2 : size] = 1
+        k = rng.integers(1, predictions + 1)
+        arrays["masked_lm_positions"][i, :k] = np.sort(rng.choice(np.arange(1, size), k, replace=False))
+        arrays["masked_lm_ids"][i, :k] = rng.integers(5, vocab, k)
+    return arrays
+
+
+def as_batch(arrays: dict) -> dict:
+    """Model inputs and labels of NVIDIA-schema or packed arrays (-1 labels where nothing is predicted)."""
+    tensor = {name: torch.from_numpy(array.astype(np.int64)) for name, array in arrays.items()}
+    batch = {"input_ids": tensor["input_ids"], "token_type_ids": tensor["segment_ids"],
+             "attention_mask": tensor["input_mask"], "masked_lm_positions": tensor["masked_lm_positions"],
+             "masked_lm_labels": torch.where(tensor["masked_lm_positions"] > 0, tensor["masked_lm_ids"], -1),
+             "next_sentence_labels": tensor["next_sentence_labels"]}
+    if "cls_positions" in arrays:
+        batch.update(position_ids=tensor["position_ids"], cls_positions=tensor["cls_positions"])
+    return batch
+
+
+def run_batch(model, batch):
+    inputs = {k: v for k, v in batch.items() if k not in ("masked_lm_labels", "next_sentence_labels")}
+    mlm, nsp = model(**inputs)
+    return mlm, nsp, pretraining_loss(mlm, nsp, batch["masked_lm_labels"], batch["next_sentence_labels"])
+
+
+# SDPA's CPU fallback for nested tensors builds a prototype strided nested tensor internally.
+NESTED_WARNING = "ignore:The PyTorch API of nested tensors is in prototype stage"
+
+
+@pytest.fixture(params=["block_diagonal", "varlen"])
+def packed_attention(request, monkeypatch):
+    """Both packed-attention paths run on CPU: the rows' block-diagonal mask, and unpadded variable-length."""
+    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cpu",) if request.param == "varlen" else ())
+    return request.param
+
+
+@pytest.mark.filterwarnings(NESTED_WARNING)
+def test_each_sequence_of_a_packed_row_gives_the_logits_and_losses_it_gives_alone(packed_attention):
+    torch.manual_seed(0)
+    model = randomise(BertForPreTraining(tiny_config())).eval()
+    arrays = encoded_instances()
+    packed = pack_arrays(arrays, max_sequences_per_pack=3, masked_lm_prob=1.0)
+    assert len(packed["input_ids"]) < len(arrays["input_ids"]) and (packed["sequence_lengths"] > 0).sum(1).max() == 3
+    with torch.no_grad():
+        mlm, nsp, loss = run_batch(model, as_batch(packed))
+        _, _, unpacked_loss = run_batch(model, as_batch(arrays))
+        for row, slot in zip(*np.nonzero(packed["instance_index"] >= 0)):
+            i = packed["instance_index"][row, slot]
+            start, size = packed["cls_positions"][row, slot], packed["sequence_lengths"][row, slot]
+            alone = {name: array[i : i + 1, :size] if name in ("input_ids", "input_mask", "segment_ids")
+                     else array[i : i + 1] for name, array in arrays.items()}
+            alone_mlm, alone_nsp, _ = run_batch(model, as_batch(alone))
+            n_predicted = (arrays["masked_lm_positions"][i] > 0).sum()
+            positions = packed["masked_lm_positions"][row]
+            mine = (positions > 0) & (positions >= start) & (positions < start + size)
+            assert mine.sum() == n_predicted
+            assert torch.allclose(mlm[row][torch.from_numpy(mine)], alone_mlm[0, :n_predicted], atol=1e-5, rtol=0)
+            assert torch.allclose(nsp[row, slot], alone_nsp[0], atol=1e-5, rtol=0)
+    for name in ("loss", "mlm_loss", "nsp_loss"):
+        assert torch.allclose(loss[name], unpacked_loss[name], atol=1e-5, rtol=0), name
+    for name in ("mlm_count", "nsp_count", "mlm_correct", "nsp_correct"):
+        assert loss[name] == unpacked_loss[name], name
+    assert loss["nsp_count"] == len(arrays["input_ids"])
+
+
+@pytest.mark.filterwarnings(NESTED_WARNING)
+def test_packed_rows_give_the_gradients_of_the_same_instances_unpacked(packed_attention):
+    torch.manual_seed(0)
+    config = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    arrays = encoded_instances(seed=5)
+    gradients = []
+    for batch in (as_batch(pack_arrays(arrays, 3, masked_lm_prob=1.0)), as_batch(arrays)):
+        torch.manual_seed(0)
+        model = randomise(BertForPreTraining(config)).train()
+        run_batch(model, batch)[2]["loss"].backward()
+        gradients.append({name: p.grad for name, p in model.named_parameters()})
+    for name, gradient in gradients[0].items():
+        assert torch.allclose(gradient, gradients[1][name], atol=1e-5, rtol=0), name
+
+
+def test_batches_without_padding_attend_without_a_mask():
+    full = torch.ones(2, 8, dtype=torch.long)
+    assert row_attention(full, packed=False).mask is None
+    assert row_attention(full, packed=True).mask is None  # one full-length sequence per row
+    padded = full.clone()
+    padded[1, 6:] = 0
+    assert row_attention(padded, packed=False).mask.shape == (2, 1, 1, 8)
+    two = torch.tensor([[1, 1, 1, 2, 2, 0]])
+    expected = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                             [0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(row_attention(two, packed=True).mask[0, 0], expected)

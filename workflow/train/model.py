@@ -3,11 +3,12 @@
 API (stable; the SQuAD stage builds on it):
     BertConfig                      dataclass with Google bert_config.json field names;
                                     BertConfig.preset("bert-large"|"bert-base"|"tiny"), .from_json(path), .to_json(path)
-    BertModel(config)               forward(input_ids, token_type_ids, attention_mask)
-                                    -> (sequence_output [B, L, H], pooled_output [B, H])
+    BertModel(config)               forward(input_ids, token_type_ids, attention_mask, position_ids=None,
+                                    cls_positions=None) -> (sequence_output [B, L, H], pooled_output [B, H])
     BertForPreTraining(config)      .bert is the BertModel; forward(input_ids, token_type_ids, attention_mask,
-                                    masked_lm_positions=None) -> (mlm_logits, nsp_logits); mlm_logits are [B, P, V] at
-                                    the given positions only ([B, L, V] when positions is None)
+                                    masked_lm_positions=None, position_ids=None, cls_positions=None)
+                                    -> (mlm_logits, nsp_logits); mlm_logits are [B, P, V] at the given positions only
+                                    ([B, L, V] when positions is None)
     pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict of loss/accuracy tensors
     save_pretrained(model, config, vocab_path, out_dir)   HF directory: model.safetensors + config.json + vocab.txt
     load_pretrained(directory) -> (config, state_dict)     state_dict in BertForPreTraining names (heads may be absent)
@@ -16,6 +17,15 @@ API (stable; the SQuAD stage builds on it):
 
 Parameter names equal Hugging Face `BertForPreTraining`'s, except the two tied aliases HF itself drops on save
 (`cls.predictions.decoder.weight` = word embeddings, `cls.predictions.decoder.bias` = `cls.predictions.bias`).
+
+Packed batches (rows holding several sequences, workflow.data.pack): pass `cls_positions` [B, S] (each sequence's
+[CLS] slot), `position_ids` [B, L] restarting at 0 per sequence, and as `attention_mask` each token's sequence
+number 1..S (0 = padding; a sequence's tokens are contiguous). A token then attends only to its own sequence:
+through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEVICE_TYPES (CUDA), with the real
+tokens gathered to [T, H] for every layer and variable-length flash attention (nested jagged SDPA). The pooler and
+NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot). Without
+packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; checking costs one device sync per
+forward on CUDA); padding queries still attend to real keys, as in HF.
 """
 from __future__ import annotations
 
@@ -112,11 +122,73 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids, token_type_ids):
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings(
+    def forward(self, input_ids, token_type_ids, position_ids=None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids) + self.token_type_embeddings(
             token_type_ids)
         return self.dropout(self.LayerNorm(x))
+
+
+VARLEN_DEVICE_TYPES = ("cuda",)  # packed batches run unpadded there; elsewhere with a block-diagonal mask on rows
+
+
+class RowAttention:
+    """SDPA over rows ([B, L, heads, head_size] q, k, v), with a boolean mask (True = attend) or none."""
+
+    def __init__(self, mask=None):
+        self.mask = mask
+
+    def __call__(self, q, k, v, dropout_p):
+        context = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=self.mask, dropout_p=dropout_p)
+        return context.transpose(1, 2)
+
+
+class VarlenAttention:
+    """Attention within each sequence of tokens laid end to end ([T, heads, head_size] q, k, v; sequence i is
+    tokens offsets[i]..offsets[i+1]), as nested jagged tensors: SDPA runs them as variable-length flash attention
+    on CUDA, with dropout (torch 2.13's torch.nn.attention.varlen.varlen_attn has none), and sequence by sequence
+    elsewhere."""
+
+    def __init__(self, offsets, max_seqlen: int):
+        self.offsets, self.max_seqlen = offsets, max_seqlen
+
+    def _nested(self, x):
+        return torch.nested.nested_tensor_from_jagged(x, self.offsets, max_seqlen=self.max_seqlen).transpose(1, 2)
+
+    def __call__(self, q, k, v, dropout_p):
+        context = F.scaled_dot_product_attention(self._nested(q), self._nested(k), self._nested(v),
+                                                 dropout_p=dropout_p)
+        return context.transpose(1, 2).values()
+
+
+def row_attention(attention_mask, packed: bool) -> RowAttention:
+    """The rows' attention: no mask when no token is padding and each row is one sequence."""
+    if attention_mask is None or bool((attention_mask == 1).all()):
+        return RowAttention()
+    if packed:
+        # Block diagonal: a token sees its own sequence only; padding (0) sees padding only, so no row is empty.
+        return RowAttention((attention_mask[:, :, None] == attention_mask[:, None, :])[:, None])
+    # [B, 1, 1, L]: padding queries still attend to real keys (as in HF).
+    return RowAttention(attention_mask.bool()[:, None, None, :])
+
+
+def unpad(attention_mask) -> tuple[torch.Tensor, VarlenAttention]:
+    """(flat indices of the real tokens [T], their attention) of packed rows of sequence numbers (0 = padding)."""
+    length = attention_mask.shape[1]
+    flat = attention_mask.flatten()
+    tokens = flat.nonzero().squeeze(1)
+    sequence = tokens // length * (length + 1) + flat[tokens]  # unique per (row, sequence number)
+    first = torch.ones_like(sequence, dtype=torch.bool)
+    first[1:] = sequence[1:] != sequence[:-1]
+    offsets = torch.cat([first.nonzero().squeeze(1), tokens.new_tensor([len(tokens)])])
+    return tokens, VarlenAttention(offsets, int((offsets[1:] - offsets[:-1]).max()))
+
+
+def gather_positions(x, positions):
+    """x [B, L, H] at positions [B, P] -> [B, P, H]."""
+    return torch.gather(x, 1, positions.long().unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
 class BertSelfAttention(nn.Module):
@@ -128,15 +200,17 @@ class BertSelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_p = config.attention_probs_dropout_prob
 
-    def forward(self, x, mask):
-        b, l, h = x.shape
-        # One matmul for q, k and v (names stay HF's; the concatenation is cheap next to the matmul).
-        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
-        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-        qkv = F.linear(x, weight, bias).view(b, l, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
-        context = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask,
-                                                 dropout_p=self.dropout_p if self.training else 0.0)
-        return context.transpose(1, 2).reshape(b, l, h)
+    def forward(self, x, attention):
+        """x: [B, L, H] rows or [T, H] tokens, as `attention` expects."""
+        if isinstance(attention, VarlenAttention):
+            # Nested tensors need contiguous q, k and v: three matmuls rather than copies.
+            q, k, v = (layer(x).unflatten(-1, (self.num_heads, -1)) for layer in (self.query, self.key, self.value))
+        else:
+            # One matmul for q, k and v (names stay HF's; concatenating the weights costs <1% of the matmul).
+            weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
+            bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+            q, k, v = F.linear(x, weight, bias).unflatten(-1, (3, self.num_heads, -1)).unbind(-3)
+        return attention(q, k, v, self.dropout_p if self.training else 0.0).flatten(-2)
 
 
 class BertSelfOutput(nn.Module):
@@ -156,8 +230,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config, config.hidden_size)
 
-    def forward(self, x, mask):
-        return self.output(self.self(x, mask), x)
+    def forward(self, x, attention):
+        return self.output(self.self(x, attention), x)
 
 
 class BertIntermediate(nn.Module):
@@ -177,8 +251,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertSelfOutput(config, config.intermediate_size)
 
-    def forward(self, x, mask):
-        x = self.attention(x, mask)
+    def forward(self, x, attention):
+        x = self.attention(x, attention)
         return self.output(self.intermediate(x), x)
 
 
@@ -187,9 +261,9 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, x, mask):
+    def forward(self, x, attention):
         for layer in self.layer:
-            x = layer(x, mask)
+            x = layer(x, attention)
         return x
 
 
@@ -198,8 +272,9 @@ class BertPooler(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, sequence_output):
-        return torch.tanh(self.dense(sequence_output[:, 0]))
+    def forward(self, sequence_output, cls_positions=None):
+        first = sequence_output[:, 0] if cls_positions is None else gather_positions(sequence_output, cls_positions)
+        return torch.tanh(self.dense(first))
 
 
 def _init_weights(module: nn.Module, std: float) -> None:
@@ -227,15 +302,24 @@ class BertModel(nn.Module):
         self.pooler = BertPooler(config)
         self.apply(lambda m: _init_weights(m, config.initializer_range))
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None):
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None, cls_positions=None):
+        """(sequence_output [B, L, H], pooled_output [B, H], or [B, S, H] for packed rows: see the module doc)."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        mask = None
-        if attention_mask is not None:
-            # [B, 1, 1, L] boolean: True = attend. Padding queries still attend to real keys (as in HF).
-            mask = attention_mask.bool()[:, None, None, :]
-        sequence_output = self.encoder(self.embeddings(input_ids, token_type_ids), mask)
-        return sequence_output, self.pooler(sequence_output)
+        packed = cls_positions is not None
+        if packed and (attention_mask is None or position_ids is None):
+            raise ValueError("packed rows need attention_mask (sequence numbers) and position_ids")
+        if packed and input_ids.device.type in VARLEN_DEVICE_TYPES:
+            # Every layer runs on the real tokens only: [T, H].
+            batch, length = input_ids.shape
+            tokens, attention = unpad(attention_mask)
+            x = self.embeddings(*(t.flatten()[tokens] for t in (input_ids, token_type_ids, position_ids)))
+            x = self.encoder(x, attention)
+            sequence_output = x.new_zeros(batch * length, x.shape[-1]).index_copy(0, tokens, x).view(batch, length, -1)
+        else:
+            x = self.embeddings(input_ids, token_type_ids, position_ids)
+            sequence_output = self.encoder(x, row_attention(attention_mask, packed))
+        return sequence_output, self.pooler(sequence_output, cls_positions)
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -278,30 +362,35 @@ class BertForPreTraining(nn.Module):
         self.cls = BertPreTrainingHeads(config)
         self.cls.apply(lambda m: _init_weights(m, config.initializer_range))
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, masked_lm_positions=None):
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, masked_lm_positions=None,
+                position_ids=None, cls_positions=None):
         """(mlm_logits, nsp_logits); MLM logits only at `masked_lm_positions` [B, P] when given."""
-        sequence_output, pooled_output = self.bert(input_ids, token_type_ids, attention_mask)
+        sequence_output, pooled_output = self.bert(input_ids, token_type_ids, attention_mask, position_ids,
+                                                   cls_positions)
         if masked_lm_positions is not None:
             # The vocab projection dominates a small model's cost: run it on ~15% of tokens only.
-            index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, sequence_output.shape[-1])
-            sequence_output = torch.gather(sequence_output, 1, index)
+            sequence_output = gather_positions(sequence_output, masked_lm_positions)
         mlm_logits = self.cls.predictions(sequence_output, self.bert.embeddings.word_embeddings.weight)
         return mlm_logits, self.cls.seq_relationship(pooled_output)
 
 
 def pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict:
-    """Summed MLM + NSP loss (as in BERT) and accuracies. Labels of -1 are ignored."""
+    """Summed MLM + NSP loss (as in BERT), each the mean over its labelled items, and accuracies. Labels of -1
+    (empty prediction slots, empty sequence slots of packed rows) are ignored."""
     mlm_logits = mlm_logits.float().flatten(0, -2)
     labels = masked_lm_labels.flatten()
+    nsp_logits = nsp_logits.float().flatten(0, -2)
+    nsp_labels = next_sentence_labels.flatten().long()
     mlm_loss = F.cross_entropy(mlm_logits, labels, ignore_index=-1)
-    nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_labels.view(-1))
+    nsp_loss = F.cross_entropy(nsp_logits, nsp_labels, ignore_index=-1)
     with torch.no_grad():
         valid = labels >= 0
         mlm_correct = ((mlm_logits.argmax(-1) == labels) & valid).sum()
-        nsp_correct = (nsp_logits.argmax(-1) == next_sentence_labels.view(-1)).sum()
+        nsp_valid = nsp_labels >= 0
+        nsp_correct = ((nsp_logits.argmax(-1) == nsp_labels) & nsp_valid).sum()
     return {"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
             "mlm_correct": mlm_correct, "mlm_count": valid.sum(), "nsp_correct": nsp_correct,
-            "nsp_count": torch.tensor(next_sentence_labels.numel(), device=nsp_logits.device)}
+            "nsp_count": nsp_valid.sum()}
 
 
 # ---------------------------------------------------------------- Hugging Face directories

@@ -1,0 +1,190 @@
+"""Benchmark: sequence packing, side by side in one run, at seq 128 and 512.
+
+    python benchmarks/packing.py [--tokenized data/tokenized/training] [--vocab data/vocab.txt] [--instances 128]
+
+1. Data: every tokenized shard is encoded and packed (workflow.data.encode, workflow.data.pack, in this process);
+   printed: real tokens / slots unpacked and packed (LPFHP per shard, as the stage runs; LPFHP and SPFHP on the
+   histogram of all shards together; the best any packing with 3 sequences per row could do on that histogram).
+   Then one shard of a real run's size (the sample's shards, --repeat times over) is encoded and packed, timed
+   (fastest of 3 runs each): CPU seconds (wall beside) of encode (plan, build, gzip write), of packing in memory
+   (pack_arrays), and of the pack stage as a separate job (HDF5 read, packing, gzip write), each as a share of
+   encode.
+2. Model (CPU, fp32, tiny preset, same weights): the same instances trained on (forward, MLM + NSP loss,
+   backward) as padded rows and as packed rows, on one thread; printed: real tokens per CPU second of each (CPU
+   time, not wall time: the machine is shared) and the fill ratios beside.
+   Packed rows run through the CPU path (block-diagonal SDPA mask) and through the unpadded variable-length path
+   the model takes on CUDA (run here with SDPA's per-sequence CPU fallback). Passes alternate so machine noise
+   hits all sides alike; the best pass of each is printed.
+
+Defaults read the demo's data (`make demo`, or `snakemake data/tokenized/training/shard_0.npz ...`).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import workflow.train.model as model_module  # noqa: E402
+from workflow.data.encode import EncodeSettings, encode_shard  # noqa: E402
+from workflow.data.pack import histogram_packing, pack_arrays, pack_shard, read_encoded  # noqa: E402
+from workflow.data.tokenize import load_tokenized  # noqa: E402
+from workflow.data.vocab import read_vocab  # noqa: E402
+from workflow.train.model import BertConfig, BertForPreTraining, pretraining_loss  # noqa: E402
+
+PREDICTIONS = {128: 20, 512: 80}
+SEQUENCES_PER_PACK = 3
+
+
+def timed(function, *args, repeat: int = 3, **kwargs):
+    """(result, cpu seconds, wall seconds) of the fastest of `repeat` calls (the machine is shared)."""
+    best_cpu = best_wall = float("inf")
+    for _ in range(repeat):
+        cpu, wall = time.process_time(), time.perf_counter()
+        result = function(*args, **kwargs)
+        best_cpu, best_wall = min(best_cpu, time.process_time() - cpu), min(best_wall, time.perf_counter() - wall)
+    return result, best_cpu, best_wall
+
+
+def fill_of(lengths: np.ndarray, length: int, algorithm: str) -> float:
+    strategies = histogram_packing(np.bincount(lengths, minlength=length + 1), length, SEQUENCES_PER_PACK, algorithm)
+    return lengths.sum() / (sum(count for _, count in strategies) * length)
+
+
+def best_possible_fill(lengths: np.ndarray, length: int) -> float:
+    """Fill of the fewest rows any packing needs: all tokens, one row per sequence over L/2, 3 per row."""
+    rows = max(-(-lengths.sum() // length), int((lengths > length // 2).sum()), -(-len(lengths) // SEQUENCES_PER_PACK))
+    return lengths.sum() / (rows * length)
+
+
+def repeated_shard(tokenized: list[Path], times: int, output: Path) -> Path:
+    """One tokenized shard holding every document of `tokenized`, `times` over: a shard of the real run's size."""
+    ids, sentences, documents = [], [], []
+    n_tokens = n_sentences = 0
+    for _ in range(times):
+        for path in tokenized:
+            shard_ids, sentence_offsets, document_offsets = load_tokenized(path)
+            ids.append(shard_ids)
+            sentences.append(sentence_offsets[:-1] + n_tokens)
+            documents.append(document_offsets[:-1] + n_sentences)
+            n_tokens += len(shard_ids)
+            n_sentences += len(sentence_offsets) - 1
+    np.savez(output, ids=np.concatenate(ids), sentence_offsets=np.append(np.concatenate(sentences), n_tokens),
+             document_offsets=np.append(np.concatenate(documents), n_sentences))
+    return output
+
+
+def data_side(tokenized: list[Path], big: Path, repeat: int, vocab: Path, length: int, directory: Path) -> list[dict]:
+    """Encode then pack every shard, print the fills; time encode and pack on the big shard; return the arrays."""
+    settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=PREDICTIONS[length])
+    encoded, lengths = [], []
+    print(f"\nseq {length}: shard  instances  fill unpacked  fill packed (LPFHP, per shard)")
+    for index, path in enumerate(tokenized):
+        output = directory / f"encoded_{length}_{index}.hdf5"
+        encode_shard(path, vocab, output, settings, 12345, "training", index)
+        stats = pack_shard(output, directory / f"packed_{length}_{index}.hdf5", SEQUENCES_PER_PACK)
+        print(f"  {index:>12}  {stats['n_instances']:>9}  {stats['fill_unpacked']:>13.4f}  {stats['fill']:>11.4f}")
+        arrays, _ = read_encoded(output)
+        encoded.append(arrays)
+        lengths.append(arrays["input_mask"].astype(bool).sum(axis=1))
+    lengths = np.concatenate(lengths)
+    print(f"  all shards' histogram ({len(lengths)} instances): "
+          f"unpacked {lengths.sum() / (len(lengths) * length):.4f}, "
+          f"LPFHP {fill_of(lengths, length, 'lpfhp'):.4f}, SPFHP {fill_of(lengths, length, 'spfhp'):.4f}, "
+          f"best possible {best_possible_fill(lengths, length):.4f}")
+
+    output = directory / f"encoded_{length}_big.hdf5"
+    n, encode_cpu, encode_wall = timed(encode_shard, big, vocab, output, settings, 12345, "training", 0)
+    arrays, _ = read_encoded(output)
+    _, compute_cpu, compute_wall = timed(pack_arrays, arrays, SEQUENCES_PER_PACK)
+    stats, stage_cpu, stage_wall = timed(pack_shard, output, directory / f"packed_{length}_big.hdf5",
+                                         SEQUENCES_PER_PACK)
+    lengths = arrays["input_mask"].astype(bool).sum(axis=1)
+    print(f"  one shard of {n} instances (the sample's shards {repeat} times over): "
+          f"fill {stats['fill_unpacked']:.4f} -> {stats['fill']:.4f} (SPFHP {fill_of(lengths, length, 'spfhp'):.4f}, "
+          f"best possible {best_possible_fill(lengths, length):.4f})")
+    print(f"  CPU s (wall s): encode {encode_cpu:.3f} ({encode_wall:.3f}), packing in memory "
+          f"{compute_cpu:.3f} ({compute_wall:.3f}) = {compute_cpu / encode_cpu:.1%} of encode, pack stage with "
+          f"HDF5 read + gzip write {stage_cpu:.3f} ({stage_wall:.3f}) = {stage_cpu / encode_cpu:.1%} of encode")
+    return encoded
+
+
+def batches(arrays: dict, rows: int) -> list[dict]:
+    """Model inputs and labels in batches of `rows` rows (packed arrays carry position ids and [CLS] slots)."""
+    out = []
+    for start in range(0, len(arrays["input_ids"]), rows):
+        part = {name: torch.from_numpy(array[start : start + rows].astype(np.int64)) for name, array in arrays.items()}
+        batch = {"input_ids": part["input_ids"], "token_type_ids": part["segment_ids"],
+                 "attention_mask": part["input_mask"], "masked_lm_positions": part["masked_lm_positions"],
+                 "masked_lm_labels": torch.where(part["masked_lm_positions"] > 0, part["masked_lm_ids"], -1),
+                 "next_sentence_labels": part["next_sentence_labels"]}
+        if "cls_positions" in part:
+            batch.update(position_ids=part["position_ids"], cls_positions=part["cls_positions"])
+        out.append(batch)
+    return out
+
+
+def train_pass(model, data: list[dict], varlen: bool) -> float:
+    """CPU seconds (one thread) of forward + loss + backward over all batches."""
+    model_module.VARLEN_DEVICE_TYPES = ("cpu",) if varlen else ()
+    start = time.process_time()
+    for batch in data:
+        inputs = {k: v for k, v in batch.items() if k not in ("masked_lm_labels", "next_sentence_labels")}
+        mlm, nsp = model(**inputs)
+        pretraining_loss(mlm, nsp, batch["masked_lm_labels"], batch["next_sentence_labels"])["loss"].backward()
+    return time.process_time() - start
+
+
+def model_side(encoded: list[dict], length: int, vocab_size: int, n_instances: int, rows: int, passes: int) -> None:
+    chosen = np.sort(np.random.default_rng(0).permutation(sum(len(a["input_ids"]) for a in encoded))[:n_instances])
+    arrays = {name: np.concatenate([a[name] for a in encoded])[chosen] for name in encoded[0]}
+    packed = pack_arrays(arrays, SEQUENCES_PER_PACK)
+    real = int(arrays["input_mask"].astype(bool).sum())
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=vocab_size)).train()
+    padded_fill, packed_fill = real / arrays["input_ids"].size, real / packed["input_ids"].size
+    sides = {"padded rows": (batches(arrays, rows), False, padded_fill),
+             "packed rows, block-diagonal mask (CPU path)": (batches(packed, rows), False, packed_fill),
+             "packed, unpadded varlen (CUDA path, CPU fallback)": (batches(packed, rows), True, packed_fill)}
+    best = {name: float("inf") for name in sides}
+    for _ in range(passes):
+        for name, (data, varlen, _) in sides.items():
+            best[name] = min(best[name], train_pass(model, data, varlen))
+    model_module.VARLEN_DEVICE_TYPES = ("cuda",)
+    print(f"  model: tiny, fp32, forward+loss+backward, {len(arrays['input_ids'])} instances ({real} real tokens), "
+          f"{rows} rows per batch, best of {passes} passes")
+    for name, (data, _, fill) in sides.items():
+        print(f"    {name:<52} {len(data):>3} batches  fill {fill:.4f}  {real / best[name]:>9,.0f} real tokens/CPU s"
+              f"  ({best['padded rows'] / best[name]:.2f}x padded)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenized", default="data/tokenized/training", help="directory of tokenized shards (.npz)")
+    parser.add_argument("--vocab", default="data/vocab.txt")
+    parser.add_argument("--instances", type=int, default=128, help="instances trained on per side (model part)")
+    parser.add_argument("--rows", type=int, default=16, help="rows per batch (model part)")
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=40, help="the timed shard holds the sample this many times")
+    args = parser.parse_args()
+    tokenized = sorted(Path(args.tokenized).glob("*.npz"))
+    if not tokenized:
+        raise SystemExit(f"error: {args.tokenized}: no tokenized shards (run the demo's data stages first)")
+    torch.set_num_threads(1)
+    print(f"{len(tokenized)} tokenized shards from {args.tokenized}; at most {SEQUENCES_PER_PACK} sequences per row; "
+          f"CPU figures on a shared machine are noisy")
+    with tempfile.TemporaryDirectory() as directory:
+        big = repeated_shard(tokenized, args.repeat, Path(directory) / f"repeated_{args.repeat}_times.npz")
+        for length in (128, 512):
+            encoded = data_side(tokenized, big, args.repeat, Path(args.vocab), length, Path(directory))
+            model_side(encoded, length, len(read_vocab(args.vocab)), args.instances, args.rows, args.passes)
+
+
+if __name__ == "__main__":
+    main()

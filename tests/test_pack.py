@@ -1,0 +1,147 @@
+"""Stage pack: every encoded instance lands in exactly one pack, unchanged; packs respect the length and the
+sequences-per-pack cap; SPFHP fills rows; byte-identical output; one-line errors and no partial file."""
+import hashlib
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.conftest import REPO
+from tests.test_encode import tokenized_shard
+from workflow.data.encode import EncodeSettings, encode_shard
+from workflow.data.pack import ALGORITHMS, histogram_packing, pack_shard, read_encoded
+
+PREDICTIONS = {128: 20, 512: 80}
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory):
+    """Encoded shards of one generated tokenized shard: {max_seq_length: path}."""
+    directory = tmp_path_factory.mktemp("pack")
+    vocab, tokenized, _ = tokenized_shard(directory, n_documents=200, vocab_size=200, seed=3)
+    paths = {}
+    for length, predictions in PREDICTIONS.items():
+        paths[length] = directory / f"encoded_{length}.hdf5"
+        settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=predictions, dupe_factor=2)
+        encode_shard(tokenized, vocab, paths[length], settings, seed=5, split="training", shard_index=0)
+    return paths
+
+
+def read(path):
+    with h5py.File(path, "r") as handle:
+        return {name: handle[name][()] for name in handle}, dict(handle.attrs)
+
+
+@pytest.mark.parametrize("length", [128, 512])
+@pytest.mark.parametrize("max_sequences_per_pack", [2, 3])
+def test_every_instance_is_in_exactly_one_pack_with_its_tokens_predictions_and_label(encoded, tmp_path, length,
+                                                                                     max_sequences_per_pack):
+    original, _ = read_encoded(encoded[length])
+    pack_shard(encoded[length], tmp_path / "packed.hdf5", max_sequences_per_pack)
+    packed, attributes = read(tmp_path / "packed.hdf5")
+    n = len(original["input_ids"])
+    assert sorted(packed["instance_index"][packed["instance_index"] >= 0]) == list(range(n))
+    assert len(packed["input_ids"]) < n  # packing merged rows
+
+    for row in range(len(packed["input_ids"])):
+        covered = np.zeros(length, bool)
+        predictions = dict(zip(packed["masked_lm_positions"][row], packed["masked_lm_ids"][row]))
+        predictions.pop(0, None)
+        for slot in range(max_sequences_per_pack):
+            instance, start = packed["instance_index"][row, slot], packed["cls_positions"][row, slot]
+            size = packed["sequence_lengths"][row, slot]
+            if instance < 0:
+                assert size == 0 and packed["next_sentence_labels"][row, slot] == -1
+                continue
+            span = slice(start, start + size)
+            assert size == original["input_mask"][instance].sum()
+            assert np.array_equal(packed["input_ids"][row, span], original["input_ids"][instance, :size])
+            assert np.array_equal(packed["segment_ids"][row, span], original["segment_ids"][instance, :size])
+            assert np.all(packed["input_mask"][row, span] == slot + 1)
+            assert np.array_equal(packed["position_ids"][row, span], np.arange(size))
+            assert packed["next_sentence_labels"][row, slot] == original["next_sentence_labels"][instance]
+            valid = original["masked_lm_positions"][instance] > 0
+            expected = dict(zip(original["masked_lm_positions"][instance][valid] + start,
+                                original["masked_lm_ids"][instance][valid]))
+            assert {p: i for p, i in predictions.items() if start <= p < start + size} == expected
+            covered[span] = True
+        assert not covered[~(packed["input_mask"][row] > 0)].any()
+        assert np.all(packed["input_ids"][row, ~covered] == 0) and np.all(packed["input_mask"][row, ~covered] == 0)
+        assert all(covered[p] for p in predictions)  # no prediction outside a sub-sequence
+        positions = packed["masked_lm_positions"][row]
+        assert np.all(np.diff(positions[positions > 0]) > 0)
+    real = original["input_mask"].sum()
+    assert attributes["fill"] == pytest.approx(real / packed["input_ids"].size)
+    assert attributes["max_sequences_per_pack"] == max_sequences_per_pack and attributes["n_instances"] == n
+
+
+def test_one_sequence_per_pack_reproduces_the_encoded_rows(encoded, tmp_path):
+    original, _ = read_encoded(encoded[128])
+    pack_shard(encoded[128], tmp_path / "packed.hdf5", max_sequences_per_pack=1)
+    packed, _ = read(tmp_path / "packed.hdf5")
+    for name in ("input_ids", "segment_ids", "next_sentence_labels"):
+        assert np.array_equal(packed[name].reshape(original[name].shape), original[name])
+    assert np.array_equal(packed["input_mask"], original["input_mask"])
+    width = min(packed["masked_lm_positions"].shape[1], original["masked_lm_positions"].shape[1])
+    assert np.array_equal(packed["masked_lm_positions"][:, :width], original["masked_lm_positions"][:, :width])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("max_sequences_per_pack", [1, 2, 3, 5])
+def test_packs_keep_every_sequence_within_the_length_and_the_cap(algorithm, max_sequences_per_pack):
+    rng = np.random.default_rng(0)
+    histogram = np.bincount(rng.integers(1, 129, 5000), minlength=129)
+    histogram[128] += 3000
+    strategies = histogram_packing(histogram, 128, max_sequences_per_pack, algorithm)
+    packed = np.zeros(129, np.int64)
+    for lengths, count in strategies:
+        assert count > 0 and 1 <= len(lengths) <= max_sequences_per_pack and sum(lengths) <= 128
+        np.add.at(packed, list(lengths), count)
+    assert np.array_equal(packed, histogram)
+
+
+def lengths_of(distribution: str, length: int, rng, n: int = 100_000) -> np.ndarray:
+    if distribution == "uniform":
+        return rng.integers(8, length + 1, n)
+    return np.where(rng.random(n) < 0.65, length, rng.integers(8, length, n))  # NVIDIA's: mostly full rows
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("distribution", ["uniform", "mostly full"])
+@pytest.mark.parametrize("length", [128, 512])
+def test_histogram_packing_of_a_large_shard_is_within_2_percent_of_the_optimum(algorithm, distribution, length):
+    lengths = lengths_of(distribution, length, np.random.default_rng(1))
+    strategies = histogram_packing(np.bincount(lengths, minlength=length + 1), length, 3, algorithm)
+    n_packs = sum(count for _, count in strategies)
+    # No packing needs fewer rows than this: all tokens, one row per long sequence, 3 sequences per row.
+    lower_bound = max(-(-lengths.sum() // length), int((lengths > length // 2).sum()), -(-len(lengths) // 3))
+    assert lower_bound <= n_packs <= 1.02 * lower_bound
+    assert lengths.sum() / (n_packs * length) >= 0.98
+
+
+def test_packing_is_byte_identical_run_to_run_and_from_the_command_line(encoded, tmp_path):
+    for name, cap in (("a", 3), ("b", 3), ("c", 2)):
+        pack_shard(encoded[512], tmp_path / f"{name}.hdf5", cap)
+    result = run_pack("--encoded", encoded[512], "--output", tmp_path / "cli.hdf5")
+    assert result.returncode == 0, result.stderr
+    digests = [hashlib.sha256((tmp_path / f"{name}.hdf5").read_bytes()).hexdigest() for name in ("a", "b", "c", "cli")]
+    assert digests[0] == digests[1] == digests[3] != digests[2]
+
+
+def run_pack(*args):
+    return subprocess.run([sys.executable, "-m", "workflow.data.pack", *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO)
+
+
+def test_bad_input_is_a_one_line_error_and_leaves_no_output(encoded, tmp_path):
+    pack_shard(encoded[128], tmp_path / "packed.hdf5")
+    for source, message in ((tmp_path / "packed.hdf5", "already packed"),
+                            (tmp_path / "missing.hdf5", "encoded shard not found")):
+        result = run_pack("--encoded", source, "--output", tmp_path / "out.hdf5")
+        assert result.returncode == 1
+        assert result.stderr.strip().splitlines()[-1] == f"error: {source}: {message}"
+        assert not (tmp_path / "out.hdf5").exists() and list(tmp_path.glob(".out.hdf5*")) == []
+    result = run_pack("--encoded", encoded[128], "--output", tmp_path / "out.hdf5", "--max-sequences-per-pack", 0)
+    assert result.returncode == 1 and "max_sequences_per_pack 0: must be at least 1" in result.stderr
