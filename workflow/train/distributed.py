@@ -8,6 +8,8 @@ API:
     cleanup()                    destroy the process group (if any)
     all_reduce_(tensor, op="sum") in place; a no-op in a 1-process run
     broadcast_object(obj, src=0) the object from rank `src` (identity in a 1-process run)
+    barrier()                    wait for every rank (a no-op in a 1-process run)
+    local_world_size()           ranks on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's tasks per node), else 1
     `python -m workflow.train.distributed -- CMD ...`   run CMD once per Slurm task (via srun) when the batch step of a
         Slurm job holds SLURM_NTASKS > 1, else run CMD directly (1 process, or already inside torchrun/srun).
 """
@@ -127,6 +129,20 @@ def broadcast_object(obj, src: int = 0):
         dist.broadcast_object_list(box, src=src)
         return box[0]
     return obj
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def local_world_size(environ=os.environ) -> int:
+    if "LOCAL_WORLD_SIZE" in environ:
+        return int(environ["LOCAL_WORLD_SIZE"])
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if "SLURM_STEP_ID" in environ and per_node:  # "2(x3)" or "4,2": the first node's count
+        return int(re.match(r"\d+", per_node).group())
+    return 1
 
 
 def _job_layout(environ) -> tuple[int, int]:
