@@ -64,6 +64,7 @@ class LoopSettings:
     seed: int = 12345
     compile: bool = False
     telemetry: bool = True
+    global_batch_key: str = "global_batch_size"  # its config name (SQuAD: batch_size)
 
 
 class Task(Protocol):
@@ -76,7 +77,7 @@ class Task(Protocol):
     def loss(self, model, batch: dict, totals: dict) -> dict:
         """"loss": this micro-batch's share of the step's loss (sums / totals); other entries: summed statistics."""
 
-    def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float) -> dict:
+    def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float, step: int) -> dict:
         """The task's part of a metrics line from the statistics summed over a window of steps (all ranks)."""
 
 
@@ -87,9 +88,10 @@ class Outcome:
     stopped: int | None = None    # exit code (128 + signal) when a signal stopped the run
 
 
-def accumulation_steps(global_batch: int, micro_batch: int, world: int, config_key: str) -> int:
+def accumulation_steps(global_batch: int, micro_batch: int, world: int, config_key: str,
+                       global_name: str = "global_batch_size") -> int:
     if global_batch % (micro_batch * world):
-        raise UserError(f"config {config_key}.global_batch_size ({global_batch}) is not divisible by "
+        raise UserError(f"config {config_key}.{global_name} ({global_batch}) is not divisible by "
                         f"{config_key}.micro_batch_size ({micro_batch}) x world size ({world})")
     return global_batch // (micro_batch * world)
 
@@ -172,7 +174,8 @@ def _to_device(batch: dict, device: torch.device) -> dict:
 
 def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerprint: dict) -> Outcome:
     """Train `model` on `task` until max_steps (resuming from the run directory); see the module docstring."""
-    accumulation = accumulation_steps(s.global_batch_size, s.micro_batch_size, env.world_size, s.config_key)
+    accumulation = accumulation_steps(s.global_batch_size, s.micro_batch_size, env.world_size, s.config_key,
+                                      s.global_batch_key)
     max_steps = s.max_steps or s.total_steps
     if max_steps > s.total_steps:
         raise UserError(f"config {s.config_key}.max_steps ({max_steps}) exceeds total_steps ({s.total_steps})")
@@ -299,7 +302,7 @@ def _log_metrics(task, window, steps, elapsed, step, scheduler, s, env, path: Pa
     values = distributed.all_reduce_(torch.stack([torch.as_tensor(window[k]).float() for k in keys]))
     sums = dict(zip(keys, values.tolist()))
     sequences = steps * s.global_batch_size
-    record = {"step": step, **task.metrics(sums, steps, sequences, elapsed), "lr": scheduler.get_last_lr()[0],
+    record = {"step": step, **task.metrics(sums, steps, sequences, elapsed, step), "lr": scheduler.get_last_lr()[0],
               "grad_norm": sums["grad_norm"] / (steps * env.world_size),
               "seq_per_s": sequences / max(elapsed, 1e-9)}
     if env.is_main:

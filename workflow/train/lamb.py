@@ -24,7 +24,6 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-NO_DECAY = ("bias", "gamma", "beta", "LayerNorm")
 
 
 class Lamb(Optimizer):
@@ -93,12 +92,13 @@ class Lamb(Optimizer):
 
 
 def param_groups(model: nn.Module, weight_decay: float = 0.01) -> list[dict]:
-    """Two groups: decayed weights, and biases/LayerNorm without weight decay (NVIDIA's split)."""
+    """Two groups: decayed weights, and biases/LayerNorm without weight decay (NVIDIA's split; every stage's)."""
     decay, no_decay = [], []
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        (no_decay if any(key in name for key in NO_DECAY) else decay).append(parameter)
+        exempt = name.rsplit(".", 1)[-1] in ("bias", "gamma", "beta") or "LayerNorm" in name
+        (no_decay if exempt else decay).append(parameter)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

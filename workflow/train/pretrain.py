@@ -170,7 +170,7 @@ class PretrainingTask:
                          nsp_labels.numel())}
         return {"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss, **stats}
 
-    def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float) -> dict:
+    def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float, step: int) -> dict:
         return {"loss": sums["loss"] / steps, "mlm_loss": sums["mlm_loss"] / steps,
                 "nsp_loss": sums["nsp_loss"] / steps,
                 "mlm_accuracy": sums["mlm_correct"] / max(sums["mlm_count"], 1),
