@@ -3,6 +3,7 @@ checkpoint fallback, DDP, bf16 on CPU, bad input."""
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -359,7 +360,7 @@ def test_srun_tasks_join_one_process_group_from_slurm_variables(tmp_path):
     assert lines == ["0 2 3", "1 2 3"]
 
 
-def test_snakemake_runs_phase1_then_phase2_from_phase1s_export(data, tmp_path):
+def test_snakemake_runs_phase1_then_phase2_from_phase1s_export_and_reruns_only_for_the_math(data, tmp_path):
     import shutil
 
     work = tmp_path / "work"
@@ -370,20 +371,23 @@ def test_snakemake_runs_phase1_then_phase2_from_phase1s_export(data, tmp_path):
     write_synthetic_shards(work / "data" / "hdf5_seq64", seq_length=64, max_predictions=8, sequences_per_shard=32)
     shutil.copyfile(work / "data" / "hdf5_seq32" / "vocab.txt", work / "data" / "vocab.txt")
     bert_config(work / "bert_config.json")
-    (work / "test.yaml").write_text(
-        "encode: {phase1: {max_seq_length: 32, max_predictions_per_seq: 5},"
-        " phase2: {max_seq_length: 64, max_predictions_per_seq: 8}}\n"
-        "model: {preset: tiny, bert_config: bert_config.json}\n"
-        "pretrain: {checkpoint_every: 2, log_every: 1, precision: auto, eval_max_sequences: 16,\n"
-        "  phase1: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 4, global_batch_size: 16,"
-        " micro_batch_size: 8},\n"
-        "  phase2: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 6, max_steps: 3,"
-        " global_batch_size: 8, micro_batch_size: 4}}\n")
-    result = subprocess.run(["snakemake", "--cores", "2", "--configfile", "test.yaml", "--allowed-rules",
-                             "pretrain_phase1", "pretrain_phase2", "--", "results/pretrain/phase2/model"],
-                            cwd=work, env=environment(PATH=f"{Path(sys.executable).parent}{os.pathsep}"
-                                                           f"{os.environ['PATH']}"),
-                            capture_output=True, text=True, timeout=300)
+    test_config = ("encode: {phase1: {max_seq_length: 32, max_predictions_per_seq: 5},"
+                   " phase2: {max_seq_length: 64, max_predictions_per_seq: 8}}\n"
+                   "model: {preset: tiny, bert_config: bert_config.json}\n"
+                   "pretrain: {checkpoint_every: 2, log_every: 1, precision: auto, eval_max_sequences: 16,\n"
+                   "  phase1: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 4, global_batch_size: 16,"
+                   " micro_batch_size: 8},\n"
+                   "  phase2: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 6, max_steps: 3,"
+                   " global_batch_size: 8, micro_batch_size: 4}}\n")
+    (work / "test.yaml").write_text(test_config)
+    env = environment(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+    def snakemake(*extra, configfile="test.yaml"):
+        return subprocess.run(["snakemake", "--cores", "2", "--configfile", configfile, "--allowed-rules", "pretrain",
+                               *extra, "--", "results/pretrain/phase2/model"], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    result = snakemake()
     assert result.returncode == 0, result.stderr[-3000:]
     first = json.loads((work / "results/pretrain/phase1/summary.json").read_text())
     second = json.loads((work / "results/pretrain/phase2/summary.json").read_text())
@@ -391,10 +395,22 @@ def test_snakemake_runs_phase1_then_phase2_from_phase1s_export(data, tmp_path):
     assert (second["steps"], second["seq_length"], second["total_steps"]) == (3, 64, 6)
     assert second["test_sequences"] == 16
     assert [m["step"] for m in read_metrics(work / "results/pretrain/phase2/metrics.jsonl")] == [1, 2, 3]
-    log = (work / "logs/pretrain_phase2/pretrain.log").read_text()
+    log = (work / "logs/pretrain/phase2/pretrain.log").read_text()
     assert "initialised from results/pretrain/phase1/model" in log
     assert "missing" not in log  # phase 1's export matched the model exactly: nothing missing, nothing extra
+    assert "LAMB moments carried over from results/pretrain/phase1/optimizer_state.pt" in log
     assert (work / "runs/pretrain/phase1/checkpoints/step_00000004.pt").exists()
-    # Phase 2 has its own optimizer and schedule: its checkpoints restart at step 1 with phase 2's step count.
+    # Phase 2 carries phase 1's moments but counts its own steps (schedule and bias correction restart).
     state, _ = ckpt.load_latest_checkpoint(work / "runs/pretrain/phase2/checkpoints")
     assert state["step"] == 3 and state["scheduler"]["last_epoch"] == 3
+    assert all(group["step"] == 3 for group in state["optimizer"]["param_groups"])
+
+    # Cadence and micro-batch edits change no output: nothing to do. A phase-1 learning rate reruns both phases.
+    (work / "cadence.yaml").write_text(test_config.replace("checkpoint_every: 2, log_every: 1",
+                                                           "checkpoint_every: 3, log_every: 2, keep_checkpoints: 5")
+                                       .replace("micro_batch_size: 8}", "micro_batch_size: 4}"))
+    planned = snakemake("--dry-run", configfile="cadence.yaml")
+    assert planned.returncode == 0 and "Nothing to be done" in planned.stdout + planned.stderr, planned.stdout
+    (work / "lr.yaml").write_text(test_config.replace("phase1: {learning_rate: 0.01", "phase1: {learning_rate: 0.02"))
+    planned = snakemake("--dry-run", configfile="lr.yaml")
+    assert re.search(r"^pretrain\s+2$", planned.stdout, re.MULTILINE), planned.stdout
