@@ -134,6 +134,45 @@ def test_kill_9_then_rerun_resumes_to_bit_identical_weights(data, tmp_path):
     assert strip == [{k: v for k, v in m.items() if k not in timing} for m in read_metrics(crashed.out_metrics)]
 
 
+def test_a_signal_to_one_rank_stops_every_rank_after_one_checkpoint(data, tmp_path):
+    s = settings(data, tmp_path / "out", total_steps=100000, checkpoint_every=100000, log_every=1,
+                 global_batch_size=32, micro_batch_size=8)
+    port = str(_free_port())
+    ranks = [subprocess.Popen(command(s), stderr=subprocess.PIPE, text=True, env=environment(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+        for rank in range(2)]
+    metrics = Path(s.run_dir) / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.2)
+    ranks[1].send_signal(signal.SIGUSR1)  # only rank 1 hears it (as when one node gets the warning first)
+    errors = [rank.communicate(timeout=180)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [128 + signal.SIGUSR1] * 2, errors[0][-2000:] + errors[1][-2000:]
+    state, path = ckpt.load_latest_checkpoint(Path(s.run_dir) / "checkpoints")
+    assert len(ckpt.list_checkpoints(Path(s.run_dir) / "checkpoints")) == 1 and len(state["rng"]) == 2
+    assert state["consumed"] == 32 * state["step"] and state["step"] >= 2
+
+
+def test_the_launcher_starts_one_rank_per_visible_gpu_on_a_machine_without_slurm(data, tmp_path):
+    s = settings(data, tmp_path / "out", total_steps=2, checkpoint_every=2, log_every=1, eval_max_sequences=16,
+                 micro_batch_size=8, threads=2)
+    # Two CPU "GPUs": SNAKEBERT_LOCAL_RANKS stands in for torch.cuda.device_count().
+    result = subprocess.run([sys.executable, "-m", "workflow.train.distributed", "--", *command(s)],
+                            env=environment(SNAKEBERT_LOCAL_RANKS="2"), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(Path(s.out_summary).read_text())
+    assert (summary["world_size"], summary["accumulation_steps"]) == (2, 2)
+
+
+def test_each_rank_takes_its_share_of_the_jobs_threads():
+    from workflow.train.distributed import local_world_size
+
+    assert local_world_size({}) == 1
+    assert local_world_size({"LOCAL_WORLD_SIZE": "4"}) == 4  # torchrun
+    assert local_world_size({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2(x3)"}) == 2
+    assert local_world_size({"SLURM_TASKS_PER_NODE": "8"}) == 1  # the batch script itself: one process
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_stop_signal_writes_a_checkpoint_and_exits_non_zero(data, tmp_path, signum):
     s = settings(data, tmp_path / "out", total_steps=100000, checkpoint_every=100000, log_every=1)
@@ -336,7 +375,7 @@ def test_rank_and_world_come_from_torchrun_or_from_a_slurm_step_only():
     assert launch_command(["python", "x.py"], batch) == ["srun", "--ntasks=2", "--kill-on-bad-exit=1", "python",
                                                          "x.py"]
     assert launch_command(["python", "x.py"], step) == ["python", "x.py"]
-    assert launch_command(["python", "x.py"], {}) == ["python", "x.py"]
+    assert launch_command(["python", "x.py"], {"SNAKEBERT_LOCAL_RANKS": "1"}) == ["python", "x.py"]
 
 
 def _slurm_answers() -> bool:

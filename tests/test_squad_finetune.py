@@ -191,3 +191,22 @@ def test_batch_size_must_split_into_micro_batches(synthetic, tmp_path):
                                                         r"squad\.micro_batch_size \(16\)"):
         squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run",
                                 squad_finetune.FinetuneSettings(batch_size=24, micro_batch_size=16), device="cpu")
+
+
+def test_a_changed_learning_rate_refuses_to_resume_and_keeps_the_checkpoints(synthetic, tmp_path, repo_env, capsys):
+    root, _, _ = synthetic
+    config = squad_config(epochs=1, batch_size=32, micro_batch_size=16, checkpoint_every=2, learning_rate=1e-3)
+    command = [sys.executable, "-m", "workflow.squad.finetune", "--config", config, "--init", str(root / "init"),
+               "--features", str(root / "train.npz"), "--output", str(tmp_path / "model"), "--run-dir",
+               str(tmp_path / "run"), "--threads", "1"]
+    killed = subprocess.run(command, env={**repo_env, "SNAKEBERT_FAIL_AT_STEP": "3"}, capture_output=True)
+    assert killed.returncode == -9
+    changed = squad_finetune.FinetuneSettings(epochs=1, batch_size=32, micro_batch_size=8, checkpoint_every=2,
+                                              learning_rate=2e-3)
+    with pytest.raises(squad_finetune.UserError) as error:
+        squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run", changed,
+                                device="cpu")
+    assert str(error.value) == (f"{tmp_path / 'run'}: its checkpoints belong to a run with other settings "
+                                f"(squad.learning_rate 0.001 -> 0.002); to start over, move or delete "
+                                f"{tmp_path / 'run'} (nothing was deleted)")
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt")] == ["step_00000002.pt"]

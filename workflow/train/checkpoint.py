@@ -9,7 +9,7 @@ API (generic: pretraining and SQuAD fine-tuning both use it):
     load_checkpoint(path) -> state      one checkpoint, verified (raises when unusable)
     rng_state() -> dict / set_rng_state(dict)   python, numpy, torch CPU and CUDA generators
     StopSignals()   context manager: SIGTERM/SIGUSR1 set `.received` (the signal number) instead of killing us;
-                    the loop checks it after each step, checkpoints, and exits with `exit_code()` (128 + signal).
+                    the engine checks it after each step, checkpoints, and returns 128 + signal as the exit code.
     fail_at_step(step)   fault injection: SIGKILL ourselves right after `step` when SNAKEBERT_FAIL_AT_STEP == step.
 """
 from __future__ import annotations
@@ -139,9 +139,6 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False
-
-    def exit_code(self) -> int:
-        return 128 + (self.received or 0)
 
 
 def fail_at_step(step: int) -> None:

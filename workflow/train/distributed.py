@@ -11,7 +11,8 @@ API:
     barrier()                    wait for every rank (a no-op in a 1-process run)
     local_world_size()           ranks on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's tasks per node), else 1
     `python -m workflow.train.distributed -- CMD ...`   run CMD once per Slurm task (via srun) when the batch step of a
-        Slurm job holds SLURM_NTASKS > 1, else run CMD directly (1 process, or already inside torchrun/srun).
+        Slurm job holds SLURM_NTASKS > 1; without Slurm once per visible GPU (torchrun; SNAKEBERT_LOCAL_RANKS
+        overrides the count, e.g. 2 CPU ranks in tests); else directly (1 process, or already inside torchrun/srun).
 """
 from __future__ import annotations
 
@@ -167,7 +168,16 @@ def launch_command(command: list[str], environ=os.environ) -> list[str]:
         tasks, nodes = _job_layout(environ)
         spread = [f"--nodes={nodes}", f"--ntasks-per-node={tasks // nodes}"] if nodes > 1 else []
         return ["srun", f"--ntasks={tasks}", *spread, "--kill-on-bad-exit=1", *command]
-    return command
+    return command if inside_step else local_command(command, environ)
+
+
+def local_command(command: list[str], environ=os.environ) -> list[str]:
+    """Without Slurm: one rank per visible GPU (SNAKEBERT_LOCAL_RANKS overrides) through torchrun, else `command`."""
+    ranks = int(environ.get("SNAKEBERT_LOCAL_RANKS") or torch.cuda.device_count() or 1)
+    if ranks <= 1:
+        return command
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--no-python",
+            *command]
 
 
 def main(argv=None) -> None:

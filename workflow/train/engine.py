@@ -162,10 +162,11 @@ def _restore_rng(states: list, env, seed: int, step: int) -> None:
         torch.manual_seed(hash((seed, env.rank, step)) % 2**63)
 
 
-def _stop_requested(stop, env) -> bool:
-    flag = torch.tensor(1.0 if stop.received else 0.0, device=env.device)
-    distributed.all_reduce_(flag, op="max")  # a signal seen by any rank stops all of them after the same step
-    return bool(flag.item())
+def _stop_signal(stop, env) -> int:
+    """The signal number any rank received (0: none): every rank stops after the same step with the same code."""
+    flag = torch.tensor(float(stop.received or 0), device=env.device)
+    distributed.all_reduce_(flag, op="max")
+    return int(flag.item())
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -256,14 +257,14 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
                 window, window_steps, window_start = {}, 0, time.perf_counter()
             train_time += time.perf_counter() - started
             progress.update(1)
-            stop_now = _stop_requested(stop, env)
+            stop_now = _stop_signal(stop, env)
             if step % s.checkpoint_every == 0 or step == max_steps or stop_now:
                 save()
             ckpt.fail_at_step(step)
             if stop_now:
                 progress.close()
                 log.warning("stopped by signal at step %d; rerun to resume", step)
-                return Outcome(step, train_time, stop.exit_code() if stop.received else 143)
+                return Outcome(step, train_time, 128 + stop_now)
         progress.close()
     return Outcome(step, train_time)
 
