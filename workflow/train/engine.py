@@ -187,6 +187,9 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
     step, consumed, train_time = 0, 0, 0.0
     state, path = choose_checkpoint(checkpoint_dir, env)
     if state is not None:
+        if "consumed" not in state:
+            raise UserError(f"{path}: written by an older snakebert (no data position in sequences); to start over, "
+                            f"move or delete {run_dir} (nothing was deleted)")
         refuse_changes(state.get("fingerprint", {}), fingerprint, run_dir)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -274,7 +277,7 @@ def _sum_counts(task: Task, batches: list, env) -> dict:
     keys = sorted(counts[0])
     values = torch.stack([sum(c[k] for c in counts).double() for k in keys])
     distributed.all_reduce_(values)
-    return {k: v.clamp(min=1) for k, v in zip(keys, values)}
+    return {k: v.clamp(min=1).float() for k, v in zip(keys, values)}  # exact in fp32 up to 2^24
 
 
 def _optimizer_step(model, optimizer, scaler, clip: float | None) -> torch.Tensor:
