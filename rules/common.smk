@@ -47,10 +47,18 @@ def config_consistency_error(config):
 if config_consistency_error(config):
     raise ValueError(config_consistency_error(config))
 
-# The config sections the trainers read whole (cadence and micro-batch keys included: the shell command is not
-# part of a job's rerun check, so editing them reruns nothing).
-TRAIN_CONFIG = json.dumps({key: config[key] for key in ("seed", "model", "pretrain")}, sort_keys=True)
-SQUAD_CONFIG = json.dumps({key: config[key] for key in ("seed", "squad")}, sort_keys=True)
+def config_sections(*sections):
+    """A params function: the config `sections` as JSON, handed over whole to a module that validates them.
+
+    It takes `threads`, so Snakemake counts it as derived (like threads) and leaves it out of the rerun check:
+    cadence or micro-batch edits rerun nothing; the rule's `recipe` param holds what changes its outputs.
+    """
+
+    def sections_json(wildcards, threads):
+        return json.dumps({key: config[key] for key in sections}, sort_keys=True)
+
+    return sections_json
+
 
 SPLITS = ["training", "test"]
 PHASES = ["phase1", "phase2"]

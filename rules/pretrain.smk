@@ -2,8 +2,8 @@
 # Checkpoints live in runs/pretrain/{phase}/ (not an output): a rerun after a crash, a Slurm time limit or a retry
 # resumes from the newest valid checkpoint, on any number of ranks. `python -m workflow.train.distributed --` runs
 # the trainer once per Slurm task (srun) when the job has several tasks, else once; rank/world/master come from the
-# environment. The trainer reads the config sections seed, model and pretrain whole (TRAIN_CONFIG); params hold
-# only what changes the outputs, so a cadence or micro-batch edit reruns nothing.
+# environment. The trainer gets the config sections seed, model and pretrain whole (params.config, not part of the
+# rerun check); params.recipe holds only what changes the outputs, so a cadence or micro-batch edit reruns nothing.
 # GPU telemetry lands in results/pretrain/{phase}/gpu_telemetry.csv when a GPU exists (not declared: absent on CPU).
 
 
@@ -17,6 +17,7 @@ rule pretrain:
         optimizer_state="results/pretrain/{phase}/optimizer_state.pt",
     params:
         recipe=pretrain_recipe,
+        config=config_sections("seed", "model", "pretrain"),
         init=pretrain_init_args,
     log:
         "logs/pretrain/{phase}/pretrain.log",
@@ -27,6 +28,6 @@ rule pretrain:
         "../envs/train.yaml"
     shell:
         "python -m workflow.train.distributed -- python -m workflow.train.pretrain --phase {wildcards.phase}"
-        " --config {TRAIN_CONFIG:q} --data-dir {input.data} --vocab {input.vocab} {params.init}"
+        " --config {params.config:q} --data-dir {input.data} --vocab {input.vocab} {params.init}"
         " --run-dir runs/pretrain/{wildcards.phase} --out-dir results/pretrain/{wildcards.phase}"
         " --threads {threads} 2> {log}"

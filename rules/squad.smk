@@ -1,6 +1,7 @@
 # SQuAD: download train/dev JSON, featurize with the model's WordPiece vocab, fine-tune (GPU), predict, evaluate.
 # Fine-tuning starts from the phase-2 export unless config squad.init_from names another HF BERT directory; it reads
-# the config sections seed and squad whole (SQUAD_CONFIG), its params hold only what changes the model.
+# the config sections seed and squad whole (params.config, not part of the rerun check); params.recipe holds
+# only what changes the model.
 
 # The HF BERT directory fine-tuning starts from, and its vocab (data/vocab.txt for our own pretraining).
 SQUAD_INIT = config["squad"]["init_from"] or "results/pretrain/phase2/model"
@@ -70,6 +71,7 @@ rule squad_finetune:
         metrics="results/squad/finetune_metrics.jsonl",
     params:
         recipe=squad_recipe,
+        config=config_sections("seed", "squad"),
     threads: 8
     resources:
         gpus=1,
@@ -78,7 +80,7 @@ rule squad_finetune:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.train.distributed -- python -m workflow.squad.finetune --config {SQUAD_CONFIG:q}"
+        "python -m workflow.train.distributed -- python -m workflow.squad.finetune --config {params.config:q}"
         " --init {input.model:q} --vocab {input.vocab:q} --features {input.features:q}"
         " --output {output.model:q} --metrics {output.metrics:q} --run-dir runs/squad --threads {threads} 2> {log}"
 
