@@ -345,17 +345,24 @@ def test_a_change_of_the_math_refuses_to_resume_and_deletes_nothing(data, tmp_pa
     assert [m["step"] for m in read_metrics(s.out_metrics)] == [2, 4]  # log_every 10 before, 2 now
 
 
-def test_bf16_autocast_on_cpu_trains_with_a_loss_close_to_fp32(data, tmp_path):
+def test_bf16_and_fp16_autocast_on_cpu_train_with_losses_close_to_fp32(data, tmp_path, monkeypatch):
+    import workflow.train.pretrain as pretrain_module
+
     runs = {}
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16", "fp16"):
+        # fp16 is refused off CUDA (no speed-up there): pretend the device allows it; the rest runs for real.
+        monkeypatch.setattr(pretrain_module, "resolve_precision", lambda chosen, device, key: chosen)
         s = settings(data, tmp_path / precision, total_steps=20, log_every=5, precision=precision,
                      eval_max_sequences=16)
-        runs[precision] = (pretrain(s), [m["loss"] for m in read_metrics(s.out_metrics)])
-    (summary, bf16), (_, fp32) = runs["bf16"], runs["fp32"]
-    assert summary["precision"] == "bf16"
-    assert all(np.isfinite(bf16))
-    assert abs(bf16[0] - fp32[0]) < 0.01 * fp32[0]  # same weights and data: only bf16 rounding differs
-    assert all(abs(b - f) < 0.05 * f for b, f in zip(bf16, fp32)), (bf16, fp32)
+        summary = pretrain(s)
+        state, _ = ckpt.load_latest_checkpoint(Path(s.run_dir) / "checkpoints")
+        runs[precision] = [m["loss"] for m in read_metrics(s.out_metrics)]
+        assert summary["precision"] == precision and np.isfinite(runs[precision]).all()
+        assert bool(state["scaler"]) == (precision == "fp16")  # fp16's GradScaler state is checkpointed
+    fp32 = runs["fp32"]
+    for precision in ("bf16", "fp16"):
+        assert abs(runs[precision][0] - fp32[0]) < 0.01 * fp32[0]  # same weights and data: only rounding differs
+        assert all(abs(b - f) < 0.05 * f for b, f in zip(runs[precision], fp32)), (precision, runs[precision], fp32)
 
 
 # ---------------------------------------------------------------- launching: torchrun, srun, the rules

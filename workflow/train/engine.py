@@ -182,7 +182,7 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
         raise UserError(f"config {s.config_key}.max_steps ({max_steps}) exceeds total_steps ({s.total_steps})")
     run_dir = Path(s.run_dir)
     checkpoint_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
-    scaler = grad_scaler(s.precision)
+    scaler = grad_scaler(s.precision, env.device)
 
     step, consumed, train_time = 0, 0, 0.0
     state, path = choose_checkpoint(checkpoint_dir, env)

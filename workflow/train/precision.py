@@ -28,6 +28,6 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def grad_scaler(precision: str):
-    """fp16's loss scaler (CUDA only), None for fp32/bf16."""
-    return torch.amp.GradScaler("cuda") if precision == "fp16" else None
+def grad_scaler(precision: str, device: torch.device):
+    """fp16's dynamic loss scaler, None for fp32/bf16 (bf16 has fp32's exponent range)."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
