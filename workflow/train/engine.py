@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -295,10 +294,10 @@ def _optimizer_step(model, optimizer, scaler, clip: float | None) -> torch.Tenso
         scaler.update()
     else:
         optimizer.step()
-    if grad_norm is None:
-        grad_norm = optimizer.last_grad_norm
+    if grad_norm is None:  # LAMB's own (None when fp16's scaler skipped the step before LAMB ever ran)
+        grad_norm = optimizer.last_grad_norm if optimizer.last_grad_norm is not None else torch.tensor(float("nan"))
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm.detach().float()
+    return grad_norm.detach().float().to(next(model.parameters()).device)
 
 
 def _log_metrics(task, window, steps, elapsed, step, scheduler, s, env, path: Path) -> None:

@@ -22,7 +22,6 @@ workflow/train/engine.py for resume (elastic), refusals, stop signals and SNAKEB
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import logging
