@@ -300,6 +300,33 @@ def _rank_worker(rank, world, port, s):
     pretrain(s)
 
 
+def _choose_worker(rank, world, port, directory, results):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from workflow.train import distributed
+    from workflow.train.engine import choose_checkpoint
+
+    env = distributed.setup("cpu")
+    if rank == 1:  # this rank's read fails (a flaky mount): it must not fall back to an older step on its own
+        ckpt.load_checkpoint = lambda path, map_location="cpu": (_ for _ in ()).throw(OSError("stale file handle"))
+    try:
+        choose_checkpoint(directory, env)
+        outcome = "loaded"
+    except UserError as error:
+        outcome = str(error)
+    Path(results, f"rank{rank}").write_text(outcome)
+    distributed.cleanup()
+
+
+def test_when_one_rank_cannot_read_the_chosen_checkpoint_every_rank_stops(tmp_path):
+    for step in (1, 2):
+        ckpt.save_checkpoint(tmp_path / "checkpoints", step, {"step": step}, keep=3)
+    torch.multiprocessing.spawn(_choose_worker, nprocs=2, args=(2, _free_port(), tmp_path / "checkpoints", tmp_path))
+    chosen = tmp_path / "checkpoints" / "step_00000002.pt"
+    assert (tmp_path / "rank0").read_text() == f"{chosen}: 1 rank(s) cannot read the checkpoint rank 0 chose"
+    assert (tmp_path / "rank1").read_text() == f"{chosen}: 1 rank(s) cannot read the checkpoint rank 0 chose " \
+                                               "(stale file handle)"
+
+
 def test_a_run_checkpointed_on_2_ranks_continues_on_1_then_4_like_an_uninterrupted_run(data, tmp_path):
     config_path = bert_config(tmp_path / "config.json", dropout=0.0)  # dropout masks depend on the rank layout
     common = dict(total_steps=8, global_batch_size=16, checkpoint_every=100, log_every=1, eval_max_sequences=32,

@@ -125,15 +125,22 @@ def refuse_changes(old: dict, new: dict, run_dir) -> None:
 
 
 def choose_checkpoint(directory: Path, env) -> tuple[dict | None, Path | None]:
-    """Rank 0 picks the newest valid checkpoint; every rank loads that same file (or none)."""
+    """Rank 0 picks the newest valid checkpoint; every rank loads that same file, or all stop with an error."""
     state, path = ckpt.load_latest_checkpoint(directory, map_location="cpu") if env.is_main else (None, None)
     chosen = distributed.broadcast_object(str(path) if path else None)
-    if chosen is None or env.is_main:
-        return state, path
-    try:
-        return ckpt.load_checkpoint(Path(chosen), map_location="cpu"), Path(chosen)
-    except Exception as error:
-        raise UserError(f"{chosen}: rank {env.rank} cannot read the checkpoint rank 0 chose ({error})") from None
+    if chosen is None:
+        return None, None
+    error = None
+    if not env.is_main:
+        try:
+            state, path = ckpt.load_checkpoint(Path(chosen), map_location="cpu"), Path(chosen)
+        except Exception as failure:  # any unreadable file: nobody may train on (or wait for) a diverged rank
+            error = failure
+    failed = distributed.all_reduce_(torch.tensor(float(error is not None), device=env.device))
+    if failed.item():
+        raise UserError(f"{chosen}: {int(failed.item())} rank(s) cannot read the checkpoint rank 0 chose"
+                        + (f" ({error})" if error else ""))
+    return state, path
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
