@@ -210,3 +210,21 @@ def test_a_changed_learning_rate_refuses_to_resume_and_keeps_the_checkpoints(syn
                                 f"(squad.learning_rate 0.001 -> 0.002); to start over, move or delete "
                                 f"{tmp_path / 'run'} (nothing was deleted)")
     assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt")] == ["step_00000002.pt"]
+
+
+def test_a_killed_run_resumed_with_another_micro_batch_size_ends_like_an_uninterrupted_one(synthetic, tmp_path,
+                                                                                            repo_env):
+    root, _, _ = synthetic
+    recipe = dict(epochs=1, batch_size=32, checkpoint_every=2, learning_rate=1e-3, precision="fp32", log_every=1)
+    squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "straight", tmp_path / "run-straight",
+                            squad_finetune.FinetuneSettings(micro_batch_size=16, **recipe), device="cpu")
+    command = [sys.executable, "-m", "workflow.squad.finetune", "--config", squad_config(micro_batch_size=16, **recipe),
+               "--init", str(root / "init"), "--features", str(root / "train.npz"), "--output", str(tmp_path / "model"),
+               "--run-dir", str(tmp_path / "run"), "--threads", "1"]
+    assert subprocess.run(command, env={**repo_env, "SNAKEBERT_FAIL_AT_STEP": "5"}, capture_output=True).returncode == -9
+    squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run",
+                            squad_finetune.FinetuneSettings(micro_batch_size=8, **recipe), device="cpu")
+    expected, _ = squad_finetune.load_qa_model(tmp_path / "straight", require_head=True)
+    got, _ = squad_finetune.load_qa_model(tmp_path / "model", require_head=True)
+    for (name, want), have in zip(expected.state_dict().items(), got.state_dict().values()):
+        assert torch.allclose(have, want, atol=1e-5, rtol=1e-4), name  # fp32 sums in another order only
