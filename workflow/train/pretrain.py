@@ -14,7 +14,7 @@ Loss: MLM cross-entropy summed over the masked tokens of the global batch / thei
 sequences / their number (one token-weighted mean per step, whatever the micro-batch split). Metrics: tokens_per_s
 counts sequences x sequence length (padding included), as NVIDIA reports it. Gradient clipping is LAMB's global-norm
 pre-normalisation (max_grad_norm), as in NVIDIA's recipe. Phase 2 starts from phase 1's weights and, unless
-`pretrain.phase2_carries_optimizer_state` is false, phase 1's LAMB moments with step and learning rate reset.
+`pretrain.carry_optimizer_state` is false, phase 1's LAMB moments with step and learning rate reset.
 
 Run directory (`--run-dir`, not a rule output): checkpoints/step_*.pt, metrics.jsonl, gpu_telemetry.csv. See
 workflow/train/engine.py for resume (elastic), refusals, stop signals and SNAKEBERT_FAIL_AT_STEP.
