@@ -1,5 +1,6 @@
 # Config validation, shared path helpers and input functions. No rule lives here.
 import functools
+import json
 import os
 import sys
 
@@ -32,6 +33,40 @@ try:
     validate(config, "../config.schema.yaml")  # also fills in the schema's defaults
 except WorkflowError:
     raise ValueError(config_error(config, f"{workflow.basedir}/config.schema.yaml")) from None
+
+def config_consistency_error(config):
+    """What the schema cannot say (relations between keys), as one line naming the key; None when consistent."""
+    for phase in ("phase1", "phase2"):
+        section = config["pretrain"][phase]
+        key = f"pretrain.{phase}"
+        if section.get("max_steps") and section["max_steps"] > section["total_steps"]:
+            return (f"config key '{key}.max_steps': {section['max_steps']} exceeds {key}.total_steps "
+                    f"({section['total_steps']})")
+        if section["global_batch_size"] % section["micro_batch_size"]:
+            return (f"config key '{key}.global_batch_size': {section['global_batch_size']} is not a multiple of "
+                    f"{key}.micro_batch_size ({section['micro_batch_size']})")
+    squad = config["squad"]
+    if squad["batch_size"] % squad["micro_batch_size"]:
+        return (f"config key 'squad.batch_size': {squad['batch_size']} is not a multiple of squad.micro_batch_size "
+                f"({squad['micro_batch_size']})")
+    return None
+
+
+if config_consistency_error(config):
+    raise ValueError(config_consistency_error(config))
+
+def config_sections(*sections):
+    """A params function: the config `sections` as JSON, handed over whole to a module that validates them.
+
+    It takes `threads`, so Snakemake counts it as derived (like threads) and leaves it out of the rerun check:
+    cadence or micro-batch edits rerun nothing; the rule's `recipe` param holds what changes its outputs.
+    """
+
+    def sections_json(wildcards, threads):
+        return json.dumps({key: config[key] for key in sections}, sort_keys=True)
+
+    return sections_json
+
 
 SPLITS = ["training", "test"]
 PHASES = ["phase1", "phase2"]
@@ -144,6 +179,44 @@ def encoded_shards(wildcards):
         for split in SPLITS
         for index in shard_indices(split)
     ]
+
+
+def pretrain_inputs(wildcards):
+    """A phase's data and vocab; phase 2 also starts from phase 1's export (and LAMB moments)."""
+    inputs = {"data": hdf5_dir(wildcards.phase), "vocab": "data/vocab.txt"}
+    if wildcards.phase == "phase2":
+        inputs["init"] = "results/pretrain/phase1/model"
+        if config["pretrain"]["carry_optimizer_state"]:
+            inputs["init_optimizer"] = "results/pretrain/phase1/optimizer_state.pt"
+    return inputs
+
+
+def pretrain_init_args(wildcards):
+    """The trainer's --init-from/--init-optimizer for phase 2 (phase 1 starts from config model.init_from)."""
+    inputs = pretrain_inputs(wildcards)
+    args = [f"--init-from {inputs['init']}"] if "init" in inputs else []
+    if "init_optimizer" in inputs:
+        args.append(f"--init-optimizer {inputs['init_optimizer']}")
+    return " ".join(args)
+
+
+def pretrain_recipe(wildcards):
+    """What changes a phase's outputs (its params): the math, precision, max_steps and the evaluation size; not
+    cadence, micro-batch size or threads."""
+    pretrain = config["pretrain"]
+    recipe = {key: value for key, value in pretrain[wildcards.phase].items() if key != "micro_batch_size"}
+    recipe.update(lamb=pretrain["lamb"], precision=pretrain["precision"], seed=config["seed"],
+                  eval_max_sequences=pretrain["eval_max_sequences"], model=config["model"])
+    if wildcards.phase == "phase2":
+        recipe["carry_optimizer_state"] = pretrain["carry_optimizer_state"]
+        recipe["model"] = {k: v for k, v in config["model"].items() if k != "init_from"}  # phase 1's export
+    return recipe
+
+
+def squad_recipe(wildcards):
+    """What changes the fine-tuned model (squad_finetune's params): not cadence, micro-batch size or threads."""
+    keys = ("learning_rate", "epochs", "batch_size", "warmup_proportion", "weight_decay", "max_grad_norm", "precision")
+    return {"seed": config["seed"], **{key: config["squad"][key] for key in keys}}
 
 
 def all_targets():

@@ -1,5 +1,7 @@
 # SQuAD: download train/dev JSON, featurize with the model's WordPiece vocab, fine-tune (GPU), predict, evaluate.
-# Fine-tuning starts from the phase-2 export unless config squad.init_from names another HF BERT directory.
+# Fine-tuning starts from the phase-2 export unless config squad.init_from names another HF BERT directory; it reads
+# the config sections seed and squad whole (params.config, not part of the rerun check); params.recipe holds
+# only what changes the model.
 
 # The HF BERT directory fine-tuning starts from, and its vocab (data/vocab.txt for our own pretraining).
 SQUAD_INIT = config["squad"]["init_from"] or "results/pretrain/phase2/model"
@@ -68,15 +70,8 @@ rule squad_finetune:
         model=directory("results/squad/model"),
         metrics="results/squad/finetune_metrics.jsonl",
     params:
-        run_dir="runs/squad",
-        learning_rate=config["squad"]["learning_rate"],
-        epochs=config["squad"]["epochs"],
-        batch_size=config["squad"]["batch_size"],
-        micro_batch_size=config["squad"]["micro_batch_size"],
-        warmup_proportion=config["squad"]["warmup_proportion"],
-        checkpoint_every=config["squad"]["checkpoint_every"],
-        precision=config["pretrain"]["precision"],
-        seed=config["seed"],
+        recipe=squad_recipe,
+        config=config_sections("seed", "squad"),
     threads: 8
     resources:
         gpus=1,
@@ -85,14 +80,9 @@ rule squad_finetune:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.train.distributed -- python -m workflow.squad.finetune"
+        "python -m workflow.train.distributed -- python -m workflow.squad.finetune --config {params.config:q}"
         " --init {input.model:q} --vocab {input.vocab:q} --features {input.features:q}"
-        " --output {output.model:q} --metrics {output.metrics:q} --run-dir {params.run_dir}"
-        " --learning-rate {params.learning_rate} --epochs {params.epochs} --batch-size {params.batch_size}"
-        " --micro-batch-size {params.micro_batch_size} --warmup-proportion {params.warmup_proportion}"
-        " --checkpoint-every {params.checkpoint_every} --precision {params.precision} --seed {params.seed}"
-        " --threads {threads}"
-        " 2> {log}"
+        " --output {output.model:q} --metrics {output.metrics:q} --run-dir runs/squad --threads {threads} 2> {log}"
 
 
 rule squad_predict:
@@ -108,7 +98,7 @@ rule squad_predict:
         n_best_size=config["squad"]["n_best_size"],
         max_answer_length=config["squad"]["max_answer_length"],
         null_score_diff_threshold=config["squad"]["null_score_diff_threshold"],
-        precision=config["pretrain"]["precision"],
+        precision=config["squad"]["precision"],
     threads: 8
     resources:
         gpus=1,

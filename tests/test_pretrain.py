@@ -1,6 +1,9 @@
-"""Pretraining: learning, exact resume after kill -9, stop signals, checkpoint fallback, DDP, bad input."""
+"""Pretraining: learning, exact resume after kill -9, elastic resume over world sizes, refusals, stop signals,
+checkpoint fallback, DDP, bf16 on CPU, bad input."""
+import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,8 +19,9 @@ import torch
 from workflow.train import checkpoint as ckpt
 from workflow.cli import UserError, run
 from workflow.train.model import BertConfig, load_pretrained
-from workflow.train.pretrain import TrainSettings, accumulation_steps, main, pretrain
-from workflow.train.pretraining_data import list_shards, write_synthetic_shards
+from workflow.train.engine import accumulation_steps
+from workflow.train.pretrain import LAMB_KEYS, PHASE_KEYS, TrainSettings, main, pretrain
+from workflow.train.pretraining_data import PretrainingSequences, list_shards, write_synthetic_shards
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,14 +54,21 @@ def settings(data, out, **overrides) -> TrainSettings:
     return TrainSettings(**values)
 
 
+def config_of(s: TrainSettings) -> dict:
+    """The workflow config sections (seed, model, pretrain) that give `s`."""
+    section = {key: getattr(s, key) for key in ("precision", "checkpoint_every", "keep_checkpoints", "log_every",
+                                                  "eval_max_sequences")}
+    section["lamb"] = {key: getattr(s, key) for key in LAMB_KEYS}
+    section[s.phase] = {key: getattr(s, key) for key in PHASE_KEYS}
+    return {"seed": s.seed, "model": {"preset": s.preset, "bert_config": s.bert_config, "init_from": s.init_from},
+            "pretrain": section}
+
+
 def command(s: TrainSettings) -> list[str]:
-    argv = [sys.executable, "-m", "workflow.train.pretrain"]
-    for key, value in vars(s).items():
-        if value is None or value is False:
-            continue
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
-    return argv
+    argv = [sys.executable, "-m", "workflow.train.pretrain", "--phase", s.phase, "--config", json.dumps(config_of(s)),
+            "--data-dir", s.data_dir, "--vocab", s.vocab, "--run-dir", s.run_dir,
+            "--out-dir", str(Path(s.out_model).parent), "--device", s.device, "--threads", str(s.threads)]
+    return argv + (["--deterministic"] if s.deterministic else [])
 
 
 def environment(**extra):
@@ -91,8 +102,8 @@ def test_tiny_model_loss_falls_and_mlm_accuracy_beats_chance(data, tmp_path):
 
 
 def test_kill_9_then_rerun_resumes_to_bit_identical_weights(data, tmp_path):
-    # Dropout on, 2 micro-batches per step; 3 shards of 44 sequences = 15 micro-batches per epoch (4 rows of each
-    # shard dropped), so the crash at step 7 falls in epoch 0 and the resumed run crosses shards and epochs.
+    # Dropout on, 2 micro-batches per step; 3 shards of 44 sequences = 132 per epoch, so the crash at step 7 falls in
+    # epoch 0 and the resumed run crosses shards and epochs.
     small = tmp_path / "small"
     write_synthetic_shards(small / "hdf5", n_training_shards=3, sequences_per_shard=44, seed=5)
     common = dict(total_steps=12, checkpoint_every=3, log_every=1, micro_batch_size=8, global_batch_size=16,
@@ -109,8 +120,7 @@ def test_kill_9_then_rerun_resumes_to_bit_identical_weights(data, tmp_path):
         "step_00000003.pt", "step_00000006.pt"]
 
     state, _ = ckpt.load_latest_checkpoint(Path(crashed.run_dir) / "checkpoints")
-    assert state["data"]["consumed"] == 12  # 5 + 5 micro-batches of shards 1 and 2, then 2 of the third
-    assert (state["data"]["epoch"], state["data"]["slot"], state["data"]["offset"]) == (0, 2, 2)
+    assert state["consumed"] == 6 * 16  # sequences; the 132-sequence epoch ends during step 9
 
     second = subprocess.run(command(crashed), env=environment(), capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-2000:]
@@ -122,6 +132,45 @@ def test_kill_9_then_rerun_resumes_to_bit_identical_weights(data, tmp_path):
     timing = {"seq_per_s", "tokens_per_s"}
     strip = [{k: v for k, v in m.items() if k not in timing} for m in read_metrics(straight.out_metrics)]
     assert strip == [{k: v for k, v in m.items() if k not in timing} for m in read_metrics(crashed.out_metrics)]
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_one_checkpoint(data, tmp_path):
+    s = settings(data, tmp_path / "out", total_steps=100000, checkpoint_every=100000, log_every=1,
+                 global_batch_size=32, micro_batch_size=8)
+    port = str(_free_port())
+    ranks = [subprocess.Popen(command(s), stderr=subprocess.PIPE, text=True, env=environment(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+        for rank in range(2)]
+    metrics = Path(s.run_dir) / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.2)
+    ranks[1].send_signal(signal.SIGUSR1)  # only rank 1 hears it (as when one node gets the warning first)
+    errors = [rank.communicate(timeout=180)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [128 + signal.SIGUSR1] * 2, errors[0][-2000:] + errors[1][-2000:]
+    state, path = ckpt.load_latest_checkpoint(Path(s.run_dir) / "checkpoints")
+    assert len(ckpt.list_checkpoints(Path(s.run_dir) / "checkpoints")) == 1 and len(state["rng"]) == 2
+    assert state["consumed"] == 32 * state["step"] and state["step"] >= 2
+
+
+def test_the_launcher_starts_one_rank_per_visible_gpu_on_a_machine_without_slurm(data, tmp_path):
+    s = settings(data, tmp_path / "out", total_steps=2, checkpoint_every=2, log_every=1, eval_max_sequences=16,
+                 micro_batch_size=8, threads=2)
+    # Two CPU "GPUs": SNAKEBERT_LOCAL_RANKS stands in for torch.cuda.device_count().
+    result = subprocess.run([sys.executable, "-m", "workflow.train.distributed", "--", *command(s)],
+                            env=environment(SNAKEBERT_LOCAL_RANKS="2"), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(Path(s.out_summary).read_text())
+    assert (summary["world_size"], summary["accumulation_steps"]) == (2, 2)
+
+
+def test_each_rank_takes_its_share_of_the_jobs_threads():
+    from workflow.train.distributed import local_world_size
+
+    assert local_world_size({}) == 1
+    assert local_world_size({"LOCAL_WORLD_SIZE": "4"}) == 4  # torchrun
+    assert local_world_size({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2(x3)"}) == 2
+    assert local_world_size({"SLURM_TASKS_PER_NODE": "8"}) == 1  # the batch script itself: one process
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
@@ -138,28 +187,20 @@ def test_stop_signal_writes_a_checkpoint_and_exits_non_zero(data, tmp_path, sign
     state, path = ckpt.load_latest_checkpoint(Path(s.run_dir) / "checkpoints")
     assert state is not None and state["step"] >= 1
     assert path.name == f"step_{state['step']:08d}.pt"
-    assert state["data"]["consumed"] == 2 * state["step"]
+    assert state["consumed"] == 32 * state["step"]
     assert not Path(s.out_model).exists()
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_a_stream_started_at_a_position_continues_exactly_like_one_that_got_there(tmp_path, world):
-    from workflow.train.pretraining_data import PretrainingStream
-
+def test_any_range_of_the_global_sequence_order_reads_the_same_sequences(tmp_path):
     write_synthetic_shards(tmp_path, n_training_shards=3, sequences_per_shard=21, seed=2)
-    shards = list_shards(tmp_path, "training")
-    for rank in range(world):
-        running = PretrainingStream(shards, 4, seed=9, rank=rank, world_size=world)
-        seen = [next(running) for _ in range(38)]  # 5 micro-batches per shard: 15 (world 1) per epoch
-        assert running.epoch >= 2
-        for start in (0, 4, 5, 11, 15, 17, 31):
-            resumed = PretrainingStream(shards, 4, seed=9, rank=rank, world_size=world, consumed=start)
-            for expected in seen[start:start + 6]:
-                got = next(resumed)
-                assert all(torch.equal(got[k], expected[k]) for k in expected)
-    # Epochs reshuffle the shard order.
-    stream = PretrainingStream(shards, 4, seed=9)
-    assert len({tuple(stream.plan(e)) for e in range(6)}) > 1
+    order = PretrainingSequences(list_shards(tmp_path, "training"), seed=9)
+    whole = order.read(0, 150)  # 63 per epoch: crosses two epoch boundaries
+    for start, count in ((0, 4), (5, 17), (20, 2), (60, 9), (126, 24)):
+        part = PretrainingSequences(list_shards(tmp_path, "training"), seed=9).read(start, count)
+        assert all(torch.equal(part[k], whole[k][start:start + count]) for k in whole)
+    ids = [tuple(row.tolist()) for row in whole["input_ids"]]
+    assert sorted(ids[:63]) == sorted(ids[63:126]) and ids[:63] != ids[63:126]  # each epoch: all, reshuffled
+    assert len({tuple(order.plan(e)) for e in range(6)}) > 1
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
@@ -230,7 +271,7 @@ def test_auto_precision_picks_bf16_only_where_the_gpu_has_it_natively(monkeypatc
 def test_global_batch_not_divisible_names_the_config_key(data, tmp_path):
     with pytest.raises(UserError, match=r"config pretrain\.phase2\.global_batch_size \(48\) is not divisible by "
                                         r"pretrain\.phase2\.micro_batch_size \(16\) x world size \(2\)"):
-        accumulation_steps(48, 16, 2, "phase2")
+        accumulation_steps(48, 16, 2, "pretrain.phase2")
     with pytest.raises(UserError, match=r"pretrain\.phase1\.global_batch_size \(40\)"):
         pretrain(settings(data, tmp_path / "out", global_batch_size=40))
     assert not (tmp_path / "out" / "run").exists()
@@ -253,64 +294,102 @@ def _free_port() -> int:
     raise RuntimeError("no pair of free ports")
 
 
-def _micro_batches(data_dir, count):
-    from workflow.train.pretraining_data import PretrainingStream
-
-    stream = PretrainingStream(list_shards(data_dir, "training"), 8, seed=1)
-    return [next(stream) for _ in range(count)]
-
-
-def _ddp_worker(rank, world, port, data_dir, config_path, result_path, full_settings):
+def _rank_worker(rank, world, port, s):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    pretrain(s)
+
+
+def _choose_worker(rank, world, port, directory, results):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from workflow.train import distributed
-    from workflow.train.pretrain import build_model, train_step
-    from workflow.train.lamb import make_optimizer
+    from workflow.train.engine import choose_checkpoint
 
     env = distributed.setup("cpu")
-    torch.manual_seed(0)
-    config, model = build_model("tiny", config_path, None, 64, 32)
-    optimizer, _ = make_optimizer(model, 1e-2)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    batches = _micro_batches(data_dir, 12)
-    for step in range(3):  # 4 micro-batches per global step: rank r takes micro-batches 2r, 2r+1
-        mine = batches[4 * step + 2 * rank: 4 * step + 2 * rank + 2]
-        train_step(ddp, optimizer, mine, env.device)
-    if rank == 0:
-        torch.save(model.state_dict(), result_path)
-    torch.distributed.barrier()
+    if rank == 1:  # this rank's read fails (a flaky mount): it must not fall back to an older step on its own
+        ckpt.load_checkpoint = lambda path, map_location="cpu": (_ for _ in ()).throw(OSError("stale file handle"))
+    try:
+        choose_checkpoint(directory, env)
+        outcome = "loaded"
+    except UserError as error:
+        outcome = str(error)
+    Path(results, f"rank{rank}").write_text(outcome)
     distributed.cleanup()
-    # The whole pipeline under 2 ranks: per-rank shards, gathered RNG states, reduced metrics and evaluation.
-    os.environ["MASTER_PORT"] = str(port + 1)  # a fresh rendezvous: never race the old store's shutdown
-    pretrain(full_settings)
 
 
-def test_two_process_gloo_ddp_equals_one_process_with_the_same_global_batch(data, tmp_path):
-    from workflow.train.lamb import make_optimizer
-    from workflow.train.pretrain import build_model, train_step
+def test_when_one_rank_cannot_read_the_chosen_checkpoint_every_rank_stops(tmp_path):
+    for step in (1, 2):
+        ckpt.save_checkpoint(tmp_path / "checkpoints", step, {"step": step}, keep=3)
+    torch.multiprocessing.spawn(_choose_worker, nprocs=2, args=(2, _free_port(), tmp_path / "checkpoints", tmp_path))
+    chosen = tmp_path / "checkpoints" / "step_00000002.pt"
+    assert (tmp_path / "rank0").read_text() == f"{chosen}: 1 rank(s) cannot read the checkpoint rank 0 chose"
+    assert (tmp_path / "rank1").read_text() == f"{chosen}: 1 rank(s) cannot read the checkpoint rank 0 chose " \
+                                               "(stale file handle)"
 
-    config_path = bert_config(tmp_path / "config.json", dropout=0.0)
-    full = settings(data, tmp_path / "ddp", total_steps=4, checkpoint_every=2, log_every=2, global_batch_size=16,
-                    micro_batch_size=4)
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), data / "hdf5", config_path,
-                                                   tmp_path / "ddp.pt", full), nprocs=2)
 
-    torch.manual_seed(0)
-    _, model = build_model("tiny", config_path, None, 64, 32)
-    optimizer, _ = make_optimizer(model, 1e-2)
-    batches = _micro_batches(data / "hdf5", 12)
-    for step in range(3):
-        train_step(model, optimizer, batches[4 * step: 4 * step + 4], torch.device("cpu"))
-    distributed_state = torch.load(tmp_path / "ddp.pt", weights_only=True)
-    for name, value in model.state_dict().items():
-        assert torch.allclose(value, distributed_state[name], atol=1e-6, rtol=1e-5), name
+def test_a_run_checkpointed_on_2_ranks_continues_on_1_then_4_like_an_uninterrupted_run(data, tmp_path):
+    config_path = bert_config(tmp_path / "config.json", dropout=0.0)  # dropout masks depend on the rank layout
+    common = dict(total_steps=8, global_batch_size=16, checkpoint_every=100, log_every=1, eval_max_sequences=32,
+                  bert_config=config_path)
+    straight = settings(data, tmp_path / "straight", micro_batch_size=4, **common)
+    pretrain(straight)
 
-    summary = json.loads(Path(full.out_summary).read_text())
-    assert summary["world_size"] == 2 and summary["accumulation_steps"] == 2 and summary["steps"] == 4
-    assert summary["test_sequences"] == 256  # the test shard, evaluated once over both ranks
-    state, _ = ckpt.load_latest_checkpoint(Path(full.run_dir) / "checkpoints")
-    assert state["step"] == 4 and len(state["rng"]) == 2
+    elastic = tmp_path / "elastic"
+    torch.multiprocessing.spawn(_rank_worker, nprocs=2, args=(2, _free_port(), settings(
+        data, elastic, micro_batch_size=4, max_steps=3, **common)))
+    pretrain(settings(data, elastic, micro_batch_size=8, max_steps=6, **common))  # 1 rank, another micro-batch
+    torch.multiprocessing.spawn(_rank_worker, nprocs=4, args=(4, _free_port(), settings(
+        data, elastic, micro_batch_size=4, **common)))
+
+    state, _ = ckpt.load_latest_checkpoint(elastic / "run" / "checkpoints")
+    assert (state["step"], state["consumed"], len(state["rng"])) == (8, 8 * 16, 4)
+    _, expected = load_pretrained(straight.out_model)
+    _, got = load_pretrained(elastic / "model")
+    for name in expected:  # equal up to fp32 reduction order (gloo sums, other micro-batch splits)
+        assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
+    # Same sequences, same losses, step by step; the runs' steps 1-3, 4-6 and 7-8 came from 2, 1 and 4 ranks.
+    losses = [(m["step"], round(m["loss"], 4)) for m in read_metrics(elastic / "metrics.jsonl")]
+    assert losses == [(m["step"], round(m["loss"], 4)) for m in read_metrics(straight.out_metrics)]
+    assert [m["step"] for m in read_metrics(elastic / "metrics.jsonl")] == list(range(1, 9))
+
+
+def test_a_change_of_the_math_refuses_to_resume_and_deletes_nothing(data, tmp_path, capsys):
+    s = settings(data, tmp_path / "out", total_steps=20, max_steps=2, checkpoint_every=1, eval_max_sequences=16)
+    pretrain(s)
+    before = sorted(p.name for p in (Path(s.run_dir) / "checkpoints").iterdir())
+    changed = dataclasses.replace(s, learning_rate=2e-2, seed=8, max_steps=4, micro_batch_size=8)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, command(changed)[3:])
+    assert exit_info.value.code == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error == [f"error: {s.run_dir}: its checkpoints belong to a run with other settings "
+                     "(pretrain.phase1.learning_rate 0.03 -> 0.02; seed 7 -> 8); "
+                     f"to start over, move or delete {s.run_dir} (nothing was deleted)"]
+    assert sorted(p.name for p in (Path(s.run_dir) / "checkpoints").iterdir()) == before
+    # A change that keeps the math (micro-batch size, max_steps, cadence) resumes.
+    pretrain(dataclasses.replace(s, max_steps=4, micro_batch_size=8, log_every=2))
+    assert [m["step"] for m in read_metrics(s.out_metrics)] == [2, 4]  # log_every 10 before, 2 now
+
+
+def test_bf16_and_fp16_autocast_on_cpu_train_with_losses_close_to_fp32(data, tmp_path, monkeypatch):
+    import workflow.train.pretrain as pretrain_module
+
+    runs = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        # fp16 is refused off CUDA (no speed-up there): pretend the device allows it; the rest runs for real.
+        monkeypatch.setattr(pretrain_module, "resolve_precision", lambda chosen, device, key: chosen)
+        s = settings(data, tmp_path / precision, total_steps=20, log_every=5, precision=precision,
+                     eval_max_sequences=16)
+        summary = pretrain(s)
+        state, _ = ckpt.load_latest_checkpoint(Path(s.run_dir) / "checkpoints")
+        runs[precision] = [m["loss"] for m in read_metrics(s.out_metrics)]
+        assert summary["precision"] == precision and np.isfinite(runs[precision]).all()
+        assert bool(state["scaler"]) == (precision == "fp16")  # fp16's GradScaler state is checkpointed
+    fp32 = runs["fp32"]
+    for precision in ("bf16", "fp16"):
+        assert abs(runs[precision][0] - fp32[0]) < 0.01 * fp32[0]  # same weights and data: only rounding differs
+        assert all(abs(b - f) < 0.05 * f for b, f in zip(runs[precision], fp32)), (precision, runs[precision], fp32)
 
 
 # ---------------------------------------------------------------- launching: torchrun, srun, the rules
@@ -330,7 +409,7 @@ def test_rank_and_world_come_from_torchrun_or_from_a_slurm_step_only():
     assert launch_command(["python", "x.py"], batch) == ["srun", "--ntasks=2", "--kill-on-bad-exit=1", "python",
                                                          "x.py"]
     assert launch_command(["python", "x.py"], step) == ["python", "x.py"]
-    assert launch_command(["python", "x.py"], {}) == ["python", "x.py"]
+    assert launch_command(["python", "x.py"], {"SNAKEBERT_LOCAL_RANKS": "1"}) == ["python", "x.py"]
 
 
 def _slurm_answers() -> bool:
@@ -354,7 +433,7 @@ def test_srun_tasks_join_one_process_group_from_slurm_variables(tmp_path):
     assert lines == ["0 2 3", "1 2 3"]
 
 
-def test_snakemake_runs_phase1_then_phase2_from_phase1s_export(data, tmp_path):
+def test_snakemake_runs_phase1_then_phase2_from_phase1s_export_and_reruns_only_for_the_math(data, tmp_path):
     import shutil
 
     work = tmp_path / "work"
@@ -365,20 +444,23 @@ def test_snakemake_runs_phase1_then_phase2_from_phase1s_export(data, tmp_path):
     write_synthetic_shards(work / "data" / "hdf5_seq64", seq_length=64, max_predictions=8, sequences_per_shard=32)
     shutil.copyfile(work / "data" / "hdf5_seq32" / "vocab.txt", work / "data" / "vocab.txt")
     bert_config(work / "bert_config.json")
-    (work / "test.yaml").write_text(
-        "encode: {phase1: {max_seq_length: 32, max_predictions_per_seq: 5},"
-        " phase2: {max_seq_length: 64, max_predictions_per_seq: 8}}\n"
-        "model: {preset: tiny, bert_config: bert_config.json}\n"
-        "pretrain: {checkpoint_every: 2, log_every: 1, precision: auto, eval_max_sequences: 16,\n"
-        "  phase1: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 4, global_batch_size: 16,"
-        " micro_batch_size: 8},\n"
-        "  phase2: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 6, max_steps: 3,"
-        " global_batch_size: 8, micro_batch_size: 4}}\n")
-    result = subprocess.run(["snakemake", "--cores", "2", "--configfile", "test.yaml", "--allowed-rules",
-                             "pretrain_phase1", "pretrain_phase2", "--", "results/pretrain/phase2/model"],
-                            cwd=work, env=environment(PATH=f"{Path(sys.executable).parent}{os.pathsep}"
-                                                           f"{os.environ['PATH']}"),
-                            capture_output=True, text=True, timeout=300)
+    test_config = ("encode: {phase1: {max_seq_length: 32, max_predictions_per_seq: 5},"
+                   " phase2: {max_seq_length: 64, max_predictions_per_seq: 8}}\n"
+                   "model: {preset: tiny, bert_config: bert_config.json}\n"
+                   "pretrain: {checkpoint_every: 2, log_every: 1, precision: auto, eval_max_sequences: 16,\n"
+                   "  phase1: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 4, global_batch_size: 16,"
+                   " micro_batch_size: 8},\n"
+                   "  phase2: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 6, max_steps: 3,"
+                   " global_batch_size: 8, micro_batch_size: 4}}\n")
+    (work / "test.yaml").write_text(test_config)
+    env = environment(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+    def snakemake(*extra, configfile="test.yaml"):
+        return subprocess.run(["snakemake", "--cores", "2", "--configfile", configfile, "--allowed-rules", "pretrain",
+                               *extra, "--", "results/pretrain/phase2/model"], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    result = snakemake()
     assert result.returncode == 0, result.stderr[-3000:]
     first = json.loads((work / "results/pretrain/phase1/summary.json").read_text())
     second = json.loads((work / "results/pretrain/phase2/summary.json").read_text())
@@ -386,10 +468,22 @@ def test_snakemake_runs_phase1_then_phase2_from_phase1s_export(data, tmp_path):
     assert (second["steps"], second["seq_length"], second["total_steps"]) == (3, 64, 6)
     assert second["test_sequences"] == 16
     assert [m["step"] for m in read_metrics(work / "results/pretrain/phase2/metrics.jsonl")] == [1, 2, 3]
-    log = (work / "logs/pretrain_phase2/pretrain.log").read_text()
+    log = (work / "logs/pretrain/phase2/pretrain.log").read_text()
     assert "initialised from results/pretrain/phase1/model" in log
     assert "missing" not in log  # phase 1's export matched the model exactly: nothing missing, nothing extra
+    assert "LAMB moments carried over from results/pretrain/phase1/optimizer_state.pt" in log
     assert (work / "runs/pretrain/phase1/checkpoints/step_00000004.pt").exists()
-    # Phase 2 has its own optimizer and schedule: its checkpoints restart at step 1 with phase 2's step count.
+    # Phase 2 carries phase 1's moments but counts its own steps (schedule and bias correction restart).
     state, _ = ckpt.load_latest_checkpoint(work / "runs/pretrain/phase2/checkpoints")
     assert state["step"] == 3 and state["scheduler"]["last_epoch"] == 3
+    assert all(group["step"] == 3 for group in state["optimizer"]["param_groups"])
+
+    # Cadence and micro-batch edits change no output: nothing to do. A phase-1 learning rate reruns both phases.
+    (work / "cadence.yaml").write_text(test_config.replace("checkpoint_every: 2, log_every: 1",
+                                                           "checkpoint_every: 3, log_every: 2, keep_checkpoints: 5")
+                                       .replace("micro_batch_size: 8}", "micro_batch_size: 4}"))
+    planned = snakemake("--dry-run", configfile="cadence.yaml")
+    assert planned.returncode == 0 and "Nothing to be done" in planned.stdout + planned.stderr, planned.stdout
+    (work / "lr.yaml").write_text(test_config.replace("phase1: {learning_rate: 0.01", "phase1: {learning_rate: 0.02"))
+    planned = snakemake("--dry-run", configfile="lr.yaml")
+    assert re.search(r"^pretrain\s+2$", planned.stdout, re.MULTILINE), planned.stdout

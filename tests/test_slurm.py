@@ -25,7 +25,7 @@ WORKFLOW_FILES = ["Snakefile", "rules", "workflow", "envs", "sample", "config.ya
 CONFIG_FILES = ["sample/config.yaml", str(REPO / "tests" / "slurm" / "config.yaml")]
 DATA_RULES = {"download_wikipedia", "extract_wikipedia", "format", "shard", "vocab", "tokenize", "encode",
               "hdf5_dir"}
-PHASE_RULES = ("pretrain_phase1", "pretrain_phase2")
+PHASE_RULES = ("pretrain",)
 FAIL_AT_STEP = 6  # between the checkpoints at steps 4 and 8 (tests/slurm/config.yaml: checkpoint_every 4)
 SNAKEMAKE_TIMEOUT_S = 420
 

@@ -83,9 +83,10 @@ def test_finetuning_learns_far_above_trivial_baselines(synthetic, tmp_path):
     first_value = squad_eval.evaluate(json.loads((root / "dev.json").read_text()), first_values)["f1"]
 
     code = squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run",
-                                   metrics_path=tmp_path / "metrics.jsonl", learning_rate=1e-3, epochs=25,
-                                   batch_size=8, micro_batch_size=8, warmup_proportion=0.1, log_every=25,
-                                   device="cpu")
+                                   squad_finetune.FinetuneSettings(learning_rate=1e-3, epochs=25, batch_size=8,
+                                                                   micro_batch_size=8, warmup_proportion=0.1,
+                                                                   log_every=25),
+                                   metrics_path=tmp_path / "metrics.jsonl", device="cpu")
     assert code == 0
     trained = dev_f1(tmp_path / "model", dev_examples, dev, root / "dev.json")
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -102,7 +103,8 @@ def test_exported_model_loads_in_transformers_with_equal_logits(synthetic, tmp_p
     transformers = pytest.importorskip("transformers")
     root, _, dev = synthetic
     squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run",
-                            learning_rate=1e-3, epochs=0.1, batch_size=16, micro_batch_size=8, device="cpu")
+                            squad_finetune.FinetuneSettings(learning_rate=1e-3, epochs=0.1, batch_size=16,
+                                                            micro_batch_size=8), device="cpu")
     ours, _ = squad_finetune.load_qa_model(tmp_path / "model", require_head=True)
     ours.eval()
     theirs = transformers.BertForQuestionAnswering.from_pretrained(str(tmp_path / "model"))
@@ -118,15 +120,21 @@ def test_exported_model_loads_in_transformers_with_equal_logits(synthetic, tmp_p
     assert config["architectures"] == ["BertForQuestionAnswering"]
 
 
+def squad_config(**overrides) -> str:
+    """The config sections fine-tuning reads (seed, squad), as the rule hands them over."""
+    settings = {**vars(squad_finetune.FinetuneSettings()), **overrides}
+    return json.dumps({"seed": settings.pop("seed"), "squad": settings})
+
+
 def test_killed_finetuning_resumes_to_the_identical_model(synthetic, tmp_path, repo_env):
     root, _, _ = synthetic
 
     def command(name):
-        return [sys.executable, "-m", "workflow.squad.finetune", "--init", str(root / "init"),
+        config = squad_config(learning_rate=1e-3, epochs=1, batch_size=32, micro_batch_size=16, checkpoint_every=2,
+                              precision="fp32", log_every=1)
+        return [sys.executable, "-m", "workflow.squad.finetune", "--config", config, "--init", str(root / "init"),
                 "--features", str(root / "train.npz"), "--output", str(tmp_path / name), "--run-dir",
-                str(tmp_path / f"run-{name}"), "--learning-rate", "1e-3", "--epochs", "1", "--batch-size", "32",
-                "--micro-batch-size", "16", "--checkpoint-every", "2", "--precision", "fp32", "--log-every", "1", "--threads", "1",
-                "--metrics", str(tmp_path / f"{name}.jsonl")]
+                str(tmp_path / f"run-{name}"), "--threads", "1", "--metrics", str(tmp_path / f"{name}.jsonl")]
 
     subprocess.run(command("straight"), check=True, env=repo_env, capture_output=True)
     killed = subprocess.run(command("resumed"), env={**repo_env, "SNAKEBERT_FAIL_AT_STEP": "5"},
@@ -145,19 +153,19 @@ def test_killed_finetuning_resumes_to_the_identical_model(synthetic, tmp_path, r
 
 def test_sigterm_checkpoints_and_exits_then_a_rerun_finishes(synthetic, tmp_path, repo_env):
     root, _, _ = synthetic
-    command = [sys.executable, "-m", "workflow.squad.finetune", "--init", str(root / "init"), "--features",
-               str(root / "train.npz"), "--output", str(tmp_path / "model"), "--run-dir", str(tmp_path / "run"),
-               "--epochs", "20", "--batch-size", "8", "--micro-batch-size", "8", "--checkpoint-every", "10000",
-               "--log-every", "1", "--metrics", str(tmp_path / "metrics.jsonl"), "--threads", "1"]
+    config = squad_config(epochs=20, batch_size=8, micro_batch_size=8, checkpoint_every=10000, log_every=1)
+    command = [sys.executable, "-m", "workflow.squad.finetune", "--config", config, "--init", str(root / "init"),
+               "--features", str(root / "train.npz"), "--output", str(tmp_path / "model"), "--run-dir",
+               str(tmp_path / "run"), "--metrics", str(tmp_path / "metrics.jsonl"), "--threads", "1"]
     process = subprocess.Popen(command, env=repo_env, stderr=subprocess.PIPE, text=True)
-    partial = tmp_path / "metrics.jsonl.partial"
+    partial = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
     while not (partial.exists() and partial.read_text().count("\n") >= 3) and time.time() < deadline:
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
-    saved = sorted(p.name for p in (tmp_path / "run").glob("step_*.pt"))
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*.pt"))
     assert len(saved) == 1 and not (tmp_path / "model").exists()  # a checkpoint at the stop, no model
     stopped_at = int(saved[0][len("step_"):-len(".pt")])
     assert 3 <= stopped_at < 500
@@ -179,6 +187,44 @@ def test_learning_rate_never_exceeds_the_peak_with_a_fractional_warmup():
 
 def test_batch_size_must_split_into_micro_batches(synthetic, tmp_path):
     root, _, _ = synthetic
-    with pytest.raises(squad_finetune.UserError, match="batch_size 24 is not a multiple of micro_batch_size 16"):
+    with pytest.raises(squad_finetune.UserError, match=r"config squad\.batch_size \(24\) is not divisible by "
+                                                        r"squad\.micro_batch_size \(16\)"):
         squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run",
-                                batch_size=24, micro_batch_size=16, device="cpu")
+                                squad_finetune.FinetuneSettings(batch_size=24, micro_batch_size=16), device="cpu")
+
+
+def test_a_changed_learning_rate_refuses_to_resume_and_keeps_the_checkpoints(synthetic, tmp_path, repo_env, capsys):
+    root, _, _ = synthetic
+    config = squad_config(epochs=1, batch_size=32, micro_batch_size=16, checkpoint_every=2, learning_rate=1e-3)
+    command = [sys.executable, "-m", "workflow.squad.finetune", "--config", config, "--init", str(root / "init"),
+               "--features", str(root / "train.npz"), "--output", str(tmp_path / "model"), "--run-dir",
+               str(tmp_path / "run"), "--threads", "1"]
+    killed = subprocess.run(command, env={**repo_env, "SNAKEBERT_FAIL_AT_STEP": "3"}, capture_output=True)
+    assert killed.returncode == -9
+    changed = squad_finetune.FinetuneSettings(epochs=1, batch_size=32, micro_batch_size=8, checkpoint_every=2,
+                                              learning_rate=2e-3)
+    with pytest.raises(squad_finetune.UserError) as error:
+        squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run", changed,
+                                device="cpu")
+    assert str(error.value) == (f"{tmp_path / 'run'}: its checkpoints belong to a run with other settings "
+                                f"(squad.learning_rate 0.001 -> 0.002); to start over, move or delete "
+                                f"{tmp_path / 'run'} (nothing was deleted)")
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt")] == ["step_00000002.pt"]
+
+
+def test_a_killed_run_resumed_with_another_micro_batch_size_ends_like_an_uninterrupted_one(synthetic, tmp_path,
+                                                                                            repo_env):
+    root, _, _ = synthetic
+    recipe = dict(epochs=1, batch_size=32, checkpoint_every=2, learning_rate=1e-3, precision="fp32", log_every=1)
+    squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "straight", tmp_path / "run-straight",
+                            squad_finetune.FinetuneSettings(micro_batch_size=16, **recipe), device="cpu")
+    command = [sys.executable, "-m", "workflow.squad.finetune", "--config", squad_config(micro_batch_size=16, **recipe),
+               "--init", str(root / "init"), "--features", str(root / "train.npz"), "--output", str(tmp_path / "model"),
+               "--run-dir", str(tmp_path / "run"), "--threads", "1"]
+    assert subprocess.run(command, env={**repo_env, "SNAKEBERT_FAIL_AT_STEP": "5"}, capture_output=True).returncode == -9
+    squad_finetune.finetune(root / "init", root / "train.npz", tmp_path / "model", tmp_path / "run",
+                            squad_finetune.FinetuneSettings(micro_batch_size=8, **recipe), device="cpu")
+    expected, _ = squad_finetune.load_qa_model(tmp_path / "straight", require_head=True)
+    got, _ = squad_finetune.load_qa_model(tmp_path / "model", require_head=True)
+    for (name, want), have in zip(expected.state_dict().items(), got.state_dict().values()):
+        assert torch.allclose(have, want, atol=1e-5, rtol=1e-4), name  # fp32 sums in another order only

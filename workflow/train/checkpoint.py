@@ -3,12 +3,13 @@
 API (generic: pretraining and SQuAD fine-tuning both use it):
     save_checkpoint(directory, step, state, keep) -> Path
         torch.save(state) to `directory/step_{step:08d}.pt` atomically (temp + fsync + rename) with a sha256 sidecar,
-        then delete all but the newest `keep`. `state` must hold only tensors and plain Python values.
+        then delete all but the newest `keep` of this run (a settings change never deletes: the engine refuses). `state` must hold only tensors and plain Python values.
     load_latest_checkpoint(directory) -> (state, path) | (None, None)
         newest checkpoint that loads (weights_only=True, sha256 matches); a corrupt one -> warning, next older.
+    load_checkpoint(path) -> state      one checkpoint, verified (raises when unusable)
     rng_state() -> dict / set_rng_state(dict)   python, numpy, torch CPU and CUDA generators
     StopSignals()   context manager: SIGTERM/SIGUSR1 set `.received` (the signal number) instead of killing us;
-                    the loop checks it after each step, checkpoints, and exits with `exit_code()` (128 + signal).
+                    the engine checks it after each step, checkpoints, and returns 128 + signal as the exit code.
     fail_at_step(step)   fault injection: SIGKILL ourselves right after `step` when SNAKEBERT_FAIL_AT_STEP == step.
 """
 from __future__ import annotations
@@ -71,7 +72,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, keep: 
     return final
 
 
-def _load(path: Path, map_location) -> dict:
+def load_checkpoint(path: Path, map_location="cpu") -> dict:
+    """One checkpoint, verified against its sha256 sidecar; ValueError/OSError when unusable."""
     sidecar = path.with_name(path.name + ".sha256")
     if not sidecar.is_file():
         raise ValueError("no sha256 sidecar (the write did not finish)")
@@ -86,7 +88,7 @@ def _load(path: Path, map_location) -> dict:
 def load_latest_checkpoint(directory: str | os.PathLike, map_location="cpu") -> tuple[dict | None, Path | None]:
     for path in reversed(list_checkpoints(directory)):
         try:
-            return _load(path, map_location), path
+            return load_checkpoint(path, map_location), path
         except Exception as error:  # any failure to read means: not usable, try the previous one
             log.warning("checkpoint %s is unreadable (%s); falling back to the previous one", path, error)
     return None, None
@@ -137,9 +139,6 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False
-
-    def exit_code(self) -> int:
-        return 128 + (self.received or 0)
 
 
 def fail_at_step(step: int) -> None:

@@ -8,8 +8,11 @@ API:
     cleanup()                    destroy the process group (if any)
     all_reduce_(tensor, op="sum") in place; a no-op in a 1-process run
     broadcast_object(obj, src=0) the object from rank `src` (identity in a 1-process run)
+    barrier()                    wait for every rank (a no-op in a 1-process run)
+    local_world_size()           ranks on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's tasks per node), else 1
     `python -m workflow.train.distributed -- CMD ...`   run CMD once per Slurm task (via srun) when the batch step of a
-        Slurm job holds SLURM_NTASKS > 1, else run CMD directly (1 process, or already inside torchrun/srun).
+        Slurm job holds SLURM_NTASKS > 1; without Slurm once per visible GPU (torchrun; SNAKEBERT_LOCAL_RANKS
+        overrides the count, e.g. 2 CPU ranks in tests); else directly (1 process, or already inside torchrun/srun).
 """
 from __future__ import annotations
 
@@ -129,6 +132,20 @@ def broadcast_object(obj, src: int = 0):
     return obj
 
 
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def local_world_size(environ=os.environ) -> int:
+    if "LOCAL_WORLD_SIZE" in environ:
+        return int(environ["LOCAL_WORLD_SIZE"])
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if "SLURM_STEP_ID" in environ and per_node:  # "2(x3)" or "4,2": the first node's count
+        return int(re.match(r"\d+", per_node).group())
+    return 1
+
+
 def _job_layout(environ) -> tuple[int, int]:
     """(tasks, nodes) of the Slurm job: from the environment, else from `scontrol show job` (the Snakemake Slurm
     plugin runs a job's command with every SLURM_* variable except SLURM_JOB_ID removed)."""
@@ -151,7 +168,16 @@ def launch_command(command: list[str], environ=os.environ) -> list[str]:
         tasks, nodes = _job_layout(environ)
         spread = [f"--nodes={nodes}", f"--ntasks-per-node={tasks // nodes}"] if nodes > 1 else []
         return ["srun", f"--ntasks={tasks}", *spread, "--kill-on-bad-exit=1", *command]
-    return command
+    return command if inside_step else local_command(command, environ)
+
+
+def local_command(command: list[str], environ=os.environ) -> list[str]:
+    """Without Slurm: one rank per visible GPU (SNAKEBERT_LOCAL_RANKS overrides) through torchrun, else `command`."""
+    ranks = int(environ.get("SNAKEBERT_LOCAL_RANKS") or torch.cuda.device_count() or 1)
+    if ranks <= 1:
+        return command
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--no-python",
+            *command]
 
 
 def main(argv=None) -> None:

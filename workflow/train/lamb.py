@@ -5,7 +5,7 @@ API:
         torch optimizer (multi-tensor `torch._foreach_*` ops), same arithmetic as apex FusedLAMB
         (adam_w_mode, bias_correction, grad_averaging, use_nvlamb=False). `.last_grad_norm` = pre-clip global norm.
     param_groups(model, weight_decay=0.01)   no decay on biases and LayerNorm (NVIDIA's split)
-    make_optimizer(model, lr, weight_decay=0.01, max_grad_norm=1.0) -> (optimizer, name)
+    make_optimizer(model, lr, weight_decay=0.01, max_grad_norm=1.0, betas=(0.9, 0.999), eps=1e-6) -> (optimizer, name)
         apex FusedLAMB when apex is importable and the model is on CUDA, else Lamb.
     PolyWarmup(total_steps, warmup_proportion, degree=0.5)   callable for torch.optim.lr_scheduler.LambdaLR
     make_scheduler(optimizer, total_steps, warmup_proportion) -> LambdaLR
@@ -24,7 +24,6 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-NO_DECAY = ("bias", "gamma", "beta", "LayerNorm")
 
 
 class Lamb(Optimizer):
@@ -93,16 +92,18 @@ class Lamb(Optimizer):
 
 
 def param_groups(model: nn.Module, weight_decay: float = 0.01) -> list[dict]:
-    """Two groups: decayed weights, and biases/LayerNorm without weight decay (NVIDIA's split)."""
+    """Two groups: decayed weights, and biases/LayerNorm without weight decay (NVIDIA's split; every stage's)."""
     decay, no_decay = [], []
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        (no_decay if any(key in name for key in NO_DECAY) else decay).append(parameter)
+        exempt = name.rsplit(".", 1)[-1] in ("bias", "gamma", "beta") or "LayerNorm" in name
+        (no_decay if exempt else decay).append(parameter)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.01, max_grad_norm: float = 1.0):
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.01, max_grad_norm: float = 1.0,
+                   betas=(0.9, 0.999), eps: float = 1e-6):
     """(optimizer, name): apex FusedLAMB on CUDA when apex is importable, else the torch Lamb."""
     groups = param_groups(model, weight_decay)
     on_cuda = next(model.parameters()).is_cuda
@@ -110,10 +111,10 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.01, max_
         try:
             from apex.optimizers import FusedLAMB  # type: ignore
 
-            return FusedLAMB(groups, lr=lr, betas=(0.9, 0.999), eps=1e-6, max_grad_norm=max_grad_norm), "apex.FusedLAMB"
+            return FusedLAMB(groups, lr=lr, betas=betas, eps=eps, max_grad_norm=max_grad_norm), "apex.FusedLAMB"
         except ImportError:
             pass
-    return Lamb(groups, lr=lr, eps=1e-6, max_grad_norm=max_grad_norm), "torch.Lamb"
+    return Lamb(groups, lr=lr, betas=betas, eps=eps, max_grad_norm=max_grad_norm), "torch.Lamb"
 
 
 class PolyWarmup:

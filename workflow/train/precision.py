@@ -1,4 +1,7 @@
-"""Mixed precision shared by pretraining and SQuAD: choosing fp32/bf16/fp16 and the matching autocast."""
+"""Mixed precision shared by every training stage: choosing fp32/bf16/fp16, autocast, and fp16's GradScaler.
+
+The CUDA-only calls of training live here (and in distributed.setup): everything else runs on CPU in tests.
+"""
 import contextlib
 
 import torch
@@ -23,3 +26,8 @@ def autocast(device: torch.device, precision: str):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device.type, dtype=dtype)
+
+
+def grad_scaler(precision: str, device: torch.device):
+    """fp16's dynamic loss scaler, None for fp32/bf16 (bf16 has fp32's exponent range)."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None

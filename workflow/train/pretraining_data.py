@@ -5,10 +5,10 @@ API:
     read_shard(path) -> dict of numpy arrays
     make_batch(arrays, rows) -> dict of torch tensors: input_ids, token_type_ids, attention_mask,
         masked_lm_positions, masked_lm_labels ([B, P], -1 where no prediction), next_sentence_labels
-    PretrainingStream(shards, micro_batch_size, seed, rank, world_size, consumed=0)
-        endless iterator of micro-batches. Epoch e: shards shuffled with seed + e, rank r takes every world-th one;
-        rows shuffled within a shard; the next shard is read by a background thread. `consumed` micro-batches are
-        skipped without reading data, so resuming at a checkpoint's position is exact.
+    PretrainingSequences(shards, seed).read(start, count) -> batch
+        sequences [start, start + count) of one endless global order (epochs of shuffled shards, rows shuffled
+        within a shard) that does not depend on the number of ranks: resuming at a position is exact on any
+        number of ranks.
 """
 from __future__ import annotations
 
@@ -110,93 +110,63 @@ def make_batch(arrays: dict[str, np.ndarray], rows) -> dict[str, torch.Tensor]:
     }
 
 
-class PretrainingStream:
-    def __init__(self, shards: list[ShardInfo], micro_batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1, consumed: int = 0):
-        self.shards = shards
-        self.micro = micro_batch_size
-        self.seed = seed
-        self.rank = rank
-        self.world = world_size
-        self.consumed = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
-        self._pending: dict[int, object] = {}
-        # Position: epoch, slot in this rank's shard plan, batch offset within that shard.
-        self.epoch, self.slot, self.offset = 0, 0, 0
-        self._arrays = None
-        self._order = None
-        if not any(self._batches(s) for s in range(len(self.shards))):
-            raise UserError(f"every training shard holds fewer than micro_batch_size={micro_batch_size} sequences")
-        self._skip(consumed)
+class PretrainingSequences:
+    """Every training sequence in one global order that does not depend on the number of ranks.
 
-    def _batches(self, shard_index: int) -> int:
-        return self.shards[shard_index].n // self.micro
+    Epoch e visits the shards in a permutation seeded by (seed, e), the rows of shard s in a permutation seeded by
+    (seed, e, s); sequence i of the run is the (i mod N)-th of epoch i // N (N = all training sequences). `read`
+    returns any range, so every rank reads its own part of a step and a resumed run (on any number of ranks)
+    continues with exactly the next sequences. Shards are read whole, the next one by a background thread.
+    """
+
+    def __init__(self, shards: list[ShardInfo], seed: int, cached_shards: int = 3):
+        self.shards = shards
+        self.seed = seed
+        self.epoch_length = sum(s.n for s in shards)
+        if self.epoch_length == 0:
+            raise UserError(f"{Path(shards[0].path).parent}: the training shards hold no sequences")
+        self._cached = cached_shards
+        self._arrays: dict[int, dict] = {}   # shard index -> arrays, oldest first
+        self._pending: dict[int, object] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
 
     def plan(self, epoch: int) -> list[int]:
-        """This rank's shards (indices into `shards`) for one epoch."""
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
-        count = math.ceil(len(order) / self.world)
-        return [int(order[(i * self.world + self.rank) % len(order)]) for i in range(count)]
+        """The shards (indices into `shards`) in the order epoch `epoch` visits them."""
+        return [int(i) for i in np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))]
 
-    def _skip(self, consumed: int) -> None:
-        remaining = consumed
-        while True:
-            plan = self.plan(self.epoch)
-            per_epoch = sum(self._batches(s) for s in plan)
-            if remaining >= per_epoch and per_epoch > 0:
-                remaining -= per_epoch
-                self.epoch += 1
-                continue
-            if per_epoch == 0:  # this rank's shards are all too small this epoch
-                self.epoch += 1
-                continue
-            break
-        for self.slot, shard in enumerate(plan):
-            if remaining < self._batches(shard):
-                break
-            remaining -= self._batches(shard)
-        self.offset = remaining
-        self.consumed = consumed
+    def _rows(self, epoch: int, shard: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch, shard]).permutation(self.shards[shard].n)
 
-    def position(self) -> dict:
-        return {"epoch": self.epoch, "shard_order": self.plan(self.epoch), "slot": self.slot,
-                "offset": self.offset, "consumed": self.consumed}
-
-    def _load(self, shard: int):
-        future = self._pending.pop(shard, None)
-        arrays = future.result() if future is not None else read_shard(self.shards[shard].path)
-        return arrays
+    def _load(self, shard: int) -> dict:
+        if shard not in self._arrays:
+            future = self._pending.pop(shard, None)
+            self._arrays[shard] = future.result() if future is not None else read_shard(self.shards[shard].path)
+            while len(self._arrays) > self._cached:
+                self._arrays.pop(next(iter(self._arrays)))
+        return self._arrays[shard]
 
     def _prefetch(self, shard: int) -> None:
-        if shard not in self._pending:
+        if shard not in self._arrays and shard not in self._pending:
             self._pending[shard] = self._pool.submit(read_shard, self.shards[shard].path)
 
-    def _next_location(self, epoch: int, slot: int) -> tuple[int, int]:
-        plan = self.plan(epoch)
-        return (epoch, slot + 1) if slot + 1 < len(plan) else (epoch + 1, 0)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        while True:
-            plan = self.plan(self.epoch)
-            shard = plan[self.slot]
-            if self.offset < self._batches(shard):
-                break
-            self.epoch, self.slot = self._next_location(self.epoch, self.slot)
-            self.offset, self._arrays = 0, None
-        if self._arrays is None:
-            self._arrays = self._load(shard)
-            rng = np.random.default_rng([self.seed, self.epoch, self.slot, self.rank])
-            self._order = rng.permutation(self.shards[shard].n)
-            next_epoch, next_slot = self._next_location(self.epoch, self.slot)
-            self._prefetch(self.plan(next_epoch)[next_slot])
-        rows = np.sort(self._order[self.offset * self.micro:(self.offset + 1) * self.micro])
-        batch = make_batch(self._arrays, rows)
-        self.offset += 1
-        self.consumed += 1
-        return batch
+    def read(self, start: int, count: int) -> dict[str, torch.Tensor]:
+        """Sequences [start, start + count) of the global order as one batch."""
+        parts = []
+        while count > 0:
+            epoch, offset = divmod(start, self.epoch_length)
+            plan = self.plan(epoch)
+            for slot, shard in enumerate(plan):
+                if offset < self.shards[shard].n:
+                    break
+                offset -= self.shards[shard].n
+            take = min(count, self.shards[shard].n - offset)
+            rows = self._rows(epoch, shard)[offset:offset + take]
+            parts.append({name: values[rows] for name, values in self._load(shard).items()})
+            following = plan[slot + 1] if slot + 1 < len(plan) else self.plan(epoch + 1)[0]
+            self._prefetch(following)
+            start, count = start + take, count - take
+        arrays = {name: np.concatenate([p[name] for p in parts]) for name in SCHEMA}
+        return make_batch(arrays, slice(None))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,322 @@
+"""The training engine: one loop for pretraining, SQuAD and GLUE, which plug in a `Task` (data, head, loss).
+
+API:
+    LoopSettings        what the loop needs: batch sizes, steps, precision, cadence, run directory
+    Task                protocol: read(start, count) sequences of the task's global order, count(batch) the loss
+                        normalisers, loss(model, batch, totals), metrics(sums) for a log line
+    train(env, model, optimizer, scheduler, task, settings, fingerprint) -> Outcome
+        gradient accumulation (DDP no_sync on all but the last micro-batch), autocast, optional grad clipping,
+        metrics.jsonl in the run directory, checkpoints every `checkpoint_every` steps, resume, stop signals.
+    refuse_changes(old, new, run_dir)   UserError naming each changed key old -> new and how to start over
+    set_threads(threads)  this rank's share of the job's CPU threads
+
+Elastic resume: the data position is the number of sequences consumed. Step k reads sequences
+[k*G, (k+1)*G) of the task's global order (G = global batch size) and rank r takes the micro-batches
+r*A .. r*A+A-1 of them (A = accumulation steps), so a run checkpointed on 2 ranks continues on 1 or 4 with exactly the
+next sequences. The loss is normalised by global counts (masked tokens, sequences) summed over the whole step, so
+the gradient does not depend on how the global batch is split into ranks and micro-batches either: world size,
+micro-batch size, threads, cadence and max_steps may change between runs; a change of the math refuses to resume.
+
+Checkpoints: `run_dir/checkpoints/step_*.pt` (never deleted on a settings change; only the newest
+`keep_checkpoints` of the run are kept). Rank 0 chooses the newest valid one and every rank loads that one.
+A stop signal (SIGTERM, SIGUSR1) on any rank: every rank finishes the step, the checkpoint is written, all ranks meet
+at a barrier, and train() returns the signal's exit code.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from workflow.atomic import atomic_path
+from workflow.cli import UserError
+from workflow.train import checkpoint as ckpt
+from workflow.train import distributed
+from workflow.train.precision import autocast, grad_scaler
+from workflow.train.telemetry import GpuTelemetry
+
+log = logging.getLogger("engine")
+
+
+@dataclass
+class LoopSettings:
+    config_key: str           # e.g. "pretrain.phase1" or "squad": names keys in error messages
+    run_dir: str
+    total_steps: int          # the schedule's length
+    global_batch_size: int
+    micro_batch_size: int
+    max_steps: int | None = None   # stop early (smoke runs, benchmarks); None = total_steps
+    precision: str = "fp32"        # resolved: fp32, bf16 or fp16
+    clip_grad_norm: float | None = None  # torch clipping (AdamW); LAMB clips inside its step
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    seed: int = 12345
+    compile: bool = False
+    telemetry: bool = True
+    global_batch_key: str = "global_batch_size"  # its config name (SQuAD: batch_size)
+
+
+class Task(Protocol):
+    def read(self, start: int, count: int) -> dict:
+        """Sequences [start, start + count) of the task's global order (endless: epochs follow each other)."""
+
+    def count(self, batch: dict) -> dict:
+        """Loss normalisers of a micro-batch (e.g. masked tokens, sequences); summed over the step and all ranks."""
+
+    def loss(self, model, batch: dict, totals: dict) -> dict:
+        """"loss": this micro-batch's share of the step's loss (sums / totals); other entries: summed statistics."""
+
+    def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float, step: int) -> dict:
+        """The task's part of a metrics line from the statistics summed over a window of steps (all ranks)."""
+
+
+@dataclass
+class Outcome:
+    step: int
+    train_time_s: float
+    stopped: int | None = None    # exit code (128 + signal) when a signal stopped the run
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world: int, config_key: str,
+                       global_name: str = "global_batch_size") -> int:
+    if global_batch % (micro_batch * world):
+        raise UserError(f"config {config_key}.{global_name} ({global_batch}) is not divisible by "
+                        f"{config_key}.micro_batch_size ({micro_batch}) x world size ({world})")
+    return global_batch // (micro_batch * world)
+
+
+def set_threads(threads: int | None) -> None:
+    """Give this rank its share of the job's threads: ranks on one node must not oversubscribe its cores."""
+    if threads:
+        torch.set_num_threads(max(1, threads // distributed.local_world_size()))
+
+
+def _show(value) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def _flatten(fingerprint: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in fingerprint.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def refuse_changes(old: dict, new: dict, run_dir) -> None:
+    """One UserError naming every key whose value changed (keys the old run did not record are ignored)."""
+    old, new = _flatten(old), _flatten(new)
+    changed = [f"{key} {_show(old[key])} -> {_show(new[key])}" for key in new if key in old and old[key] != new[key]]
+    if changed:
+        raise UserError(f"{run_dir}: its checkpoints belong to a run with other settings ({'; '.join(changed)}); "
+                        f"to start over, move or delete {run_dir} (nothing was deleted)")
+
+
+def choose_checkpoint(directory: Path, env) -> tuple[dict | None, Path | None]:
+    """Rank 0 picks the newest valid checkpoint; every rank loads that same file, or all stop with an error."""
+    state, path = ckpt.load_latest_checkpoint(directory, map_location="cpu") if env.is_main else (None, None)
+    chosen = distributed.broadcast_object(str(path) if path else None)
+    if chosen is None:
+        return None, None
+    error = None
+    if not env.is_main:
+        try:
+            state, path = ckpt.load_checkpoint(Path(chosen), map_location="cpu"), Path(chosen)
+        except Exception as failure:  # any unreadable file: nobody may train on (or wait for) a diverged rank
+            error = failure
+    failed = distributed.all_reduce_(torch.tensor(float(error is not None), device=env.device))
+    if failed.item():
+        raise UserError(f"{chosen}: {int(failed.item())} rank(s) cannot read the checkpoint rank 0 chose"
+                        + (f" ({error})" if error else ""))
+    return state, path
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines past `step` (they are about to be recomputed after a resume)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    with atomic_path(path) as temporary:
+        temporary.write_text("".join(line + "\n" for line in kept))
+
+
+def _gather_rng(env) -> list:
+    state = ckpt.rng_state()
+    if not env.distributed:
+        return [state]
+    gathered = [None] * env.world_size
+    torch.distributed.all_gather_object(gathered, state)
+    return gathered
+
+
+def _restore_rng(states: list, env, seed: int, step: int) -> None:
+    if env.rank < len(states):
+        ckpt.set_rng_state(states[env.rank])
+    else:  # the run grew: a new rank draws its own stream, reproducibly
+        torch.manual_seed(hash((seed, env.rank, step)) % 2**63)
+
+
+def _stop_signal(stop, env) -> int:
+    """The signal number any rank received (0: none): every rank stops after the same step with the same code."""
+    flag = torch.tensor(float(stop.received or 0), device=env.device)
+    distributed.all_reduce_(flag, op="max")
+    return int(flag.item())
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerprint: dict) -> Outcome:
+    """Train `model` on `task` until max_steps (resuming from the run directory); see the module docstring."""
+    accumulation = accumulation_steps(s.global_batch_size, s.micro_batch_size, env.world_size, s.config_key,
+                                      s.global_batch_key)
+    max_steps = s.max_steps or s.total_steps
+    if max_steps > s.total_steps:
+        raise UserError(f"config {s.config_key}.max_steps ({max_steps}) exceeds total_steps ({s.total_steps})")
+    run_dir = Path(s.run_dir)
+    checkpoint_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
+    scaler = grad_scaler(s.precision, env.device)
+
+    step, consumed, train_time = 0, 0, 0.0
+    state, path = choose_checkpoint(checkpoint_dir, env)
+    if state is not None:
+        if "consumed" not in state:
+            raise UserError(f"{path}: written by an older snakebert (no data position in sequences); to start over, "
+                            f"move or delete {run_dir} (nothing was deleted)")
+        refuse_changes(state.get("fingerprint", {}), fingerprint, run_dir)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        step, consumed, train_time = state["step"], state["consumed"], state["train_time_s"]
+        _restore_rng(state["rng"], env, s.seed, step)
+        log.info("resumed from %s at step %d/%d (%d sequences consumed, %d ranks then, %d now)", path, step,
+                 s.total_steps, consumed, len(state["rng"]), env.world_size)
+    if env.is_main:
+        if state is None:
+            metrics_path.unlink(missing_ok=True)
+        _truncate_metrics(metrics_path, step)
+    del state
+
+    train_model = model
+    if env.distributed:
+        train_model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
+                                              else None, gradient_as_bucket_view=True)
+    if s.compile:
+        train_model = torch.compile(train_model)
+    ddp = getattr(train_model, "_orig_mod", train_model)  # under torch.compile, no_sync lives on the DDP module
+    log.info("%s: global batch %d = %d micro x %d accumulation x %d ranks, %s, steps %d/%d", s.config_key,
+             s.global_batch_size, s.micro_batch_size, accumulation, env.world_size, s.precision, max_steps,
+             s.total_steps)
+
+    def save():
+        rng = _gather_rng(env)
+        if env.is_main:
+            ckpt.save_checkpoint(checkpoint_dir, step, {
+                "step": step, "consumed": consumed, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else {},
+                "rng": rng, "train_time_s": train_time, "fingerprint": fingerprint,
+            }, s.keep_checkpoints)
+        distributed.barrier()  # no rank leaves (or exits) before the checkpoint is on disk
+
+    window, window_steps, window_start = {}, 0, time.perf_counter()
+    model.train()
+    with ckpt.StopSignals() as stop, GpuTelemetry(run_dir / "gpu_telemetry.csv",
+                                                  enabled=env.is_main and s.telemetry):
+        progress = tqdm(total=max_steps, initial=step, desc=s.config_key, disable=not env.is_main, file=sys.stderr)
+        while step < max_steps:
+            started = time.perf_counter()
+            first = consumed + env.rank * accumulation * s.micro_batch_size
+            batches = [_to_device(task.read(first + i * s.micro_batch_size, s.micro_batch_size), env.device)
+                       for i in range(accumulation)]
+            totals = _sum_counts(task, batches, env)
+            for index, batch in enumerate(batches):
+                last = index == accumulation - 1
+                sync = contextlib.nullcontext() if last or not env.distributed else ddp.no_sync()
+                with sync:
+                    with autocast(env.device, s.precision):
+                        out = task.loss(train_model, batch, totals)
+                    loss = out["loss"] * env.world_size  # DDP averages gradients over ranks; totals are global
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                for key, value in out.items():
+                    window[key] = window.get(key, 0) + value.detach().float()
+            grad_norm = _optimizer_step(model, optimizer, scaler, s.clip_grad_norm)
+            scheduler.step()
+            step += 1
+            consumed += s.global_batch_size
+            window_steps += 1
+            window["grad_norm"] = window.get("grad_norm", 0) + grad_norm
+            if step % s.log_every == 0 or step == max_steps:
+                _log_metrics(task, window, window_steps, time.perf_counter() - window_start, step, scheduler, s,
+                             env, metrics_path)
+                window, window_steps, window_start = {}, 0, time.perf_counter()
+            train_time += time.perf_counter() - started
+            progress.update(1)
+            stop_now = _stop_signal(stop, env)
+            if step % s.checkpoint_every == 0 or step == max_steps or stop_now:
+                save()
+            ckpt.fail_at_step(step)
+            if stop_now:
+                progress.close()
+                log.warning("stopped by signal at step %d; rerun to resume", step)
+                return Outcome(step, train_time, 128 + stop_now)
+        progress.close()
+    return Outcome(step, train_time)
+
+
+def _sum_counts(task: Task, batches: list, env) -> dict:
+    counts = [task.count(batch) for batch in batches]
+    keys = sorted(counts[0])
+    values = torch.stack([sum(c[k] for c in counts).double() for k in keys])
+    distributed.all_reduce_(values)
+    return {k: v.clamp(min=1).float() for k, v in zip(keys, values)}  # exact in fp32 up to 2^24
+
+
+def _optimizer_step(model, optimizer, scaler, clip: float | None) -> torch.Tensor:
+    """Unscale (fp16), clip, step; returns the pre-clip global gradient norm."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = None
+    if clip:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    elif not hasattr(optimizer, "last_grad_norm"):  # apex FusedLAMB clips inside but does not expose the norm
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    if grad_norm is None:  # LAMB's own (None when fp16's scaler skipped the step before LAMB ever ran)
+        grad_norm = optimizer.last_grad_norm if optimizer.last_grad_norm is not None else torch.tensor(float("nan"))
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.detach().float().to(next(model.parameters()).device)
+
+
+def _log_metrics(task, window, steps, elapsed, step, scheduler, s, env, path: Path) -> None:
+    keys = sorted(window)
+    values = distributed.all_reduce_(torch.stack([torch.as_tensor(window[k]).float() for k in keys]))
+    sums = dict(zip(keys, values.tolist()))
+    sequences = steps * s.global_batch_size
+    record = {"step": step, **task.metrics(sums, steps, sequences, elapsed, step), "lr": scheduler.get_last_lr()[0],
+              "grad_norm": sums["grad_norm"] / (steps * env.world_size),
+              "seq_per_s": sequences / max(elapsed, 1e-9)}
+    if env.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        log.info("step %d loss %.4f lr %.3g", step, record.get("loss", float("nan")), record["lr"])
