@@ -1,9 +1,15 @@
 """Stage vocab: validate and copy a given WordPiece vocab.txt, or train one on the training shards.
 
-The `tokenizers` WordPiece trainer is not deterministic across runs, so the rule output (data/vocab.txt) is the
-frozen artifact every later stage reads; it is never retrained behind the user's back.
+A trained vocab is a function of the shards and the settings: the same corpus gives the same file byte for byte.
+Left alone, the `tokenizers` WordPiece trainer is not (three runs, three vocabs): it numbers the `##x`
+continuation characters in the order it meets them in a hash map that Rust seeds at random, and it breaks ties
+between equally frequent merges and alphabet characters by those numbers. So the alphabet is chosen here, by
+(count, character), and handed to the trainer whole (`initial_alphabet`, `limit_alphabet`), with every `##x`
+numbered in advance, in character order, through the trainer's `special_tokens` (which it numbers first, in the
+order given). Cost: one extra pass over the shards, and a `##x` for each alphabet character.
 """
 import argparse
+import collections
 import logging
 import os
 import tempfile
@@ -60,8 +66,30 @@ def copy_vocab(source: str | os.PathLike, output: str | os.PathLike) -> int:
     return len(tokens)
 
 
-def train_vocab(shards: Sequence[str | os.PathLike], output: str | os.PathLike, size: int, lowercase: bool) -> int:
-    """Train a BERT WordPiece vocab of at most `size` tokens on text `shards`; returns the size reached."""
+def character_counts(shards: Sequence[str | os.PathLike], normalizer) -> collections.Counter:
+    """How often each character occurs in `shards` once `normalizer` has run (whitespace left out)."""
+    counts: collections.Counter = collections.Counter()
+    for shard in shards:
+        try:
+            with open(shard, encoding="utf-8") as handle:
+                while lines := handle.readlines(1 << 20):  # blocks of whole lines: normalization is per character
+                    counts.update(normalizer.normalize_str("".join(lines)))
+        except UnicodeDecodeError as error:
+            raise UserError(f"{shard}: not UTF-8 text ({error.reason} at byte {error.start} of a block)") from None
+    for char in [char for char in counts if char.isspace()]:
+        del counts[char]
+    return counts
+
+
+def choose_alphabet(counts: collections.Counter, limit: int) -> list[str]:
+    """The `limit` most frequent characters, ties broken by character, in character order."""
+    return sorted(sorted(counts, key=lambda char: (-counts[char], char))[:limit])
+
+
+def train_vocab(shards: Sequence[str | os.PathLike], output: str | os.PathLike, size: int, lowercase: bool,
+                limit_alphabet: int = 1000) -> int:
+    """Train a BERT WordPiece vocab of `size` tokens on text `shards`, the same file for the same input; returns
+    the size reached (more than `size` only if the specials and the alphabet with its `##x` alone exceed it)."""
     from tokenizers import BertWordPieceTokenizer
 
     for shard in shards:
@@ -70,12 +98,16 @@ def train_vocab(shards: Sequence[str | os.PathLike], output: str | os.PathLike, 
     if not any(Path(shard).stat().st_size for shard in shards):
         raise UserError(f"{shards[0]}: training shards are empty, nothing to train a vocab on")
     tokenizer = BertWordPieceTokenizer(lowercase=lowercase, strip_accents=lowercase, clean_text=True)
+    alphabet = choose_alphabet(character_counts(shards, tokenizer.normalizer), limit_alphabet)
     tokenizer.train(
         [str(shard) for shard in shards],
         vocab_size=size,
         min_frequency=2,
-        limit_alphabet=1000,
-        special_tokens=list(SPECIAL_TOKENS),
+        # exactly this alphabet: initial characters rank above every counted one, so the limit drops all the others
+        limit_alphabet=len(alphabet),
+        initial_alphabet=alphabet,
+        # numbered first and in this order: fixed ids for `##x`, hence a fixed order of tied merges
+        special_tokens=[*SPECIAL_TOKENS, *(f"##{char}" for char in alphabet)],
         wordpieces_prefix="##",
         show_progress=False,
     )
@@ -84,7 +116,8 @@ def train_vocab(shards: Sequence[str | os.PathLike], output: str | os.PathLike, 
         data = Path(saved).read_bytes()
     _write(output, data)
     n_tokens = len(read_vocab(output))
-    log.info("trained a WordPiece vocab of %d tokens (asked %d) on %d shard(s)", n_tokens, size, len(shards))
+    log.info("trained a WordPiece vocab of %d tokens (asked %d; alphabet %d characters) on %d shard(s)", n_tokens,
+             size, len(alphabet), len(shards))
     return n_tokens
 
 
