@@ -12,8 +12,8 @@ import pytest
 from tokenizers import BertWordPieceTokenizer
 
 from workflow.cli import UserError
-from workflow.data.vocab import (SPECIAL_TOKENS, choose_alphabet, copy_vocab, read_vocab, special_token_ids,
-                                 train_vocab)
+from workflow.data.vocab import (SPECIAL_TOKENS, character_counts, choose_alphabet, copy_vocab, read_vocab,
+                                 special_token_ids, train_vocab)
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = (
@@ -117,3 +117,17 @@ def test_alphabet_is_the_most_frequent_characters_ties_broken_by_character():
     assert choose_alphabet(counts, 3) == ["a", "b", "e"]  # of the three tied at 4, a and b (by character)
     assert choose_alphabet(collections.Counter(dict(reversed(counts.items()))), 3) == ["a", "b", "e"]
     assert choose_alphabet(counts, 10) == ["a", "b", "e", "q", "z"]
+
+
+def test_character_counts_equal_counting_the_normalized_text(tmp_path):
+    from tokenizers.normalizers import BertNormalizer
+
+    text = TEXT + "ΟΔΟΣ İstanbul ﬁne cafe\u0301 東京 Straße\x07 tab\there\n"
+    (tmp_path / "shard_0.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "shard_1.txt").write_text(text[::-1], encoding="utf-8")
+    normalizer = BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=True, lowercase=True)
+    expected = collections.Counter(char for part in (text, text[::-1]) for char in normalizer.normalize_str(part)
+                                   if not char.isspace())
+    counts = character_counts([tmp_path / "shard_0.txt", tmp_path / "shard_1.txt"], normalizer)
+    assert counts == expected
+    assert counts["σ"] == 2 and "Σ" not in counts and "é" not in counts

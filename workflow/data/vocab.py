@@ -6,7 +6,8 @@ continuation characters in the order it meets them in a hash map that Rust seeds
 between equally frequent merges and alphabet characters by those numbers. So the alphabet is chosen here, by
 (count, character), and handed to the trainer whole (`initial_alphabet`, `limit_alphabet`), with every `##x`
 numbered in advance, in character order, through the trainer's `special_tokens` (which it numbers first, in the
-order given). Cost: one extra pass over the shards, and a `##x` for each alphabet character.
+order given). Cost: one extra pass over the shards (a character histogram), and a `##x` for each alphabet
+character.
 """
 import argparse
 import collections
@@ -67,17 +68,24 @@ def copy_vocab(source: str | os.PathLike, output: str | os.PathLike) -> int:
 
 
 def character_counts(shards: Sequence[str | os.PathLike], normalizer) -> collections.Counter:
-    """How often each character occurs in `shards` once `normalizer` has run (whitespace left out)."""
-    counts: collections.Counter = collections.Counter()
+    """How often each character occurs in `shards` once `normalizer` has run (whitespace left out). The normalizer
+    must work character by character, as BertNormalizer does (clean-up, accent stripping, lowercasing)."""
+    import numpy as np
+
+    histogram = np.zeros(0x110000, dtype=np.int64)  # by code point: a C-speed pass, ~50 M characters/s
     for shard in shards:
         try:
             with open(shard, encoding="utf-8") as handle:
-                while lines := handle.readlines(1 << 20):  # blocks of whole lines: normalization is per character
-                    counts.update(normalizer.normalize_str("".join(lines)))
+                while block := handle.read(1 << 22):
+                    code_points = np.frombuffer(block.encode("utf-32-le"), dtype=np.uint32)
+                    histogram += np.bincount(code_points, minlength=len(histogram))
         except UnicodeDecodeError as error:
-            raise UserError(f"{shard}: not UTF-8 text ({error.reason} at byte {error.start} of a block)") from None
-    for char in [char for char in counts if char.isspace()]:
-        del counts[char]
+            raise UserError(f"{shard}: not UTF-8 text ({error.reason})") from None
+    counts: collections.Counter = collections.Counter()
+    for code_point in np.flatnonzero(histogram):  # each distinct character normalized once, not each occurrence
+        for char in normalizer.normalize_str(chr(code_point)):
+            if not char.isspace():
+                counts[char] += int(histogram[code_point])
     return counts
 
 
