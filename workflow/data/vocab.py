@@ -1,12 +1,13 @@
 """Stage vocab: validate and copy a given WordPiece vocab.txt, or train one on the training shards.
 
 A trained vocab is a function of the shards and the settings: the same corpus gives the same file byte for byte.
-Left alone, the `tokenizers` WordPiece trainer is not (three runs, three vocabs): it numbers the `##x`
-continuation characters in the order it meets them in a hash map that Rust seeds at random, and it breaks ties
-between equally frequent merges and alphabet characters by those numbers. So the alphabet is chosen here, by
-(count, character), and handed to the trainer whole (`initial_alphabet`, `limit_alphabet`), with every `##x`
-numbered in advance, in character order, through the trainer's `special_tokens` (which it numbers first, in the
-order given). Cost: one extra pass over the shards (a character histogram), and a `##x` for each alphabet
+Left alone, the `tokenizers` WordPiece trainer is not (three runs, three vocabs, whatever PYTHONHASHSEED or
+TOKENIZERS_PARALLELISM): it meets the words in the order of a Rust hash map, seeded at random in each process,
+numbers the `##x` continuation characters in that order and breaks ties between equally frequent merges by those
+numbers; when `limit_alphabet` cuts, equally frequent characters are dropped in hash order too. So the alphabet is
+chosen here, by (count, character), and handed to the trainer whole (`initial_alphabet`, `limit_alphabet`), with
+every `##x` numbered in advance, in character order, through the trainer's `special_tokens` (which it numbers
+first, in the order given). Cost: one extra pass over the shards (a character histogram), and a `##x` for each alphabet
 character.
 """
 import argparse
