@@ -1,5 +1,6 @@
-"""Shared pytest helpers: a scratch copy of the workflow to run Snakemake in, the official SQuAD v1.1 metric, and a
-real loopback HTTP server (with Range support and a one-shot connection cut)."""
+"""Shared pytest helpers: a scratch copy of the workflow to run Snakemake in, the official SQuAD v1.1 metric, what a
+Snakemake report embeds, and a real loopback HTTP server (with Range support and a one-shot connection cut)."""
+import base64
 import collections
 import os
 import re
@@ -42,6 +43,11 @@ def copy_workflow(destination: Path) -> Path:
 def snakemake_env(**extra: str) -> dict:
     """This environment with the test's Python first on PATH (rules call `python -m workflow...`)."""
     return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **extra}
+
+
+def embedded_in_report(html: str, path: Path) -> bool:
+    """Whether a `snakemake --report` HTML holds this file's bytes (it embeds each as a base64 data URI)."""
+    return f"filename={path.name};base64,{base64.b64encode(path.read_bytes()).decode()}" in html
 
 
 def official_squad_v11(dataset: dict, predictions: dict[str, str]) -> dict[str, float]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import copy_workflow, official_squad_v11, snakemake_env
+from tests.conftest import copy_workflow, embedded_in_report, official_squad_v11, snakemake_env
 
 CONFIG = ["--configfile", "sample/config.yaml"]
 
@@ -65,9 +65,10 @@ def test_demo_scores_its_predictions_with_the_official_metric_and_prints_the_run
     assert lines[-1] == f"Report: {root / 'report.html'}"
 
     html = (root / "report.html").read_text(errors="replace")
-    for name in ("summary.csv", "eval.json", "pretrain_loss.png", "mlm_accuracy.png", "throughput.png",
-                 "gpu_telemetry.png", "squad_finetune.png", "config.yaml"):
-        assert name in html, name
+    for path in ("results/summary.csv", "results/squad/eval.json", "results/report/pretrain_loss.png",
+                 "results/report/mlm_accuracy.png", "results/report/throughput.png", "results/report/gpu_telemetry.png",
+                 "results/report/squad_finetune.png", "results/report/config.yaml"):
+        assert embedded_in_report(html, root / path), path  # the run's files, byte for byte
 
 
 def test_fresh_runs_give_byte_identical_data_and_identical_phase1_weights(tmp_path):
