@@ -60,7 +60,8 @@ def official_squad_v11(dataset: dict, predictions: dict[str, str]) -> dict[str, 
         return " ".join(s.split())
 
     def f1(prediction, ground_truth):
-        prediction_tokens, ground_truth_tokens = normalize_answer(prediction).split(), normalize_answer(ground_truth).split()
+        prediction_tokens = normalize_answer(prediction).split()
+        ground_truth_tokens = normalize_answer(ground_truth).split()
         num_same = sum((collections.Counter(prediction_tokens) & collections.Counter(ground_truth_tokens)).values())
         if num_same == 0:
             return 0

@@ -57,7 +57,8 @@ def test_demo_scores_its_predictions_with_the_official_metric_and_prints_the_run
     assert (f"SQuAD v1.1 dev: EM {evaluation['exact_match']:.2f}  F1 {evaluation['f1']:.2f}  "
             f"({evaluation['total']} questions)") in lines
     for phase in ("phase1", "phase2"):
-        metrics = [json.loads(line) for line in (root / f"results/pretrain/{phase}/metrics.jsonl").read_text().splitlines()]
+        metrics_file = root / f"results/pretrain/{phase}/metrics.jsonl"
+        metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()]
         summary = json.loads((root / f"results/pretrain/{phase}/summary.json").read_text())
         assert table[(phase, "final_loss")] == f"{metrics[-1]['loss']:.6g}"
         assert table[(phase, "steps")] == str(summary["steps"]) == str(metrics[-1]["step"])

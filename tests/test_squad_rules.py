@@ -99,7 +99,8 @@ def test_squad_rules_score_the_predictions_with_the_official_metric_and_report_t
     assert (evaluation["total"], evaluation["missing"]) == (45, 0)
     assert evaluation["exact_match"] == pytest.approx(official["exact_match"], abs=1e-9)
     assert evaluation["f1"] == pytest.approx(official["f1"], abs=1e-9)
-    assert set(predictions) == {e.qas_id for e in squad_data.load_squad(workdir / "sample/squad/dev-sample.json", "1.1")}
+    assert set(predictions) == {e.qas_id for e in squad_data.load_squad(workdir / "sample/squad/dev-sample.json",
+                                                                           "1.1")}
     nbest = json.loads((workdir / "results/squad/nbest_predictions.json").read_text())
     assert all(1 <= len(entries) <= 20 and entries[0]["text"] == predictions[qid] for qid, entries in nbest.items())
     assert "fine-tuned model" in (workdir / "logs/squad_finetune/finetune.log").read_text()
