@@ -1,7 +1,12 @@
-"""Shared pytest fixtures: a real loopback HTTP server (with Range support and a one-shot connection cut)."""
+"""Shared pytest helpers: a scratch copy of the workflow to run Snakemake in, the official SQuAD v1.1 metric, what a
+Snakemake report embeds, and a real loopback HTTP server (with Range support and a one-shot connection cut)."""
+import base64
+import collections
 import os
 import re
+import shutil
 import socket
+import string
 import sys
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -13,6 +18,68 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+# The workflow's sources: what a user's checkout holds before any run (`slurm` is the bare-name profile link).
+WORKFLOW_TREE = ("Snakefile", "config.yaml", "config.schema.yaml", "rules", "envs", "workflow", "profiles", "report",
+                 "sample", "slurm")
+
+
+def copy_workflow(destination: Path) -> Path:
+    """Copy the workflow's sources to `destination` and return it: tests run Snakemake there, never in the checkout,
+    whose data/, results/, runs/, logs/ and .snakemake/ (a finished `make demo`, say) would change what it plans."""
+    destination = Path(destination)
+    destination.mkdir(parents=True, exist_ok=True)
+    for name in WORKFLOW_TREE:
+        source = REPO / name
+        if source.is_symlink():
+            (destination / name).symlink_to(os.readlink(source))
+        elif source.is_dir():
+            shutil.copytree(source, destination / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, destination / name)
+    return destination
+
+
+def snakemake_env(**extra: str) -> dict:
+    """This environment with the test's Python first on PATH (rules call `python -m workflow...`)."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **extra}
+
+
+def embedded_in_report(html: str, path: Path) -> bool:
+    """Whether a `snakemake --report` HTML holds this file's bytes (it embeds each as a base64 data URI)."""
+    return f"filename={path.name};base64,{base64.b64encode(path.read_bytes()).decode()}" in html
+
+
+def official_squad_v11(dataset: dict, predictions: dict[str, str]) -> dict[str, float]:
+    """EM and F1 as the official evaluate-v1.1.py computes them (its functions, restated): a reference that shares
+    no code with workflow.squad.evaluate."""
+    def normalize_answer(s):
+        s = s.lower()
+        s = "".join(ch for ch in s if ch not in set(string.punctuation))
+        s = re.sub(r"\b(a|an|the)\b", " ", s)
+        return " ".join(s.split())
+
+    def f1(prediction, ground_truth):
+        prediction_tokens = normalize_answer(prediction).split()
+        ground_truth_tokens = normalize_answer(ground_truth).split()
+        num_same = sum((collections.Counter(prediction_tokens) & collections.Counter(ground_truth_tokens)).values())
+        if num_same == 0:
+            return 0
+        precision, recall = num_same / len(prediction_tokens), num_same / len(ground_truth_tokens)
+        return (2 * precision * recall) / (precision + recall)
+
+    exact_match = f1_total = total = 0
+    for article in dataset["data"]:
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                total += 1
+                if qa["id"] not in predictions:
+                    continue
+                truths = [answer["text"] for answer in qa["answers"]]
+                prediction = predictions[qa["id"]]
+                exact_match += max(normalize_answer(prediction) == normalize_answer(t) for t in truths)
+                f1_total += max(f1(prediction, t) for t in truths)
+    return {"exact_match": 100.0 * exact_match / total, "f1": 100.0 * f1_total / total}
 
 
 class LoopbackServer:
@@ -109,6 +176,12 @@ def http_server(tmp_path):
     yield start
     for server in servers:
         server.close()
+
+
+@pytest.fixture
+def workflow_copy(tmp_path):
+    """A scratch copy of the workflow (see copy_workflow) under this test's tmp_path."""
+    return copy_workflow(tmp_path / "workflow")
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,12 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import copy_workflow
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return copy_workflow(tmp_path_factory.mktemp("config"))
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -27,19 +32,19 @@ from tests.conftest import REPO
      "config key 'squad.batch_size': 24 is not a multiple of squad.micro_batch_size (16)"),
     ("squad: {weight_decay: -1}", "config key 'squad.weight_decay': -1 is less than the minimum of 0"),
 ])
-def test_bad_config_is_one_line_naming_the_key_and_plans_nothing(override, message, tmp_path):
+def test_bad_config_is_one_line_naming_the_key_and_plans_nothing(override, message, tmp_path, workdir):
     configfile = tmp_path / "bad.yaml"
     configfile.write_text(override + "\n")
     result = subprocess.run([sys.executable, "-m", "snakemake", "-n", "data/hdf5_seq128", "--configfile",
-                             str(configfile)], cwd=REPO, capture_output=True, text=True)
+                             str(configfile)], cwd=workdir, capture_output=True, text=True)
     output = result.stdout + result.stderr
     assert result.returncode == 1
     assert message in output.splitlines()
     assert "Job stats" not in output
 
 
-def test_shipped_configs_are_valid_and_defaults_are_filled():
+def test_shipped_configs_are_valid_and_defaults_are_filled(workdir):
     result = subprocess.run([sys.executable, "-m", "snakemake", "-n", "all", "--configfile", "sample/config.yaml"],
-                            cwd=REPO, capture_output=True, text=True)
+                            cwd=workdir, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert re.search(r"^pretrain\s+2$", result.stdout, re.MULTILINE), result.stdout

@@ -1,18 +1,14 @@
 """`snakemake --lint` is clean: for the default config and for the demo config (rules differ by config)."""
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import snakemake_env
 
 
 @pytest.mark.parametrize("configfile", ["config.yaml", "sample/config.yaml"])
-def test_snakemake_lint_is_clean(configfile):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(["snakemake", "--lint", "--configfile", configfile], cwd=REPO, env=env,
+def test_snakemake_lint_is_clean(configfile, workflow_copy):
+    result = subprocess.run(["snakemake", "--lint", "--configfile", configfile], cwd=workflow_copy, env=snakemake_env(),
                             capture_output=True, text=True, timeout=120)
     report = result.stdout + result.stderr
     assert result.returncode == 0 and "Lints for" not in report, report

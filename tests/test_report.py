@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-import matplotlib.image
+import matplotlib.pyplot as plt
 import pytest
 import yaml
 
@@ -90,35 +90,67 @@ def test_training_time_integrates_steps_over_throughput(run):
     assert seconds.iloc[-1] == pytest.approx(4.0 + 10 * 1.0)
 
 
-def test_pretrain_plots_have_a_panel_per_phase(run, tmp_path):
+def _lines(axis) -> dict[str, list[float]]:
+    """What an axis plots: each line's label -> its points x0, y0, x1, y1, ..."""
+    return {line.get_label(): line.get_xydata().ravel().tolist() for line in axis.get_lines()}
+
+
+def _points(points) -> list[float]:
+    """(x, y) pairs as _lines spells them, compared to within rounding (pandas reads JSON floats fast, not exact)."""
+    return pytest.approx([value for point in points for value in point], rel=1e-12)
+
+
+def test_pretrain_figures_plot_each_phases_metrics(run):
     _, phase1, phase2, _ = run
-    outputs = {name: tmp_path / f"{name}.png" for name in ("loss", "accuracy", "throughput")}
-    report.plot_pretrain([("phase1", phase1), ("phase2", phase2)], outputs["loss"], outputs["accuracy"],
-                         outputs["throughput"])
-    loss = matplotlib.image.imread(outputs["loss"])
-    accuracy = matplotlib.image.imread(outputs["accuracy"])
-    assert loss.shape[1] > 1.5 * loss.shape[0]  # two panels side by side
-    assert accuracy.shape[0] > 200 and accuracy.std() > 0  # a drawn figure, not a blank canvas
-    single = tmp_path / "single.png"
-    report.plot_pretrain([("phase1", phase1)], single, tmp_path / "a.png", tmp_path / "t.png")
-    assert matplotlib.image.imread(single).shape[1] < 0.7 * loss.shape[1]
+    figures = report.pretrain_figures([("phase1", phase1), ("phase2", phase2)])
+    steps = {"phase1": range(5, 61, 5), "phase2": range(5, 21, 5)}
+    loss = figures["loss"].axes
+    assert [axis.get_title() for axis in loss] == ["phase1: training loss", "phase2: training loss"]
+    for axis, phase in zip(loss, steps):
+        assert _lines(axis) == {"loss": _points((s, 10 - s / 10) for s in steps[phase]),
+                                "mlm_loss": _points((s, 9 - s / 10) for s in steps[phase]),
+                                "nsp_loss": _points((s, 0.69) for s in steps[phase])}
+    (accuracy,) = figures["accuracy"].axes
+    assert _lines(accuracy) == {phase: _points((s, s / 100) for s in steps[phase]) for phase in steps}
+    # x is training time: 5 steps x batch sequences at 80 seq/s up to step 10, at 160 seq/s after
+    phase1, phase2 = figures["throughput"].axes
+    assert list(_lines(phase1).values()) == [_points([(2, 80), (4, 80)] + [(4 + i, 160) for i in range(1, 11)])]
+    assert list(_lines(phase2).values()) == [_points([(1, 80), (2, 80), (2.5, 160), (3, 160)])]
+    assert phase1.get_title() == "phase1: throughput (mean 18,773 tokens/s)"  # 128 x (2 x 80 + 10 x 160) / 12
+    single = report.pretrain_figures([("phase2", run[2])])
+    assert [axis.get_title() for axis in single["loss"].axes] == ["phase2: training loss"]
+    plt.close("all")
 
 
-def test_telemetry_plot_copes_with_no_gpu_and_draws_panels_with_one(run, tmp_path):
+def test_telemetry_figure_plots_each_gpus_readings_or_says_there_are_none(run, tmp_path):
     _, phase1, phase2, _ = run
-    without = tmp_path / "without.png"
-    report.plot_telemetry([("phase1", phase1), ("phase2", phase2)], without)
-    with_gpu = tmp_path / "with.png"
-    _phase(tmp_path / "gpu" / "phase1", 20, telemetry=True)
-    report.plot_telemetry([("phase1", tmp_path / "gpu" / "phase1"), ("phase2", phase2)], with_gpu)
-    note, panels = matplotlib.image.imread(without), matplotlib.image.imread(with_gpu)
-    assert note.shape[0] < 300 < panels.shape[0]  # a one-line note vs. four stacked panels
+    without = report.telemetry_figure([("phase1", phase1), ("phase2", phase2)])
+    assert not any(axis.get_lines() for axis in without.axes)
+    assert [text.get_text() for text in without.axes[0].texts] == [
+        "No GPU telemetry: the pretraining phases ran without a GPU."]
+    gpu_phase = _phase(tmp_path / "gpu" / "phase1", 20, telemetry=True)
+    figure = report.telemetry_figure([("phase1", gpu_phase), ("phase2", phase2)])  # only phase1 recorded any
+    assert [axis.get_ylabel() for axis in figure.axes] == [label for _, label in report.TELEMETRY_PANELS]
+    assert figure.axes[0].get_title() == "phase1: GPU telemetry"
+    power, utilisation, memory, temperature = (_lines(axis) for axis in figure.axes)
+    seconds = range(20)  # the CSV's time 1000..1019, from its first reading
+    assert power == {f"GPU {g}": _points((t, 300 + t) for t in seconds) for g in range(2)}
+    assert utilisation == {f"GPU {g}": _points((t, 90 + g) for t in seconds) for g in range(2)}
+    assert memory == {f"GPU {g}": _points((t, 50000 + t) for t in seconds) for g in range(2)}
+    assert temperature == {f"GPU {g}": _points((t, 60 + g) for t in seconds) for g in range(2)}
+    plt.close("all")
 
 
-def test_squad_plot_and_config_yaml(run, tmp_path):
+def test_squad_figure_plots_the_finetune_loss_with_the_dev_scores(run):
     _, _, _, squad = run
-    report.plot_squad(squad / "finetune_metrics.jsonl", squad / "eval.json", tmp_path / "squad.png")
-    assert matplotlib.image.imread(tmp_path / "squad.png").std() > 0
+    figure = report.squad_figure(squad / "finetune_metrics.jsonl", squad / "eval.json")
+    (axis,) = figure.axes
+    assert list(_lines(axis).values()) == [_points([(10, 0.5), (20, 0.25), (30, 5 / 30)])]
+    assert axis.get_title() == "SQuAD v1.1 fine-tuning: dev EM 12.50, F1 34.57"
+    plt.close(figure)
+
+
+def test_config_yaml_reads_back_as_the_config(tmp_path):
     config = {"seed": 1, "squad": {"version": "1.1", "init_from": None, "learning_rate": 3e-5, "big": 1e20, "tiny": 1.5e-7},
               "encode": {"phase1": {"max_seq_length": 128}}, "empty": {}}
     report.write_config(json.dumps(config), tmp_path / "config.yaml")

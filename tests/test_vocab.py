@@ -1,4 +1,7 @@
-"""Stage 5: a given vocab is validated (special tokens by name) and copied as is; otherwise one is trained."""
+"""Stage 5: a given vocab is validated (special tokens by name) and copied as is; otherwise one is trained, the same
+file for the same corpus."""
+import collections
+import hashlib
 import os
 import re
 import subprocess
@@ -9,7 +12,8 @@ import pytest
 from tokenizers import BertWordPieceTokenizer
 
 from workflow.cli import UserError
-from workflow.data.vocab import SPECIAL_TOKENS, copy_vocab, read_vocab, special_token_ids, train_vocab
+from workflow.data.vocab import (SPECIAL_TOKENS, character_counts, choose_alphabet, copy_vocab, read_vocab,
+                                 special_token_ids, train_vocab)
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = (
@@ -18,8 +22,8 @@ TEXT = (
 ) * 40
 
 
-def run_vocab(*args):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def run_vocab(*args, **env_extra):
+    env = dict(os.environ, PYTHONPATH=str(REPO), **env_extra)
     return subprocess.run([sys.executable, "-m", "workflow.data.vocab", *map(str, args)], capture_output=True, text=True, env=env)
 
 
@@ -90,3 +94,40 @@ def test_unwritable_output_is_a_clear_error(tmp_path):
     result = run_vocab("--vocab-file", source, "--output", output)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {output}: cannot write")
+
+
+def test_trained_vocab_is_the_same_file_in_fresh_processes(tmp_path, sample_dir):
+    # Real prose (the sample books) as two shards; the plain trainer gives a different file in each process.
+    for index, book in enumerate(sorted((sample_dir / "books").glob("*.txt"))):
+        (tmp_path / f"shard_{index}.txt").write_bytes(book.read_bytes())
+    digests = set()
+    for run, env in enumerate([{"PYTHONHASHSEED": "0"}, {"PYTHONHASHSEED": "1"},
+                               {"PYTHONHASHSEED": "2", "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}]):
+        output = tmp_path / f"vocab_{run}.txt"
+        result = run_vocab("--shard-dir", tmp_path, "--n-shards", 2, "--size", 1000, "--output", output, **env)
+        assert result.returncode == 0, result.stderr
+        digests.add(hashlib.sha256(output.read_bytes()).hexdigest())
+    assert len(digests) == 1
+    tokens = read_vocab(tmp_path / "vocab_0.txt")
+    assert len(tokens) == 1000 and tokens[: len(SPECIAL_TOKENS)] == list(SPECIAL_TOKENS)
+
+
+def test_alphabet_is_the_most_frequent_characters_ties_broken_by_character():
+    counts = collections.Counter({"e": 9, "z": 4, "b": 4, "a": 4, "q": 1})
+    assert choose_alphabet(counts, 3) == ["a", "b", "e"]  # of the three tied at 4, a and b (by character)
+    assert choose_alphabet(collections.Counter(dict(reversed(counts.items()))), 3) == ["a", "b", "e"]
+    assert choose_alphabet(counts, 10) == ["a", "b", "e", "q", "z"]
+
+
+def test_character_counts_equal_counting_the_normalized_text(tmp_path):
+    from tokenizers.normalizers import BertNormalizer
+
+    text = TEXT + "ΟΔΟΣ İstanbul ﬁne cafe\u0301 東京 Straße\x07 tab\there\n"
+    (tmp_path / "shard_0.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "shard_1.txt").write_text(text[::-1], encoding="utf-8")
+    normalizer = BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=True, lowercase=True)
+    expected = collections.Counter(char for part in (text, text[::-1]) for char in normalizer.normalize_str(part)
+                                   if not char.isspace())
+    counts = character_counts([tmp_path / "shard_0.txt", tmp_path / "shard_1.txt"], normalizer)
+    assert counts == expected
+    assert counts["σ"] == 2 and "Σ" not in counts and "é" not in counts

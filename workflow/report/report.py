@@ -69,8 +69,16 @@ def _phases(pairs: list[tuple[str, str]]) -> list[tuple[str, pd.DataFrame, dict]
 
 def plot_pretrain(pairs, loss_png, accuracy_png, throughput_png) -> None:
     """Loss curves (total, MLM, NSP), MLM accuracy and throughput over training time, one panel per phase."""
+    figures = pretrain_figures(pairs)
+    for name, output in (("loss", loss_png), ("accuracy", accuracy_png), ("throughput", throughput_png)):
+        _save(figures[name], output)
+
+
+def pretrain_figures(pairs) -> dict:
+    """The figures of plot_pretrain, by name ("loss", "accuracy", "throughput"), unsaved."""
     phases = _phases(pairs)
-    figure, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4), squeeze=False)
+    figures = {}
+    figures["loss"], axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4), squeeze=False)
     for axis, (phase, frame, _) in zip(axes[0], phases):
         for column, style in (("loss", "-"), ("mlm_loss", "--"), ("nsp_loss", ":")):
             if column in frame:
@@ -78,18 +86,16 @@ def plot_pretrain(pairs, loss_png, accuracy_png, throughput_png) -> None:
         axis.set(title=f"{phase}: training loss", xlabel="step", ylabel="loss")
         axis.legend()
         axis.grid(alpha=0.3)
-    _save(figure, loss_png)
 
-    figure, axis = plt.subplots(figsize=(7, 4))
+    figures["accuracy"], axis = plt.subplots(figsize=(7, 4))
     for phase, frame, _ in phases:
         if "mlm_accuracy" in frame:
             axis.plot(frame["step"], frame["mlm_accuracy"], label=phase)
     axis.set(title="masked-LM accuracy (training batches)", xlabel="step", ylabel="accuracy")
     axis.legend()
     axis.grid(alpha=0.3)
-    _save(figure, accuracy_png)
 
-    figure, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4), squeeze=False)
+    figures["throughput"], axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4), squeeze=False)
     for axis, (phase, frame, summary) in zip(axes[0], phases):
         batch = summary.get("global_batch_size")
         x = training_time(frame, batch) if batch else frame["step"]
@@ -100,11 +106,16 @@ def plot_pretrain(pairs, loss_png, accuracy_png, throughput_png) -> None:
         axis.set(title=title, xlabel="training time (s)" if batch else "step", ylabel="sequences / s")
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
-    _save(figure, throughput_png)
+    return figures
 
 
 def plot_telemetry(pairs, output) -> None:
     """Power, utilisation, memory and temperature of every GPU over time; a note when no phase recorded any."""
+    _save(telemetry_figure(pairs), output)
+
+
+def telemetry_figure(pairs):
+    """The figure of plot_telemetry, unsaved: a row per quantity, a column per phase that recorded telemetry."""
     frames = []
     for phase, directory in pairs:
         path = Path(directory) / "gpu_telemetry.csv"
@@ -118,8 +129,7 @@ def plot_telemetry(pairs, output) -> None:
         axis.axis("off")
         axis.text(0.5, 0.5, "No GPU telemetry: the pretraining phases ran without a GPU.", ha="center",
                   va="center", fontsize=12)
-        _save(figure, output)
-        return
+        return figure
     figure, axes = plt.subplots(len(TELEMETRY_PANELS), len(frames), figsize=(6 * len(frames), 2.6 * 4),
                                 squeeze=False, sharex="col")
     for column, frame in enumerate(frames):
@@ -135,11 +145,16 @@ def plot_telemetry(pairs, output) -> None:
         axes[-1][column].set_xlabel("time (s)")
         if frame["gpu"].nunique() <= 8:
             axes[0][column].legend(fontsize=7)
-    _save(figure, output)
+    return figure
 
 
 def plot_squad(metrics, eval_json, output) -> None:
     """Fine-tuning loss over steps, with the dev EM/F1 in the title."""
+    _save(squad_figure(metrics, eval_json), output)
+
+
+def squad_figure(metrics, eval_json):
+    """The figure of plot_squad, unsaved."""
     frame = read_metrics(metrics)
     result = json.loads(Path(eval_json).read_text(encoding="utf-8"))
     figure, axis = plt.subplots(figsize=(7, 4))
@@ -147,7 +162,7 @@ def plot_squad(metrics, eval_json, output) -> None:
     axis.set(title=f"SQuAD v{result.get('version', '1.1')} fine-tuning: dev EM {result['exact_match']:.2f}, "
                    f"F1 {result['f1']:.2f}", xlabel="step", ylabel="loss (start/end cross-entropy)")
     axis.grid(alpha=0.3)
-    _save(figure, output)
+    return figure
 
 
 def _to_yaml(value, indent=0) -> str:
