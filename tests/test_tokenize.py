@@ -10,6 +10,7 @@ import pytest
 from transformers import BertTokenizer
 
 from benchmarks import google_reference
+from workflow.data import tokenize
 from workflow.data.tokenize import WordCache, bert_tokenizer, load_tokenized, tokenize_shard
 from workflow.data.vocab import train_vocab
 
@@ -122,7 +123,8 @@ def adversarial_vocab(tmp_path_factory):
 
 
 @pytest.mark.parametrize("lowercase", [True, False])
-def test_word_cache_ids_equal_encode_batch_on_adversarial_text(adversarial_vocab, lowercase):
+def test_word_cache_ids_equal_encode_batch_on_adversarial_text(adversarial_vocab, lowercase, monkeypatch):
+    monkeypatch.setattr(tokenize, "WORDS_PER_SEQUENCE", 7)  # unseen words span several encode_batch sequences
     tokenizer, _ = bert_tokenizer(adversarial_vocab, lowercase)
     rng = random.Random(0)
     cache = WordCache(tokenizer, np.uint16, max_words=64)  # small: the bound's eviction runs many times
