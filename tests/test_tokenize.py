@@ -141,7 +141,7 @@ def test_word_cache_ids_equal_encode_batch_on_adversarial_text(adversarial_vocab
 
 
 def test_word_cache_splits_only_where_bert_sees_a_space(adversarial_vocab):
-    """Python's str.split() splits at \\x1c-\\x1f, \\x0b, \\x0c, \\x85; BERT deletes them, joining the words around them."""
+    """Python's str.split() splits at \\x1c-\\x1f, \\x0b, \\x0c, \\x85; BERT deletes them, joining their neighbours."""
     tokenizer, _ = bert_tokenizer(adversarial_vocab, True)
     joined, apart = "the\x1criver\x0band\x85of", "theriverandof"
     cache = WordCache(tokenizer, np.uint16)

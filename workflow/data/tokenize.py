@@ -131,7 +131,7 @@ class WordCache:
         self.ids = self.ids[: int(self.starts[-1] + self.lengths[-1]) if keep else 0]
 
 
-def tokenize_lines(tokenizer, lines: Sequence[str], dtype, max_words: int = CACHE_WORDS) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_lines(tokenizer, lines: Sequence[str], dtype, max_words: int = CACHE_WORDS) -> tuple[np.ndarray, ...]:
     """Token ids of every line, flat, and the per-line token counts."""
     cache = WordCache(tokenizer, dtype, max_words)
     pieces: list[np.ndarray] = []
