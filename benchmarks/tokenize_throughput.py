@@ -5,15 +5,15 @@
 Text: Wikipedia articles of sample/ through the real extract and format stages, repeated to --mb MB (documents
 shuffled). The sample holds only ~2,500 distinct words, so repeated it flatters the stage's word cache; a real
 shard keeps meeting new words (Heaps' law: text8, 17 M words of Wikipedia, has 254 k distinct lowercased words;
-whitespace chunks keep case and punctuation, several times more). So each side also runs on a second text: the
-same, with --novel of its space-separated chunks (those of 6+ characters, drawn at random) letters shuffled, i.e.
-new words at a steady rate. The output says how many chunks the stage met for the first time.
+whitespace chunks keep case and punctuation, several times more: some 5-10% of a ~13 M-chunk shard's chunks are
+first seen). So each side also runs on a second text: the same with --novel of its space-separated chunks (of 6+
+characters, drawn at random) letters shuffled, i.e. new words at a steady rate. The output says how many chunks the
+stage met for the first time.
 Vocab: --vocab, else one trained on the text. Both sides on both texts in this one run, CPU time of this process,
 best of three (the machine may be shared); the stage's peak RSS from its own process (wait4).
 """
 import argparse
 import os
-import random
 import sys
 import tempfile
 import time
@@ -24,18 +24,7 @@ import numpy as np
 os.environ.setdefault("RAYON_NUM_THREADS", "1")  # the issue's figures are one core
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wikipedia_sample import real_text, run_stage  # noqa: E402
-
-def with_novel_words(text: str, fraction: float, seed: int = 0) -> str:
-    """`text` with about `fraction` of its space-separated chunks made new by shuffling their letters."""
-    rng = random.Random(seed)
-    chunks = text.split(" ")
-    long = [i for i, chunk in enumerate(chunks) if len(chunk) >= 6 and "\n" not in chunk]
-    for i in rng.sample(long, min(len(long), round(fraction * len(chunks)))):
-        letters = list(chunks[i])
-        rng.shuffle(letters)
-        chunks[i] = "".join(letters)
-    return " ".join(chunks)
+from wikipedia_sample import real_text, run_stage, with_novel_words  # noqa: E402
 
 
 def raw_tokens(tokenizer, lines) -> int:
