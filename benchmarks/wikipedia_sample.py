@@ -4,6 +4,8 @@
   (articles, redirects, templates, as exported), repeated with fresh page ids; bz2 like the real dump.
 - real_text: Wikipedia text in shard format (one sentence per line, blank line between documents) of about N MB,
   made by the real extract and format stages from that sample, documents repeated in a shuffled order.
+- with_novel_words: that text with a fraction of its words made new (letters shuffled), as a real shard keeps
+  meeting new words while the repeated sample does not.
 - run_stage: one command in its own process; wall seconds, CPU seconds (its own and its waited-for children's,
   e.g. wikiextractor's workers) and peak RSS from wait4's rusage.
 """
@@ -88,3 +90,15 @@ def real_text(megabytes: float, output: Path, seed: int = 0) -> Path:
                 break
     output.write_text("\n".join(out), encoding="utf-8")
     return output
+
+
+def with_novel_words(text: str, fraction: float, seed: int = 0) -> str:
+    """`text` with about `fraction` of its space-separated chunks made new by shuffling their letters."""
+    rng = random.Random(seed)
+    chunks = text.split(" ")
+    long = [i for i, chunk in enumerate(chunks) if len(chunk) >= 6 and "\n" not in chunk]
+    for i in rng.sample(long, min(len(long), round(fraction * len(chunks)))):
+        letters = list(chunks[i])
+        rng.shuffle(letters)
+        chunks[i] = "".join(letters)
+    return " ".join(chunks)

@@ -1,5 +1,6 @@
 """Stage 6: each shard tokenized once into flat ids + sentence/document offsets, equal to BERT's reference tokenizer."""
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,8 @@ import pytest
 from transformers import BertTokenizer
 
 from benchmarks import google_reference
-from workflow.data.tokenize import load_tokenized, tokenize_shard
+from workflow.data import tokenize
+from workflow.data.tokenize import WordCache, bert_tokenizer, load_tokenized, tokenize_shard
 from workflow.data.vocab import train_vocab
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,3 +92,72 @@ def test_non_utf8_shard_is_an_error_naming_the_line(tokenized, tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {text}:3: not UTF-8")
     assert not output.exists()
+
+
+# Pieces of adversarial text: what BERT's normaliser deletes, turns into a space, decomposes or isolates.
+ADVERSARIAL = [
+    "Café", "cafe\u0301", "a\u0316\u0301\u0308o", "\u0301", "\u0327\u0301", "Ångström", "İstanbul", "STRASSE", "straße",
+    "ﬁne", "Ⅻ", "ǅemal", "\u200b", "\u200c", "\u200d", "\ufeff", "\x00", "\x01", "\x7f", "\x0b", "\x0c", "\x1c",
+    "\x1d", "\x1e", "\x1f", "\x85", "\ufffd", "\t", "\r", "\xa0", "\u1680", "\u2000", "\u2009", "\u2028", "\u2029",
+    "\u202f", "\u205f", "\u3000", "中文", "日本語", "한국어", "カタカナ", "𠀀", "😀", "...", "--", "—", "«»", "(1871).",
+    "$5", "^_^", "e.g.", "U.S.", "3.14", "x" * 99, "y" * 100, "z" * 101, "é" * 100, "e\u0301" * 100, "中" * 120,
+    "the", "of", "and", "river", "Zürich,", "naïve", "résumé", "",
+]
+
+
+def adversarial_lines(rng: random.Random, n: int) -> list[str]:
+    """Random sentences of adversarial pieces, glued together or separated by single, double or no spaces."""
+    lines = []
+    for _ in range(n):
+        parts = rng.choices(ADVERSARIAL, k=rng.randint(0, 12))
+        lines.append("".join(part + rng.choice(["", "", " ", "  "]) for part in parts))
+    return lines
+
+
+@pytest.fixture(scope="module")
+def adversarial_vocab(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("adversarial")
+    (directory / "train.txt").write_text("\n".join(adversarial_lines(random.Random(1), 400)), encoding="utf-8")
+    train_vocab([directory / "train.txt"], directory / "vocab.txt", size=300, lowercase=True)
+    return directory / "vocab.txt"
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_word_cache_ids_equal_encode_batch_on_adversarial_text(adversarial_vocab, lowercase, monkeypatch):
+    monkeypatch.setattr(tokenize, "WORDS_PER_SEQUENCE", 7)  # unseen words span several encode_batch sequences
+    tokenizer, _ = bert_tokenizer(adversarial_vocab, lowercase)
+    rng = random.Random(0)
+    cache = WordCache(tokenizer, np.uint16, max_words=64)  # small: the bound's eviction runs many times
+    for _ in range(40):
+        lines = adversarial_lines(rng, 100)
+        expected = [encoding.ids for encoding in tokenizer.encode_batch(lines, add_special_tokens=False)]
+        ids, lengths = cache.encode(lines)
+        assert lengths.tolist() == [len(line_ids) for line_ids in expected]
+        assert ids.tolist() == [i for line_ids in expected for i in line_ids]
+        assert len(cache.index) <= 64 + len(set(" ".join(lines).split(" ")))
+    assert 0 < cache.misses < cache.chunks  # both the cache and the tokenizer produced ids
+    unknown = tokenizer.token_to_id("[UNK]")
+    assert cache.encode(["x" * 101 + " " + "x" * 100])[0].tolist()[0] == unknown  # > 100 characters: [UNK]
+
+
+def test_word_cache_splits_only_where_bert_sees_a_space(adversarial_vocab):
+    """Python's str.split() splits at \\x1c-\\x1f, \\x0b, \\x0c, \\x85; BERT deletes them, joining their neighbours."""
+    tokenizer, _ = bert_tokenizer(adversarial_vocab, True)
+    joined, apart = "the\x1criver\x0band\x85of", "theriverandof"
+    cache = WordCache(tokenizer, np.uint16)
+    assert cache.encode([joined])[0].tolist() == tokenizer.encode(apart, add_special_tokens=False).ids
+    assert cache.encode([joined])[0].tolist() != tokenizer.encode("the river and of", add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("reference", [python_wordpiece, transformers_bert_tokenizer])
+def test_shard_of_adversarial_text_equals_the_reference_bert_tokenizer(adversarial_vocab, tmp_path, reference):
+    lines = [line for line in adversarial_lines(random.Random(2), 300) if line.strip()]
+    text = tmp_path / "shard_0.txt"
+    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tokenize_shard(text, adversarial_vocab, tmp_path / "shard_0.npz")
+    ids, sentence_offsets, _ = load_tokenized(tmp_path / "shard_0.npz")
+    sentences = [ids[s:e].tolist() for s, e in zip(sentence_offsets[:-1], sentence_offsets[1:])]
+    encode = reference(adversarial_vocab)
+    with open(text, encoding="utf-8") as handle:  # as Google's reader: universal newlines (\r ends a line too)
+        expected = [ids for ids in (encode(line.strip()) for line in handle) if ids]
+    assert sentences == expected
