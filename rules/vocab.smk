@@ -1,5 +1,6 @@
-# Stage 5: the WordPiece vocab every later stage reads. data/vocab.txt is the frozen artifact: the tokenizers
-# trainer is not deterministic across runs, so it is trained once and kept.
+# Stage 5: the WordPiece vocab every later stage reads: a given vocab.file copied, or one trained on the first
+# vocab.training_shards training shards (default 32 of 256: ~12% of the corpus), the same file for the same shards
+# whatever the threads (workflow/data/vocab.py fixes the alphabet and the `##x` numbering).
 
 
 if config["vocab"]["file"]:
@@ -29,9 +30,10 @@ else:
             n_shards=len(vocab_shard_indices()),
         log:
             "logs/vocab/vocab.log",
+        threads: 16  # the trainer's word counting scales with threads; every later stage waits for it
         conda:
             "../envs/data.yaml"
         shell:
             # The shard directory, not {input}: thousands of paths would overflow one shell argument.
             "python -m workflow.data.vocab --shard-dir data/shards/training --n-shards {params.n_shards}"
-            " --size {params.size} {params.lowercase} --output {output} 2> {log}"
+            " --size {params.size} {params.lowercase} --threads {threads} --output {output} 2> {log}"
