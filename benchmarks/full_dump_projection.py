@@ -1,27 +1,36 @@
 """Benchmark: every data stage's per-core rate on a replicated real-shaped dump, projected to full English Wikipedia.
 
-    python benchmarks/full_dump_projection.py [--mb 40] [--nodes 1 8] [--cores-per-node 128]
+    python benchmarks/full_dump_projection.py [--mb 40] [--novel 0.07] [--nodes 1 8] [--cores-per-node 128]
 
-Builds a bz2 dump of --mb MB of XML from sample/enwiki-sample-pages-articles.xml's pages (up to GBs), then runs
-each stage as the DAG does, one process each, on one core (processes/threads 1): extract (real wikiextractor),
-format, shard (256 + 256), vocab (trained, twice: fixed cost + per-MB), tokenize and encode (seq 128 and 512) on
-the whole text, and hdf5_dir's checksumming. Rates are per CPU second (the process and its children, from
-wait4), so a shared machine slows the wall clock more than the figures.
+Measures: builds a bz2 dump of --mb MB of XML from sample/enwiki-sample-pages-articles.xml's pages, then runs each
+stage's real command as its rule does, one process each, on one core: wikipedia_templates (the part's template
+pages), extract_wikipedia (real wikiextractor, --templates), punkt (ONE model for all parts), format (with that
+model), shard (pass 1 timed apart: it runs in parallel over the parts), vocab (trained at two sizes: fixed cost +
+per MB, and word counting apart from merging; also at 2 threads against 1 thread on the same input, whose files
+must be equal), tokenize and encode (seq 128 and 512) and hdf5_dir's checksumming. Text from format on is given
+--novel of its words new (benchmarks/wikipedia_sample.py with_novel_words), as a real shard keeps meeting new words
+while the repeated sample does not. Rates are per CPU second (the process and its children, from wait4), so a
+shared machine slows the wall clock more than the figures.
 
-The projection scales each stage's work to the full dump (FULL below), splits it over the DAG's jobs (one per
-dump part for extract/format, one streaming shard pass, one job per shard for tokenize/encode) with the threads
-its rule declares (rules/*.smk `threads:`), runs floor(cores / threads) jobs at a time per node, and adds the
-stages up (a stage waits for the one before: an upper bound, as Snakemake overlaps parts of neighbouring stages).
-Serial parts are modelled where the code has them: wikiextractor's single mapper process reads (and bz2-
-decompresses) the dump twice, template pass then page pass, whatever --processes; format trains Punkt on its
-input's first 20 M characters before splitting in parallel.
+Projects: each stage's work scaled to the full dump (FULL below), split into the DAG's jobs (per dump part:
+templates, extract, format; one punkt; one shard with its threads; one vocab with its threads; per shard: tokenize;
+per shard and phase: encode; per phase: hdf5_dir), each job's threads read from its rule in rules/*.smk, each job
+paying its measured process startup. The jobs are then scheduled as Snakemake would on N nodes x C cores, each
+job taking `threads` cores of one node as soon as its inputs exist: every part's extract waits for the templates
+of ALL parts, punkt for every extract, format for punkt, shard for every format, vocab for shard, tokenize for
+vocab, while each shard's encode follows its own tokenize (pipelined) and hdf5_dir waits for its phase's encodes.
+The wall time is that schedule's end. Serial parts are modelled where the code has them: wikiextractor's one mapper
+process reads (and bz2-decompresses) its part, whatever --processes; shard's pass 2 streams in corpus order; the
+vocab trainer's merges are counted as serial (its word counting scales with threads).
 """
 import argparse
+import bz2
 import hashlib
-import json
+import heapq
 import math
 import pickle
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -31,109 +40,174 @@ import h5py
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wikipedia_sample import ROOT, SAMPLE_XML, replicate_dump, run_stage  # noqa: E402
+from wikipedia_sample import ROOT, SAMPLE_XML, replicate_dump, run_stage, with_novel_words  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
 
 PYTHON = sys.executable
 FULL = {  # the full English Wikipedia dump the projection is for
     "bz2_gb": 22, "xml_gb": 95, "articles": 6.8e6, "tokens": 4.0e9, "dump_parts": 60,
     "n_training_shards": 256, "n_test_shards": 256, "vocab_training_shards": 32, "test_fraction": 0.1,
+    "punkt_chars": 20_000_000,
 }
 TARGET_HOURS = 0.25
-VOCAB_RUNS = (16, 128)  # training shards the vocab is trained on, twice: a fixed cost and a cost per MB
 PREDICTIONS = {128: 20, 512: 80}
-# The rule of each stage in rules/*.smk (its `threads:` is read from there) and its job count on the full DAG.
-RULES = {"extract": "extract_wikipedia", "format": "format", "shard": "shard", "vocab": "vocab",
-         "tokenize": "tokenize", "encode": "encode", "hdf5_dir": "hdf5_dir"}
+# The rule behind each stage (its `threads:` is read from rules/*.smk).
+RULES = {"templates": "wikipedia_templates", "extract": "extract_wikipedia", "punkt": "punkt", "format": "format",
+         "shard": "shard", "vocab": "vocab", "tokenize": "tokenize", "encode": "encode", "hdf5_dir": "hdf5_dir"}
 # What would bring a held-back stage down (printed with the figures that show it).
 FIXES = {
-    "extract": "Would: more, smaller parts (the multistream index cuts the dump at any page boundary), or one "
-               "parallel decompression (lbzip2) to plain XML that wikiextractor reads without bz2.",
-    "format": "Would: Punkt trained once on the first part (or a supplied format.punkt_model) instead of per job.",
-    "shard": "Would: shards written in parallel, e.g. each part's documents assigned by a deterministic hash and "
-             "each shard concatenated by its own job.",
-    "vocab": "Would: a given vocab.file (Google's, as NVIDIA uses), or the trainer's threads from `threads:`.",
+    "templates": "Would: one pass per part for templates and articles (the part is decompressed twice now).",
+    "extract": "Would: a faster extractor per core (wikiextractor's template expansion and cleaning in Python "
+               "are the cost), or more nodes; per job, wikiextractor's one mapper caps it beyond its cap/threads.",
+    "punkt": "Would: a supplied format.punkt_model (no training), or training on fewer characters.",
+    "shard": "Would: pass 2 written in parallel, e.g. each part's documents appended to their shards by one job "
+             "per part, then concatenated per shard in part order.",
+    "vocab": "Would: a given vocab.file (Google's, as NVIDIA uses), fewer vocab.training_shards, or more threads.",
 }
-# The wikiextractor mapper's own work, as process_dump does it: skip siteinfo, the template pass over the whole
-# input, then the page pass, each page pickled onto the job queue.
+# The wikiextractor mapper's own work, as process_dump does it with --templates: skip siteinfo, load the template
+# file, then one pass over the part's pages, each page pickled onto the job queue.
 MAPPER = """
 import pickle, sys
 from wikiextractor import WikiExtractor as W
-dump = sys.argv[1]
+dump, templates = sys.argv[1:3]
 pages = W.decode_open(dump)
 for line in pages:
     if '</siteinfo>' in line:
         break
-templates, redirects, pages, _ = W.load_and_compact_templates(None, dump, pages)
+templates, redirects, pages, _ = W.load_and_compact_templates(templates, dump, pages)
 with templates, redirects:
     for page in W.collect_pages(pages):
         pickle.dumps(page)
 """
-PUNKT = """
+SHARD_PASS1 = """
 import sys
-from workflow.data.format import read_documents, train_punkt
 from pathlib import Path
-train_punkt(read_documents(Path(sys.argv[1])), int(sys.argv[2]))
+from workflow.data.shard import measure
+measure([Path(p) for p in sys.argv[1:]], "sentences", 1)
 """
 
 
 def rule_threads(rule: str) -> int:
-    """`threads:` of `rule` in rules/*.smk (1 when the rule declares none, as Snakemake does)."""
+    """`threads:` of `rule` in rules/*.smk (1 when the rule declares none, as Snakemake does); of a rule defined
+    in two branches (vocab: copied or trained), the larger."""
+    found = []
     for path in sorted((ROOT / "rules").glob("*.smk")):
         text = path.read_text()
-        for match in re.finditer(rf"^\s*rule {rule}:\n(.*?)(?=^\s*rule \w+:|\Z)", text, re.M | re.S):
-            threads = re.search(r"^\s*threads:\s*(\d+)\s*$", match.group(1), re.M)
-            return int(threads.group(1)) if threads else 1
-    raise SystemExit(f"rule {rule} not found in rules/*.smk")
+        for match in re.finditer(rf"^\s*rule {rule}:\n(.*?)(?=^\s*rule \w+:|^\S|\Z)", text, re.M | re.S):
+            threads = re.search(r"^\s*threads:\s*(\d+)\b", match.group(1), re.M)
+            found.append(int(threads.group(1)) if threads else 1)
+    if not found:
+        raise SystemExit(f"rule {rule} not found in rules/*.smk")
+    return max(found)
+
+
+def novel_text(source: Path, megabytes: float, output: Path, fraction: float, seed: int) -> Path:
+    """`source` repeated (or cut, at a document boundary) to about `megabytes` MB, with `fraction` of its words made
+    new (fresh ones in each copy)."""
+    text = source.read_text(encoding="utf-8")
+    text = text * math.ceil(megabytes * 1e6 / len(text.encode("utf-8")))
+    cut = text.find("\n\n", int(megabytes * 1e6))  # characters ~ bytes: the text is mostly ASCII
+    output.write_text(with_novel_words(text if cut < 0 else text[: cut + 2], fraction, seed), encoding="utf-8")
+    return output
+
+
+def bz2_rates(dump: Path, megabytes: float = 20.0) -> dict:
+    """MB of XML per CPU second that bz2 decompresses: the replicated dump (far more compressible than a real one)
+    vs the bundled real export's bz2 (compressed as exported), decompressed over and over."""
+    real = SAMPLE_XML.with_name(SAMPLE_XML.name + ".bz2").read_bytes()
+    start, size = time.process_time(), 0
+    while size < megabytes * 1e6:
+        size += len(bz2.decompress(real))
+    rates = {"real": size / 1e6 / (time.process_time() - start), "real_ratio": size / (size // len(bz2.decompress(real))) / len(real)}
+    start, size = time.process_time(), 0
+    with bz2.open(dump) as stream:
+        while block := stream.read(1 << 22):
+            size += len(block)
+    rates.update(replicated=size / 1e6 / (time.process_time() - start), replicated_ratio=size / dump.stat().st_size)
+    return rates
+
+
+def vocab_run(shard_dir: Path, n_shards: int, size: int, threads: int, output: Path):
+    return run_stage([PYTHON, "-m", "workflow.data.vocab", "--shard-dir", shard_dir, "--n-shards", n_shards,
+                      "--size", size, "--threads", threads, "--output", output])
 
 
 def measure(args, work: Path) -> dict:
     """Run every stage once on the replicated dump; returns sizes and CPU seconds."""
-    m = {}
+    m = {"novel": args.novel}
     dump = work / "enwiki-replicated-pages-articles.xml.bz2"
     start = time.perf_counter()
     m["dump"] = replicate_dump(args.mb, dump)
     print(f"dump: {m['dump']['xml_bytes'] / 1e6:.1f} MB XML ({m['dump']['bz2_bytes'] / 1e6:.2f} MB bz2), "
           f"{m['dump']['pages']:,} pages, built in {time.perf_counter() - start:.0f} s", flush=True)
+    m["bz2"] = bz2_rates(dump)
     # What a process costs before it does any work (interpreter, imports; wikiextractor's processes for extract):
-    # subtracted below, as it vanishes at full size.
-    m["startup"] = {module: run_stage([PYTHON, "-c", f"import {module}"]).cpu for module in
-                    ("workflow.data.format", "workflow.data.shard", "workflow.data.tokenize", "workflow.data.encode",
-                     "wikiextractor.WikiExtractor")}
-    m["startup"]["workflow.data.extract"] = run_stage([PYTHON, "-m", "workflow.data.extract", "--input", SAMPLE_XML,
-                                                       "--output", work / "sample.jsonl", "--processes", 1]).cpu
-    extracted, formatted = work / "wikipedia.jsonl", work / "wikipedia.txt"
+    # subtracted from the rates, then paid once per job in the projection.
+    m["startup"] = {module: run_stage([PYTHON, "-c", f"import workflow.data.{module}"]).cpu for module in
+                    ("format", "punkt", "shard", "vocab", "tokenize", "encode", "hdf5_dir")}
+    m["startup"]["mapper"] = run_stage([PYTHON, "-c", "import wikiextractor.WikiExtractor"]).cpu
+    m["startup"]["templates"] = run_stage([PYTHON, "-m", "workflow.data.extract", "--template-pages-only", "--input",
+                                           SAMPLE_XML, "--output", work / "sample.templates.xml"]).cpu
+    m["startup"]["extract"] = run_stage([PYTHON, "-m", "workflow.data.extract", "--input", SAMPLE_XML, "--output",
+                                         work / "sample.jsonl", "--processes", 1]).cpu
+    templates, extracted = work / "part.templates.xml", work / "part.jsonl"
+    m["templates"] = run_stage([PYTHON, "-m", "workflow.data.extract", "--template-pages-only", "--input", dump,
+                                "--output", templates])
     m["extract"] = run_stage([PYTHON, "-m", "workflow.data.extract", "--input", dump, "--output", extracted,
-                              "--processes", 1])
-    m["mapper"] = run_stage([PYTHON, "-c", MAPPER, dump])
+                              "--processes", 1, "--templates", templates])
+    m["mapper"] = run_stage([PYTHON, "-c", MAPPER, dump, templates])
     m["extracted_bytes"] = extracted.stat().st_size
     m["articles"] = sum(1 for _ in open(extracted, encoding="utf-8"))
+    print(f"extract: {m['articles']:,} articles, {m['extracted_bytes'] / 1e6:.1f} MB JSON", flush=True)
+    punkt = work / "punkt"
+    m["punkt"] = run_stage([PYTHON, "-m", "workflow.data.punkt", "--input", extracted, "--output", punkt])
+    from workflow.data.format import prose_texts, read_documents
+
+    m["punkt_chars"] = min(FULL["punkt_chars"], sum(map(len, prose_texts(read_documents(extracted)))))
+    formatted = work / "part.txt"
     m["format"] = run_stage([PYTHON, "-m", "workflow.data.format", "--input", extracted, "--output", formatted,
-                             "--processes", 1])
-    m["punkt_chars"] = min(20_000_000, sum(len(json.loads(line)["text"]) for line in open(extracted, encoding="utf-8")))
-    m["punkt"] = run_stage([PYTHON, "-c", PUNKT, extracted, 20_000_000])
+                             "--summary", work / "part.summary.json", "--punkt-model", punkt, "--processes", 1])
     m["formatted_bytes"] = formatted.stat().st_size
-    # shard's work per MB is tiny next to its startup: it gets the formatted text repeated to --shard-mb MB.
-    shard_input = work / "wikipedia_repeated.txt"
-    with open(shard_input, "wb") as out:
-        for _ in range(max(1, math.ceil(args.shard_mb * 1e6 / m["formatted_bytes"]))):
-            out.write(formatted.read_bytes())
-    m["shard_bytes"] = shard_input.stat().st_size
+    # From here on the text has new words at a steady rate, as a real corpus does.
+    novel = novel_text(formatted, m["formatted_bytes"] / 1e6, work / "novel.txt", args.novel, seed=0)
+    m["novel_bytes"] = novel.stat().st_size
+    # shard: per-MB work is small next to its startup, so it gets --shard-mb MB as parts (copies of that text)
+    n_parts = max(2, math.ceil(args.shard_mb * 1e6 / m["novel_bytes"]))
+    parts = [work / "parts" / f"p{index}.txt" for index in range(n_parts)]
+    parts[0].parent.mkdir(exist_ok=True)
+    for part in parts:
+        shutil.copyfile(novel, part)
+    m["shard_bytes"] = n_parts * m["novel_bytes"]
     shards = work / "shards"
-    m["shard"] = run_stage([PYTHON, "-m", "workflow.data.shard", "--input", shard_input, "--output-dir", shards,
+    m["shard"] = run_stage([PYTHON, "-m", "workflow.data.shard", "--input", *parts, "--output-dir", shards,
                             "--n-training-shards", FULL["n_training_shards"], "--n-test-shards",
-                            FULL["n_test_shards"]])
-    training = shards / "training"
-    one_thread = {"RAYON_NUM_THREADS": "1"}
-    vocab = work / "vocab.txt"
+                            FULL["n_test_shards"], "--processes", 1])
+    m["shard_pass1"] = run_stage([PYTHON, "-c", SHARD_PASS1, *parts])
+    for part in parts:
+        part.unlink()
+    print(f"shard: {m['shard_bytes'] / 1e6:.0f} MB in {m['shard'].cpu:.1f} s CPU", flush=True)
+    # vocab: two sizes of fresh new-word text (fixed cost + cost per MB), word counting alone (a vocab no bigger
+    # than the alphabet: no merges) and whole; then 1 vs 2 threads on the larger input, whose files must be equal.
     m["vocab_runs"] = []
-    for n_shards in VOCAB_RUNS:
-        text_bytes = sum((training / f"shard_{i}.txt").stat().st_size for i in range(n_shards))
-        run = run_stage([PYTHON, "-m", "workflow.data.vocab", "--shard-dir", training, "--n-shards", n_shards,
-                         "--size", 30522, "--output", vocab], env=one_thread)
-        m["vocab_runs"].append((text_bytes, run.cpu))
-    tokenized = work / "wikipedia.npz"
-    m["tokenize"] = run_stage([PYTHON, "-m", "workflow.data.tokenize", "--text", formatted, "--vocab", vocab,
-                               "--output", tokenized, "--threads", 1], env=one_thread)
+    for index, megabytes in enumerate(args.vocab_mb):
+        directory = work / f"vocab{index}"
+        directory.mkdir()
+        novel_text(formatted, megabytes / 2, directory / "shard_0.txt", args.novel, seed=index + 1)
+        novel_text(formatted, megabytes / 2, directory / "shard_1.txt", args.novel, seed=index + 101)
+        text_bytes = sum(path.stat().st_size for path in directory.glob("shard_*.txt"))
+        counting = vocab_run(directory, 2, 100, 1, work / "vocab_counting.txt")
+        whole = vocab_run(directory, 2, 30522, 1, work / f"vocab_{index}.txt")
+        m["vocab_runs"].append((text_bytes, counting.cpu, whole.cpu, whole.wall))
+        print(f"vocab on {text_bytes / 1e6:.0f} MB: {whole.cpu:.1f} s CPU, of which word counting {counting.cpu:.1f}",
+              flush=True)
+    two = vocab_run(work / f"vocab{len(args.vocab_mb) - 1}", 2, 30522, 2, work / "vocab_2threads.txt")
+    m["vocab_two_threads"] = (two.cpu, two.wall)
+    m["vocab_equal"] = (work / "vocab_2threads.txt").read_bytes() == (work / f"vocab_{len(args.vocab_mb) - 1}.txt").read_bytes()
+    vocab = work / f"vocab_{len(args.vocab_mb) - 1}.txt"
+    tokenized = work / "novel.npz"
+    m["tokenize"] = run_stage([PYTHON, "-m", "workflow.data.tokenize", "--text", novel, "--vocab", vocab,
+                               "--output", tokenized, "--threads", 1], env={"RAYON_NUM_THREADS": "1"})
     with np.load(tokenized) as data:
         m["tokens"] = int(len(data["ids"]))
     for length in (128, 512):
@@ -157,134 +231,241 @@ def measure(args, work: Path) -> dict:
     return m
 
 
-def net_cpu(m: dict, name: str, module: str) -> float:
+def net_cpu(m: dict, name: str, startup: str) -> float:
     """CPU seconds of stage run `name` without its process startup (kept >= 10% of the total)."""
-    return max(m[name].cpu - m["startup"][module], 0.1 * m[name].cpu)
+    return max(m[name].cpu - m["startup"][startup], 0.1 * m[name].cpu)
 
 
-def stages(m: dict) -> list[dict]:
-    """Per stage: full-dump work, per-core rate, jobs, threads per job, serial seconds per job."""
+def linear(points) -> tuple[float, float]:
+    """(fixed, per unit) of a line through two (x, y) points, neither below zero."""
+    (x0, y0), (x1, y1) = points
+    if x1 <= x0:
+        raise SystemExit(f"two different sizes are needed to tell a fixed cost from a cost per MB, got {x0} and {x1}")
+    slope = max((y1 - y0) / max(x1 - x0, 1e-9), 1e-9)
+    return max(y0 - x0 * slope, 0.0), slope
+
+
+def model(m: dict, threads: dict, given_vocab: bool = False) -> tuple[list[dict], list[dict], dict]:
+    """The full dump's stages (work, rate, jobs) and its jobs (seconds at their threads, dependencies)."""
     xml_mb = m["dump"]["xml_bytes"] / 1e6
-    bytes_per_token = m["formatted_bytes"] / m["tokens"]
+    parts = FULL["dump_parts"]
+    part_xml_mb = FULL["xml_gb"] * 1e3 / parts
+    bytes_per_token = m["novel_bytes"] / m["tokens"]
     formatted_mb = FULL["tokens"] * bytes_per_token / 1e6
     extracted_mb = formatted_mb * m["extracted_bytes"] / m["formatted_bytes"]
-    parts, n_shards = FULL["dump_parts"], FULL["n_training_shards"] + FULL["n_test_shards"]
-    punkt_rate = m["punkt_chars"] / net_cpu(m, "punkt", "workflow.data.format")  # chars per CPU second
-    split_cpu = max(net_cpu(m, "format", "workflow.data.format") - net_cpu(m, "punkt", "workflow.data.format"), 1e-6)
-    (small_mb, small_cpu), (large_mb, large_cpu) = [(b / 1e6, cpu) for b, cpu in m["vocab_runs"]]
-    vocab_per_mb = max((large_cpu - small_cpu) / max(large_mb - small_mb, 1e-9), 1e-9)
-    vocab_fixed = max(small_cpu - small_mb * vocab_per_mb, 0.0)
-    vocab_mb = formatted_mb * (1 - FULL["test_fraction"]) * FULL["vocab_training_shards"] / FULL["n_training_shards"]
-    part_chars = extracted_mb * 1e6 / parts  # ~ characters of one part's articles (JSON overhead is small)
-    rows = [
-        dict(stage="extract", unit="MB XML", work=FULL["xml_gb"] * 1e3, rate=xml_mb / net_cpu(m, "extract", "workflow.data.extract"), jobs=parts,
-             cap=xml_mb / net_cpu(m, "mapper", "wikiextractor.WikiExtractor"), note="wikiextractor, bz2 input; cap: its one mapper process"),
-        dict(stage="format", unit="MB JSON", work=extracted_mb, rate=m["extracted_bytes"] / 1e6 / split_cpu,
-             jobs=parts, serial=min(part_chars, 20e6) / punkt_rate, note="Punkt training first (serial), then split"),
-        dict(stage="shard", unit="MB text", work=formatted_mb, rate=m["shard_bytes"] / 1e6 / net_cpu(m, "shard", "workflow.data.shard"),
-             jobs=1, note="one streaming pass, 256 + 256 shards"),
-        dict(stage="vocab", unit="MB text", work=vocab_mb, rate=1 / vocab_per_mb, jobs=1, serial=vocab_fixed,
-             note=f"trained on {FULL['vocab_training_shards']} training shards; a given vocab.txt skips it"),
-        dict(stage="tokenize", unit="M tokens", work=FULL["tokens"] / 1e6, rate=m["tokens"] / 1e6 / net_cpu(m, "tokenize", "workflow.data.tokenize"),
-             jobs=n_shards, note="one job per shard"),
-    ]
+    train_share = 1 - FULL["test_fraction"]
+    n_train, n_test = FULL["n_training_shards"], FULL["n_test_shards"]
+    startup = m["startup"]
+    # a real dump's bz2 may decompress slower per MB of XML than the replicated one: the difference is added
+    bz2_extra = max(0.0, 1 / m["bz2"]["real"] - 1 / m["bz2"]["replicated"])  # CPU seconds per MB of XML
+    rate = {  # per CPU second of one core
+        "templates": 1 / (net_cpu(m, "templates", "templates") / xml_mb + bz2_extra),
+        "extract": 1 / (net_cpu(m, "extract", "extract") / xml_mb + bz2_extra),
+        "mapper": 1 / (net_cpu(m, "mapper", "mapper") / xml_mb + bz2_extra),
+        "punkt": m["punkt_chars"] / net_cpu(m, "punkt", "punkt"),
+        "format": m["extracted_bytes"] / 1e6 / net_cpu(m, "format", "format"),
+        "shard_pass1": m["shard_bytes"] / 1e6 / net_cpu(m, "shard_pass1", "shard"),
+        "shard_pass2": m["shard_bytes"] / 1e6 / max(m["shard"].cpu - m["shard_pass1"].cpu, 1e-6),
+        "tokenize": m["tokens"] / 1e6 / net_cpu(m, "tokenize", "tokenize"),
+    }
+    counting_fixed, counting_per_mb = linear([(b / 1e6, c) for b, c, _, _ in m["vocab_runs"]])
+    merge_fixed, merge_per_mb = linear([(b / 1e6, max(w - c, 0.0)) for b, c, w, _ in m["vocab_runs"]])
+    vocab_mb = formatted_mb * train_share * FULL["vocab_training_shards"] / n_train
+    t = threads
+    jobs, stages = [], []
+
+    def stage(name, unit, work, per_core, n_jobs, note, cap=None):
+        stages.append(dict(stage=name, unit=unit, work=work, rate=per_core, jobs=n_jobs, threads=t[name.split()[0]],
+                           note=note, cap=cap))
+
+    def job(name, seconds, deps=(), stage_name=None):
+        jobs.append(dict(stage=stage_name or name.split("[")[0], name=name, seconds=seconds, deps=list(deps),
+                         threads=t[(stage_name or name).split("[")[0].split()[0]]))
+        return len(jobs) - 1
+
+    stage("templates", "MB XML", FULL["xml_gb"] * 1e3, rate["templates"], parts, "template pages of each part (bz2 read)")
+    template_jobs = [job(f"templates[{p}]", startup["templates"] + part_xml_mb / rate["templates"]) for p in range(parts)]
+    extract_speed = min(rate["extract"] * t["extract"], rate["mapper"])
+    stage("extract", "MB XML", FULL["xml_gb"] * 1e3, rate["extract"], parts,
+          "wikiextractor, bz2 input, --templates of all parts", cap=rate["mapper"])
+    extract_jobs = [job(f"extract[{p}]", startup["extract"] + part_xml_mb / extract_speed, template_jobs)
+                    for p in range(parts)]
+    stage("punkt", "M chars", FULL["punkt_chars"] / 1e6, rate["punkt"] / 1e6, 1,
+          f"one model, trained on the first {FULL['punkt_chars'] / 1e6:.0f} M characters of all parts")
+    punkt_job = job("punkt", startup["punkt"] + FULL["punkt_chars"] / rate["punkt"], extract_jobs)
+    stage("format", "MB JSON", extracted_mb, rate["format"], parts, "Punkt model loaded, split in processes")
+    format_jobs = [job(f"format[{p}]", startup["format"] + extracted_mb / parts / (rate["format"] * t["format"]),
+                       [punkt_job]) for p in range(parts)]
+    pass1 = formatted_mb / (rate["shard_pass1"] * min(t["shard"], parts))
+    pass2 = formatted_mb / rate["shard_pass2"]
+    stage("shard", "MB text", formatted_mb, 1 / (1 / rate["shard_pass1"] + 1 / rate["shard_pass2"]), 1,
+          f"pass 1 parallel ({pass1:.0f} s), pass 2 one stream ({pass2:.0f} s); {n_train} + {n_test} shards")
+    shard_job = job("shard", startup["shard"] + pass1 + pass2, format_jobs)
+    counting = counting_fixed + vocab_mb * counting_per_mb
+    merging = merge_fixed + vocab_mb * merge_per_mb
+    if given_vocab:
+        stage("vocab", "file", 0, 0, 1, "a given vocab.file, copied")
+        vocab_job = job("vocab", startup["vocab"], [shard_job])
+    else:
+        stage("vocab", "MB text", vocab_mb, 1 / (counting_per_mb + merge_per_mb), 1,
+              f"{FULL['vocab_training_shards']} training shards; counting {counting:.0f} s CPU (threads), "
+              f"merges {merging:.0f} s (serial)")
+        vocab_job = job("vocab", counting / t["vocab"] + merging, [shard_job])
+    train_tokens, test_tokens = FULL["tokens"] * train_share / n_train, FULL["tokens"] * FULL["test_fraction"] / n_test
+    shard_tokens = [train_tokens] * n_train + [test_tokens] * n_test
+    stage("tokenize", "M tokens", FULL["tokens"] / 1e6, rate["tokenize"], n_train + n_test,
+          f"one job per shard, text with {m['novel']:.0%} new words")
+    tokenize_jobs = [job(f"tokenize[{s}]", startup["tokenize"] + tokens / 1e6 / (rate["tokenize"] * t["tokenize"]),
+                         [vocab_job]) for s, tokens in enumerate(shard_tokens)]
+    encoded = {}
     for length in (128, 512):
         per_token = m[f"instances{length}"] / m["tokens"]
-        rows.append(dict(stage=f"encode {length}", rule="encode", unit="M instances",
-                         work=FULL["tokens"] * per_token / 1e6, rate=m[f"instances{length}"] / 1e6 / net_cpu(m, f"encode{length}", "workflow.data.encode"),
-                         jobs=n_shards, note=f"{per_token * 1e3:.2f} instances per 1k tokens, dupe_factor 5"))
+        encode_rate = m[f"instances{length}"] / 1e6 / net_cpu(m, f"encode{length}", "encode")
+        stage(f"encode {length}", "M instances", FULL["tokens"] * per_token / 1e6, encode_rate, n_train + n_test,
+              f"per shard, after its tokenize; {per_token * 1e3:.2f} instances per 1k tokens, dupe_factor 5")
+        encode_jobs = [job(f"encode {length}[{s}]", startup["encode"] + tokens * per_token / 1e6 / (encode_rate * t["encode"]),
+                           [tokenize_jobs[s]], stage_name=f"encode {length}") for s, tokens in enumerate(shard_tokens)]
+        encoded[length] = encode_jobs
     for length in (128, 512):
+        encode_jobs = encoded[length]
         hdf5_mb = FULL["tokens"] * m[f"hdf5_bytes{length}"] / m["tokens"] / 1e6
-        rows.append(dict(stage=f"hdf5_dir {length}", rule="hdf5_dir", unit="MB HDF5", work=hdf5_mb,
-                         rate=m["sha256_rate"] / 1e6, jobs=1, note="sha256 of every shard + hard links"))
-    sizes = {"formatted_gb": formatted_mb / 1e3, "extracted_gb": extracted_mb / 1e3, "bytes_per_token": bytes_per_token}
-    return rows, sizes
+        stage(f"hdf5_dir {length}", "MB HDF5", hdf5_mb, m["sha256_rate"] / 1e6, 1, "sha256 of every shard + hard links")
+        job(f"hdf5_dir {length}", startup["hdf5_dir"] + hdf5_mb / (m["sha256_rate"] / 1e6 * t["hdf5_dir"]), encode_jobs,
+            stage_name=f"hdf5_dir {length}")
+    sizes = {"formatted_gb": formatted_mb / 1e3, "extracted_gb": extracted_mb / 1e3, "bytes_per_token": bytes_per_token,
+             "vocab_mb": vocab_mb}
+    return stages, jobs, sizes
 
 
-def wall_seconds(row: dict, threads: int, nodes: int, cores: int) -> float:
-    """The stage's wall time: equal jobs, floor(cores / threads) at a time per node, each job its serial part
-    plus its share of the work at `threads` x the per-core rate (or its serial cap, if lower)."""
-    per_job = row["work"] / row["jobs"]
-    speed = row["rate"] * min(threads, cores)
-    if row.get("cap"):
-        speed = min(speed, row["cap"])
-    slots = nodes * max(1, cores // threads)
-    return math.ceil(row["jobs"] / slots) * (row.get("serial", 0.0) + per_job / speed)
+def schedule(jobs: list[dict], nodes: int, cores: int) -> dict[str, tuple[float, float]]:
+    """Greedy list scheduling, as Snakemake: a job starts once its inputs exist on the first node with `threads`
+    free cores (threads capped at a node's cores), in DAG order. Returns each stage's (first start, last end)."""
+    waiting = [len(j["deps"]) for j in jobs]
+    dependents = [[] for _ in jobs]
+    for index, j in enumerate(jobs):
+        for dep in j["deps"]:
+            dependents[dep].append(index)
+    free = [cores] * nodes
+    ready = [index for index, count in enumerate(waiting) if count == 0]
+    running: list[tuple[float, int, int]] = []  # (end, job, node)
+    now, starts, ends = 0.0, {}, {}
+    while ready or running:
+        still = []
+        for index in sorted(ready):  # DAG order
+            need = min(jobs[index]["threads"], cores)
+            node = next((n for n in range(nodes) if free[n] >= need), None)
+            if node is None:
+                still.append(index)
+                continue
+            free[node] -= need
+            heapq.heappush(running, (now + jobs[index]["seconds"], index, node))
+            starts.setdefault(jobs[index]["stage"], now)
+        ready = still
+        now, index, node = heapq.heappop(running)
+        free[node] += min(jobs[index]["threads"], cores)
+        ends[jobs[index]["stage"]] = now
+        for other in dependents[index]:
+            waiting[other] -= 1
+            if waiting[other] == 0:
+                ready.append(other)
+    return {stage: (starts[stage], ends[stage]) for stage in starts}
 
 
 def report(m: dict, args) -> None:
-    rows, sizes = stages(m)
+    threads = {stage: args.threads.get(stage, rule_threads(rule)) for stage, rule in RULES.items()}
+    stages, jobs, sizes = model(m, threads)
     print(f"\nmeasured (1 core each, CPU seconds; machine shared, so wall clock is slower): "
           f"{m['articles']:,} articles, {m['extracted_bytes'] / 1e6:.1f} MB JSON, {m['formatted_bytes'] / 1e6:.1f} MB "
-          f"text, {m['tokens']:,} tokens ({sizes['bytes_per_token']:.2f} bytes/token, vocab trained on this text)")
-    print("  process startup (subtracted): " + ", ".join(f"{k.split('.')[-1]} {v:.2f} s" for k, v in m["startup"].items()))
-    print(f"  extract   {m['extract'].cpu:7.1f} s CPU ({m['extract'].wall:.1f} s wall), of which wikiextractor's "
-          f"mapper (bz2 read twice): {m['mapper'].cpu:.1f} s")
-    print(f"  format    {m['format'].cpu:7.1f} s CPU, of which Punkt training on {m['punkt_chars'] / 1e6:.1f} M chars: "
-          f"{m['punkt'].cpu:.1f} s")
-    for (text_bytes, cpu), n in zip(m["vocab_runs"], VOCAB_RUNS):
-        print(f"  vocab     {cpu:7.1f} s CPU on {n} training shards ({text_bytes / 1e6:.1f} MB)")
-    print(f"  shard     {m['shard'].cpu:7.1f} s CPU on {m['shard_bytes'] / 1e6:.0f} MB (the text repeated), peak RSS "
-          f"{m['shard'].rss_mb:.0f} MB")
+          f"text; with {m['novel']:.0%} of words new: {m['tokens']:,} tokens ({sizes['bytes_per_token']:.2f} bytes/token)")
+    b = m["bz2"]
+    print(f"  bz2 decompression: replicated dump ({b['replicated_ratio']:.0f}:1) {b['replicated']:.0f} MB XML/s, the "
+          f"real export's bz2 ({b['real_ratio']:.1f}:1; the full dump's is {FULL['xml_gb'] / FULL['bz2_gb']:.1f}:1) "
+          f"{b['real']:.0f} MB/s per core; a slower real one is charged to templates and extract")
+    print("  process startup (paid once per job): " + ", ".join(f"{k} {v:.2f} s" for k, v in m["startup"].items()))
+    print(f"  templates {m['templates'].cpu:7.1f} s CPU; extract {m['extract'].cpu:.1f} s CPU ({m['extract'].wall:.1f} s "
+          f"wall), of which wikiextractor's mapper (reads the bz2 once): {m['mapper'].cpu:.1f} s")
+    print(f"  punkt     {m['punkt'].cpu:7.1f} s CPU on {m['punkt_chars'] / 1e6:.1f} M chars; format {m['format'].cpu:.1f} s "
+          f"CPU with that model")
+    print(f"  shard     {m['shard'].cpu:7.1f} s CPU on {m['shard_bytes'] / 1e6:.0f} MB, of which pass 1 "
+          f"{m['shard_pass1'].cpu:.1f} s; peak RSS {m['shard'].rss_mb:.0f} MB")
+    for text_bytes, counting, whole, wall in m["vocab_runs"]:
+        print(f"  vocab     {whole:7.1f} s CPU on {text_bytes / 1e6:.0f} MB, 1 thread (word counting alone {counting:.1f} s)")
+    two_cpu, two_wall = m["vocab_two_threads"]
+    one_wall = m["vocab_runs"][-1][3]
+    print(f"  vocab     same input: 1 thread {one_wall:.1f} s wall, 2 threads {two_wall:.1f} s wall ({two_cpu:.1f} s CPU); "
+          f"files {'EQUAL' if m['vocab_equal'] else 'DIFFERENT'}")
     for name in ("tokenize", "encode128", "encode512"):
         print(f"  {name:9s} {m[name].cpu:7.1f} s CPU, peak RSS {m[name].rss_mb:.0f} MB")
     print(f"\nfull dump assumed: {FULL['bz2_gb']} GB bz2 = {FULL['xml_gb']} GB XML in {FULL['dump_parts']} parts, "
           f"{FULL['articles'] / 1e6:.1f} M articles, {FULL['tokens'] / 1e9:.0f} B tokens -> "
           f"{sizes['formatted_gb']:.1f} GB text (measured bytes/token), {sizes['extracted_gb']:.1f} GB JSON; "
-          f"{FULL['n_training_shards']} + {FULL['n_test_shards']} shards; download excluded")
-    header = "".join(f" {f'{n} node' + ('s' if n > 1 else ''):>10s}" for n in args.nodes)
-    print(f"\n{'stage':12s} {'work':>21s} {'rate/core (CPU)':>11s} {'jobs':>5s} {'thr':>4s} {'cap/job':>9s}{header}  note")
-    totals = {n: 0.0 for n in args.nodes}
-    without_vocab = {n: 0.0 for n in args.nodes}
-    for row in rows:
-        threads = args.threads.get(row["stage"].split()[0], rule_threads(RULES[row["stage"].split()[0]]))
-        walls = {n: wall_seconds(row, threads, n, args.cores_per_node) for n in args.nodes}
-        for n in args.nodes:
-            totals[n] += walls[n]
-            without_vocab[n] += walls[n] if row["stage"] != "vocab" else 0.0
-        cap = f"{row['cap']:.1f}/s" if row.get("cap") else (f"+{row['serial']:.0f}s" if row.get("serial") else "")
-        cells = "".join(f" {walls[n]:9.0f}s" for n in args.nodes)
+          f"{FULL['n_training_shards']} + {FULL['n_test_shards']} shards; vocab on {sizes['vocab_mb'] / 1e3:.1f} GB; "
+          f"download excluded")
+    spans = {n: schedule(jobs, n, args.cores_per_node) for n in args.nodes}
+    given = {n: schedule(model(m, threads, given_vocab=True)[1], n, args.cores_per_node) for n in args.nodes}
+    header = "".join(f" {f'{n} node' + ('s' if n > 1 else '') + ' from-to':>17s}" for n in args.nodes)
+    print(f"\n{'stage':12s} {'work':>21s} {'rate/core':>11s} {'jobs':>5s} {'thr':>4s} {'cap/job':>9s}{header}  note")
+    for row in stages:
+        cap = f"{row['cap']:.1f}/s" if row.get("cap") else ""
+        cells = "".join(f" {spans[n][row['stage']][0]:7.0f}-{spans[n][row['stage']][1]:7.0f}s" for n in args.nodes)
         print(f"{row['stage']:12s} {row['work']:9.0f} {row['unit']:>11s} {row['rate']:9.2f}/s "
-              f"{row['jobs']:5d} {threads:4d} {cap:>9s}{cells}  {row['note']}")
-    print(f"{'total':12s} {'':21s} {'':11s} {'':5s} {'':4s} {'':9s}" + "".join(f" {totals[n]:9.0f}s" for n in args.nodes)
-          + "  stages in sequence (upper bound)")
-    print(f"{'  in hours':12s} {'':21s} {'':11s} {'':5s} {'':4s} {'':9s}" + "".join(f" {totals[n] / 3600:9.2f}h" for n in args.nodes)
+              f"{row['jobs']:5d} {row['threads']:4d} {cap:>9s}{cells}  {row['note']}")
+    end = {n: max(last for _, last in spans[n].values()) for n in args.nodes}
+    end_given = {n: max(last for _, last in given[n].values()) for n in args.nodes}
+    print(f"{'total':12s} {'':57s}" + "".join(f" {end[n] / 3600:16.2f}h" for n in args.nodes)
           + f"  target <= {TARGET_HOURS} h on 1 node: "
-          + ("MET" if totals[min(args.nodes)] / 3600 <= TARGET_HOURS else "MISSED"))
-    print(f"{'  given vocab':12s} {'':21s} {'':11s} {'':5s} {'':4s} {'':9s}"
-          + "".join(f" {without_vocab[n] / 3600:9.2f}h" for n in args.nodes) + "  with vocab.file (e.g. Google's)")
-    ideal = sum(row["work"] / row["rate"] for row in rows) / args.cores_per_node
-    print(f"\nall stages' CPU work spread perfectly over one node's {args.cores_per_node} cores: {ideal / 3600:.2f} h "
-          f"(the target needs <= {TARGET_HOURS} h)")
-    print(f"what holds each stage back on 1 node (its wall vs its work spread over {args.cores_per_node} cores):")
-    for row in rows:
-        stage = row["stage"].split()[0]
-        threads = args.threads.get(stage, rule_threads(RULES[stage]))
-        wall = wall_seconds(row, threads, 1, args.cores_per_node)
-        spread = row["work"] / row["rate"] / args.cores_per_node
-        if wall < 60 and wall < 2 * spread + 30:
+          + ("MET" if end[min(args.nodes)] / 3600 <= TARGET_HOURS else "MISSED"))
+    one_thread = {n: max(last for _, last in schedule(model(m, {**threads, "vocab": 1})[1], n, args.cores_per_node).values())
+                  for n in args.nodes}
+    print(f"{'vocab 1 thr':12s} {'':57s}" + "".join(f" {one_thread[n] / 3600:16.2f}h" for n in args.nodes)
+          + "  the vocab trained on one thread (as before its rule had threads)")
+    print(f"{'given vocab':12s} {'':57s}" + "".join(f" {end_given[n] / 3600:16.2f}h" for n in args.nodes)
+          + "  with vocab.file (e.g. Google's)")
+    order = sorted(spans[min(args.nodes)].items(), key=lambda item: item[1])
+    print(f"\ncritical path on {min(args.nodes)} node(s), stage by stage (each waits for the one before, except encode, "
+          f"which follows each shard's tokenize): " + " -> ".join(f"{stage} {stop - start:.0f} s" for stage, (start, stop) in order))
+    print(f"vocab threads: counting is assumed to scale with them (rayon); merges are counted serial. On the measuring "
+          f"machine, 2 threads took {two_wall:.1f} s wall vs 1 thread {one_wall:.1f} s (files "
+          f"{'equal' if m['vocab_equal'] else 'DIFFERENT'}): a shared 2-core machine cannot show the scaling")
+    cpu = sum(j["seconds"] * min(j["threads"], args.cores_per_node) for j in jobs)
+    print(f"\nall jobs' core-seconds spread perfectly over one node's {args.cores_per_node} cores: "
+          f"{cpu / args.cores_per_node / 3600:.2f} h; the rest is waiting at the DAG's barriers (every part's extract "
+          f"needs all templates, punkt all extracts, shard all formats, tokenize the vocab)")
+    print(f"what holds each stage back on 1 node (its span vs its work spread over {args.cores_per_node} cores):")
+    span1 = spans[min(args.nodes)]
+    for row in stages:
+        stage_name, first = row["stage"], row["stage"].split()[0]
+        start, stop = span1[stage_name]
+        stage_jobs = [j for j in jobs if j["stage"] == stage_name]
+        spread = sum(j["seconds"] * min(j["threads"], args.cores_per_node) for j in stage_jobs) / args.cores_per_node
+        if stop - start < 60:
             continue
-        busy = min(row["jobs"] * threads, args.cores_per_node)
+        busy = min(row["jobs"] * row["threads"], args.cores_per_node)
         reasons = []
         if busy < args.cores_per_node:
-            reasons.append(f"{row['jobs']} job(s) x {threads} thread(s) keep {busy} of {args.cores_per_node} cores busy")
-        if row.get("cap") and row["cap"] < row["rate"] * threads:
-            reasons.append(f"each job's one mapper process reads the bz2 twice at {row['cap']:.1f} MB/s")
-        if row.get("serial", 0) >= 1:
-            reasons.append(f"{row['serial']:.0f} s serial per job")
+            reasons.append(f"{row['jobs']} job(s) x {row['threads']} thread(s) keep {busy} of {args.cores_per_node} cores busy")
+        if row.get("cap") and row["cap"] < row["rate"] * row["threads"]:
+            reasons.append(f"each job's one mapper process reads its part at {row['cap']:.1f} MB/s")
+        if not reasons and spread > 0.5 * (stop - start):
+            reasons.append(f"work-bound: all cores busy at {row['rate']:.2f} {row['unit']}/s per core")
         if not reasons:
             continue
-        print(f"  {row['stage']:12s} {wall:6.0f} s vs {spread:5.0f} s: " + "; ".join(reasons) + f". {FIXES.get(stage, '')}")
+        print(f"  {stage_name:12s} {stop - start:6.0f} s vs {spread:5.0f} s: " + "; ".join(reasons) + "."
+              + (f" {FIXES[first]}" if first in FIXES else ""))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=40.0, help="MB of XML in the replicated dump (up to GBs)")
+    parser.add_argument("--novel", type=float, default=0.07,
+                        help="fraction of words made new in the text from format on (a real corpus keeps meeting new words)")
     parser.add_argument("--shard-mb", type=float, default=200.0, help="MB of text the shard stage is timed on")
+    parser.add_argument("--vocab-mb", type=float, nargs=2, default=[8.0, 32.0],
+                        help="MB of text the vocab is trained on (two sizes: fixed cost + cost per MB)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--cores-per-node", type=int, default=128)
     parser.add_argument("--threads", nargs="*", default=[], metavar="STAGE=N",
-                        help="threads per job instead of the rule's, e.g. extract=8 (what-if)")
+                        help=f"threads per job instead of the rule's, e.g. extract=8 (what-if); stages: {' '.join(RULES)}")
     parser.add_argument("--workdir", help="keep the intermediate files and measured.pickle here (default: a "
                         "temporary directory)")
     parser.add_argument("--measured", help="WORKDIR/measured.pickle of an earlier run: print its projection only")
