@@ -422,8 +422,8 @@ def report(m: dict, args) -> None:
     print(f"{'given vocab':12s} {'':57s}" + "".join(f" {end_given[n] / 3600:16.2f}h" for n in args.nodes)
           + "  with vocab.file (e.g. Google's)")
     order = sorted(spans[min(args.nodes)].items(), key=lambda item: item[1])
-    print(f"\ncritical path on {min(args.nodes)} node(s), stage by stage (each waits for the one before, except encode, "
-          f"which follows each shard's tokenize): " + " -> ".join(f"{stage} {stop - start:.0f} s" for stage, (start, stop) in order))
+    print(f"\ncritical path on {min(args.nodes)} node(s), stage spans in start order (tokenize, encode and hdf5_dir "
+          f"overlap shard by shard): " + " -> ".join(f"{stage} {stop - start:.0f} s" for stage, (start, stop) in order))
     print(f"vocab threads: counting is assumed to scale with them (rayon); merges are counted serial. On the measuring "
           f"machine, 2 threads took {two_wall:.1f} s wall vs 1 thread {one_wall:.1f} s (files "
           f"{'equal' if m['vocab_equal'] else 'DIFFERENT'}): a shared 2-core machine cannot show the scaling")
