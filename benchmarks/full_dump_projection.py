@@ -102,13 +102,23 @@ def rule_threads(rule: str) -> int:
     return max(found)
 
 
+NOVEL_TEXT = """
+import math, sys
+from pathlib import Path
+from benchmarks.wikipedia_sample import with_novel_words
+source, megabytes, output, fraction, seed = Path(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+text = source.read_text(encoding="utf-8")
+text = text * math.ceil(megabytes * 1e6 / len(text.encode("utf-8")))
+cut = text.find("\\n\\n", int(megabytes * 1e6))  # characters ~ bytes: the text is mostly ASCII
+output.write_text(with_novel_words(text if cut < 0 else text[: cut + 2], fraction, seed), encoding="utf-8")
+"""
+
+
 def novel_text(source: Path, megabytes: float, output: Path, fraction: float, seed: int) -> Path:
     """`source` repeated (or cut, at a document boundary) to about `megabytes` MB, with `fraction` of its words made
-    new (fresh ones in each copy)."""
-    text = source.read_text(encoding="utf-8")
-    text = text * math.ceil(megabytes * 1e6 / len(text.encode("utf-8")))
-    cut = text.find("\n\n", int(megabytes * 1e6))  # characters ~ bytes: the text is mostly ASCII
-    output.write_text(with_novel_words(text if cut < 0 else text[: cut + 2], fraction, seed), encoding="utf-8")
+    new (fresh ones in each copy). In a child process: this one stays small, so the stages' peak RSS (wait4 counts
+    the forked parent's pages) is their own."""
+    run_stage([PYTHON, "-c", NOVEL_TEXT, source, megabytes, output, fraction, seed])
     return output
 
 
@@ -198,11 +208,11 @@ def measure(args, work: Path) -> dict:
         text_bytes = sum(path.stat().st_size for path in directory.glob("shard_*.txt"))
         counting = vocab_run(directory, 2, 100, 1, work / "vocab_counting.txt")
         whole = vocab_run(directory, 2, 30522, 1, work / f"vocab_{index}.txt")
-        m["vocab_runs"].append((text_bytes, counting.cpu, whole.cpu, whole.wall))
+        m["vocab_runs"].append((text_bytes, counting.cpu, whole.cpu, whole.wall, whole.rss_mb))
         print(f"vocab on {text_bytes / 1e6:.0f} MB: {whole.cpu:.1f} s CPU, of which word counting {counting.cpu:.1f}",
               flush=True)
     two = vocab_run(work / f"vocab{len(args.vocab_mb) - 1}", 2, 30522, 2, work / "vocab_2threads.txt")
-    m["vocab_two_threads"] = (two.cpu, two.wall)
+    m["vocab_two_threads"] = (two.cpu, two.wall, two.rss_mb)
     m["vocab_equal"] = (work / "vocab_2threads.txt").read_bytes() == (work / f"vocab_{len(args.vocab_mb) - 1}.txt").read_bytes()
     vocab = work / f"vocab_{len(args.vocab_mb) - 1}.txt"
     tokenized = work / "novel.npz"
@@ -268,8 +278,8 @@ def model(m: dict, threads: dict, given_vocab: bool = False) -> tuple[list[dict]
         "shard_pass2": m["shard_bytes"] / 1e6 / max(m["shard"].cpu - m["shard_pass1"].cpu, 1e-6),
         "tokenize": m["tokens"] / 1e6 / net_cpu(m, "tokenize", "tokenize"),
     }
-    counting_fixed, counting_per_mb = linear([(b / 1e6, c) for b, c, _, _ in m["vocab_runs"]])
-    merge_fixed, merge_per_mb = linear([(b / 1e6, max(w - c, 0.0)) for b, c, w, _ in m["vocab_runs"]])
+    counting_fixed, counting_per_mb = linear([(b / 1e6, c) for b, c, *_ in m["vocab_runs"]])
+    merge_fixed, merge_per_mb = linear([(b / 1e6, max(w - c, 0.0)) for b, c, w, *_ in m["vocab_runs"]])
     vocab_mb = formatted_mb * train_share * FULL["vocab_training_shards"] / n_train
     t = threads
     jobs, stages = [], []
@@ -388,12 +398,13 @@ def report(m: dict, args) -> None:
           f"CPU with that model")
     print(f"  shard     {m['shard'].cpu:7.1f} s CPU on {m['shard_bytes'] / 1e6:.0f} MB, of which pass 1 "
           f"{m['shard_pass1'].cpu:.1f} s; peak RSS {m['shard'].rss_mb:.0f} MB")
-    for text_bytes, counting, whole, wall in m["vocab_runs"]:
-        print(f"  vocab     {whole:7.1f} s CPU on {text_bytes / 1e6:.0f} MB, 1 thread (word counting alone {counting:.1f} s)")
-    two_cpu, two_wall = m["vocab_two_threads"]
-    one_wall = m["vocab_runs"][-1][3]
-    print(f"  vocab     same input: 1 thread {one_wall:.1f} s wall, 2 threads {two_wall:.1f} s wall ({two_cpu:.1f} s CPU); "
-          f"files {'EQUAL' if m['vocab_equal'] else 'DIFFERENT'}")
+    for text_bytes, counting, whole, wall, rss in m["vocab_runs"]:
+        print(f"  vocab     {whole:7.1f} s CPU on {text_bytes / 1e6:.0f} MB, 1 thread (word counting alone {counting:.1f} s), "
+              f"peak RSS {rss:.0f} MB")
+    two_cpu, two_wall, two_rss = m["vocab_two_threads"]
+    one_wall, one_rss = m["vocab_runs"][-1][3:5]
+    print(f"  vocab     same input: 1 thread {one_wall:.1f} s wall (peak RSS {one_rss:.0f} MB), 2 threads {two_wall:.1f} s "
+          f"wall ({two_cpu:.1f} s CPU, peak RSS {two_rss:.0f} MB); files {'EQUAL' if m['vocab_equal'] else 'DIFFERENT'}")
     for name in ("tokenize", "encode128", "encode512"):
         print(f"  {name:9s} {m[name].cpu:7.1f} s CPU, peak RSS {m[name].rss_mb:.0f} MB")
     print(f"\nfull dump assumed: {FULL['bz2_gb']} GB bz2 = {FULL['xml_gb']} GB XML in {FULL['dump_parts']} parts, "
