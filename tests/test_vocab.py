@@ -130,4 +130,5 @@ def test_character_counts_equal_counting_the_normalized_text(tmp_path):
                                    if not char.isspace())
     counts = character_counts([tmp_path / "shard_0.txt", tmp_path / "shard_1.txt"], normalizer)
     assert counts == expected
+    assert character_counts([tmp_path / "shard_0.txt", tmp_path / "shard_1.txt"], normalizer, processes=2) == expected
     assert counts["σ"] == 2 and "Σ" not in counts and "é" not in counts
