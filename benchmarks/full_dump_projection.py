@@ -6,8 +6,8 @@ Measures: builds a bz2 dump of --mb MB of XML from sample/enwiki-sample-pages-ar
 stage's real command as its rule does, one process each, on one core: wikipedia_templates (the part's template
 pages), extract_wikipedia (real wikiextractor, --templates), punkt (ONE model for all parts), format (with that
 model), shard (pass 1 timed apart: it runs in parallel over the parts), vocab (trained at two sizes: fixed cost +
-per MB, and word counting apart from merging; also at 2 threads against 1 thread on the same input, whose files
-must be equal), tokenize and encode (seq 128 and 512) and hdf5_dir's checksumming. Text from format on is given
+per MB, on 2 threads, its CPU split into the main thread's (serial) and the rayon pool's and histogram processes'
+(parallel); also on 1 thread against 2 threads on the same input, whose files must be equal), tokenize and encode (seq 128 and 512) and hdf5_dir's checksumming. Text from format on is given
 --novel of its words new (benchmarks/wikipedia_sample.py with_novel_words), as a real shard keeps meeting new words
 while the repeated sample does not. Rates are per CPU second (the process and its children, from wait4), so a
 shared machine slows the wall clock more than the figures.
@@ -21,12 +21,14 @@ of ALL parts, punkt for every extract, format for punkt, shard for every format,
 vocab, while each shard's encode follows its own tokenize (pipelined) and hdf5_dir waits for its phase's encodes.
 The wall time is that schedule's end. Serial parts are modelled where the code has them: wikiextractor's one mapper
 process reads (and bz2-decompresses) its part, whatever --processes; shard's pass 2 streams in corpus order; the
-vocab trainer's merges are counted as serial (its word counting scales with threads).
+vocab trainer's main thread (its merge loop, conversion, I/O) is serial, the rest (word counting, merge updates,
+character histogram) is split over its threads.
 """
 import argparse
 import bz2
 import hashlib
 import heapq
+import json
 import math
 import pickle
 import re
@@ -138,6 +140,24 @@ def bz2_rates(dump: Path, megabytes: float = 20.0) -> dict:
     return rates
 
 
+VOCAB_SPLIT = """
+import json, os, resource, sys
+shard_dir, n_shards, size, threads, output = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+os.environ.update(RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")  # before tokenizers' pool starts
+from workflow.data.vocab import train_vocab
+train_vocab([f"{shard_dir}/shard_{i}.txt" for i in range(n_shards)], output, size, True, threads=threads)
+
+def cpu(task):  # user + system seconds of one thread of this process
+    fields = open(f"/proc/self/task/{task}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+main = cpu(os.getpid())
+children = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"serial": main, "parallel": sum(map(cpu, os.listdir("/proc/self/task"))) - main
+                  + children.ru_utime + children.ru_stime}))
+"""
+
+
 def vocab_run(shard_dir: Path, n_shards: int, size: int, threads: int, output: Path):
     return run_stage([PYTHON, "-m", "workflow.data.vocab", "--shard-dir", shard_dir, "--n-shards", n_shards,
                       "--size", size, "--threads", threads, "--output", output])
@@ -206,15 +226,16 @@ def measure(args, work: Path) -> dict:
         novel_text(formatted, megabytes / 2, directory / "shard_0.txt", args.novel, seed=index + 1)
         novel_text(formatted, megabytes / 2, directory / "shard_1.txt", args.novel, seed=index + 101)
         text_bytes = sum(path.stat().st_size for path in directory.glob("shard_*.txt"))
-        counting = vocab_run(directory, 2, 100, 1, work / "vocab_counting.txt")
-        whole = vocab_run(directory, 2, 30522, 1, work / f"vocab_{index}.txt")
-        m["vocab_runs"].append((text_bytes, counting.cpu, whole.cpu, whole.wall, whole.rss_mb))
-        print(f"vocab on {text_bytes / 1e6:.0f} MB: {whole.cpu:.1f} s CPU, of which word counting {counting.cpu:.1f}",
-              flush=True)
-    two = vocab_run(work / f"vocab{len(args.vocab_mb) - 1}", 2, 30522, 2, work / "vocab_2threads.txt")
-    m["vocab_two_threads"] = (two.cpu, two.wall, two.rss_mb)
-    m["vocab_equal"] = (work / "vocab_2threads.txt").read_bytes() == (work / f"vocab_{len(args.vocab_mb) - 1}.txt").read_bytes()
+        split = json.loads(run_stage([PYTHON, "-c", VOCAB_SPLIT, directory, 2, 30522, 2, work / f"vocab_{index}.txt"]).stdout)
+        m["vocab_runs"].append((text_bytes, split["serial"], split["parallel"]))
+        print(f"vocab on {text_bytes / 1e6:.0f} MB: {split['serial']:.1f} s CPU serial + {split['parallel']:.1f} s "
+              f"parallel", flush=True)
+    directory = work / f"vocab{len(args.vocab_mb) - 1}"
+    one = vocab_run(directory, 2, 30522, 1, work / "vocab_1thread.txt")
+    two = vocab_run(directory, 2, 30522, 2, work / "vocab_2threads.txt")
+    m["vocab_threads"] = {1: (one.cpu, one.wall, one.rss_mb), 2: (two.cpu, two.wall, two.rss_mb)}
     vocab = work / f"vocab_{len(args.vocab_mb) - 1}.txt"
+    m["vocab_equal"] = (work / "vocab_1thread.txt").read_bytes() == (work / "vocab_2threads.txt").read_bytes() == vocab.read_bytes()
     tokenized = work / "novel.npz"
     m["tokenize"] = run_stage([PYTHON, "-m", "workflow.data.tokenize", "--text", novel, "--vocab", vocab,
                                "--output", tokenized, "--threads", 1], env={"RAYON_NUM_THREADS": "1"})
@@ -278,8 +299,8 @@ def model(m: dict, threads: dict, given_vocab: bool = False) -> tuple[list[dict]
         "shard_pass2": m["shard_bytes"] / 1e6 / max(m["shard"].cpu - m["shard_pass1"].cpu, 1e-6),
         "tokenize": m["tokens"] / 1e6 / net_cpu(m, "tokenize", "tokenize"),
     }
-    counting_fixed, counting_per_mb = linear([(b / 1e6, c) for b, c, *_ in m["vocab_runs"]])
-    merge_fixed, merge_per_mb = linear([(b / 1e6, max(w - c, 0.0)) for b, c, w, *_ in m["vocab_runs"]])
+    serial_fixed, serial_per_mb = linear([(b / 1e6, serial) for b, serial, _ in m["vocab_runs"]])
+    parallel_fixed, parallel_per_mb = linear([(b / 1e6, parallel) for b, _, parallel in m["vocab_runs"]])
     vocab_mb = formatted_mb * train_share * FULL["vocab_training_shards"] / n_train
     t = threads
     jobs, stages = [], []
@@ -311,16 +332,16 @@ def model(m: dict, threads: dict, given_vocab: bool = False) -> tuple[list[dict]
     stage("shard", "MB text", formatted_mb, 1 / (1 / rate["shard_pass1"] + 1 / rate["shard_pass2"]), 1,
           f"pass 1 parallel ({pass1:.0f} s), pass 2 one stream ({pass2:.0f} s); {n_train} + {n_test} shards")
     shard_job = job("shard", startup["shard"] + pass1 + pass2, format_jobs)
-    counting = counting_fixed + vocab_mb * counting_per_mb
-    merging = merge_fixed + vocab_mb * merge_per_mb
+    parallel = parallel_fixed + vocab_mb * parallel_per_mb
+    serial = serial_fixed + vocab_mb * serial_per_mb
     if given_vocab:
         stage("vocab", "file", 0, 0, 1, "a given vocab.file, copied")
         vocab_job = job("vocab", startup["vocab"], [shard_job])
     else:
-        stage("vocab", "MB text", vocab_mb, 1 / (counting_per_mb + merge_per_mb), 1,
-              f"{FULL['vocab_training_shards']} training shards; counting {counting:.0f} s CPU (threads), "
-              f"merges {merging:.0f} s (serial)")
-        vocab_job = job("vocab", counting / t["vocab"] + merging, [shard_job])
+        stage("vocab", "MB text", vocab_mb, 1 / (parallel_per_mb + serial_per_mb), 1,
+              f"{FULL['vocab_training_shards']} training shards; {parallel:.0f} s CPU over its threads + {serial:.0f} s "
+              f"on the main thread")
+        vocab_job = job("vocab", parallel / t["vocab"] + serial, [shard_job])
     train_tokens, test_tokens = FULL["tokens"] * train_share / n_train, FULL["tokens"] * FULL["test_fraction"] / n_test
     shard_tokens = [train_tokens] * n_train + [test_tokens] * n_test
     stage("tokenize", "M tokens", FULL["tokens"] / 1e6, rate["tokenize"], n_train + n_test,
@@ -398,13 +419,12 @@ def report(m: dict, args) -> None:
           f"CPU with that model")
     print(f"  shard     {m['shard'].cpu:7.1f} s CPU on {m['shard_bytes'] / 1e6:.0f} MB, of which pass 1 "
           f"{m['shard_pass1'].cpu:.1f} s; peak RSS {m['shard'].rss_mb:.0f} MB")
-    for text_bytes, counting, whole, wall, rss in m["vocab_runs"]:
-        print(f"  vocab     {whole:7.1f} s CPU on {text_bytes / 1e6:.0f} MB, 1 thread (word counting alone {counting:.1f} s), "
-              f"peak RSS {rss:.0f} MB")
-    two_cpu, two_wall, two_rss = m["vocab_two_threads"]
-    one_wall, one_rss = m["vocab_runs"][-1][3:5]
-    print(f"  vocab     same input: 1 thread {one_wall:.1f} s wall (peak RSS {one_rss:.0f} MB), 2 threads {two_wall:.1f} s "
-          f"wall ({two_cpu:.1f} s CPU, peak RSS {two_rss:.0f} MB); files {'EQUAL' if m['vocab_equal'] else 'DIFFERENT'}")
+    for text_bytes, serial, parallel in m["vocab_runs"]:
+        print(f"  vocab     {serial + parallel:7.1f} s CPU on {text_bytes / 1e6:.0f} MB, 2 threads: {serial:.1f} s on the "
+              f"main thread (serial), {parallel:.1f} s on the pool and the histogram processes")
+    (one_cpu, one_wall, one_rss), (two_cpu, two_wall, two_rss) = m["vocab_threads"][1], m["vocab_threads"][2]
+    print(f"  vocab     same input: 1 thread {one_wall:.1f} s wall ({one_cpu:.1f} s CPU, peak RSS {one_rss:.0f} MB), 2 threads "
+          f"{two_wall:.1f} s wall ({two_cpu:.1f} s CPU, peak RSS {two_rss:.0f} MB); files {'EQUAL' if m['vocab_equal'] else 'DIFFERENT'}")
     for name in ("tokenize", "encode128", "encode512"):
         print(f"  {name:9s} {m[name].cpu:7.1f} s CPU, peak RSS {m[name].rss_mb:.0f} MB")
     print(f"\nfull dump assumed: {FULL['bz2_gb']} GB bz2 = {FULL['xml_gb']} GB XML in {FULL['dump_parts']} parts, "
@@ -435,9 +455,9 @@ def report(m: dict, args) -> None:
     order = sorted(spans[min(args.nodes)].items(), key=lambda item: item[1])
     print(f"\ncritical path on {min(args.nodes)} node(s), stage spans in start order (tokenize, encode and hdf5_dir "
           f"overlap shard by shard): " + " -> ".join(f"{stage} {stop - start:.0f} s" for stage, (start, stop) in order))
-    print(f"vocab threads: counting is assumed to scale with them (rayon); merges are counted serial. On the measuring "
-          f"machine, 2 threads took {two_wall:.1f} s wall vs 1 thread {one_wall:.1f} s (files "
-          f"{'equal' if m['vocab_equal'] else 'DIFFERENT'}): a shared 2-core machine cannot show the scaling")
+    print(f"vocab threads: the pool's CPU is assumed to split evenly over them, as it did over 2 (its main thread's is "
+          f"serial); on the measuring machine 2 threads took {two_wall:.1f} s wall vs 1 thread {one_wall:.1f} s (files "
+          f"{'equal' if m['vocab_equal'] else 'DIFFERENT'}): a shared 2-core machine shows no wall-clock scaling")
     cpu = sum(j["seconds"] * min(j["threads"], args.cores_per_node) for j in jobs)
     print(f"\nall jobs' core-seconds spread perfectly over one node's {args.cores_per_node} cores: "
           f"{cpu / args.cores_per_node / 3600:.2f} h; the rest is waiting at the DAG's barriers (every part's extract "
