@@ -120,6 +120,12 @@ def glue_jobs(stdout: str) -> dict:
     return dict(line.split() for line in stdout.splitlines() if line.startswith("glue_") and len(line.split()) == 2)
 
 
+def test_a_summary_refuses_an_eval_json_that_is_not_glues(tmp_path):
+    (tmp_path / "eval.json").write_text(json.dumps({"exact_match": 80.0, "f1": 88.0}))
+    with pytest.raises(summary.UserError, match=r"eval.json: not a GLUE evaluation \(keys task, splits\)"):
+        summary.summarize({}, None, None, [tmp_path / "eval.json"])
+
+
 def _dry_run(root, *configfiles):
     return subprocess.run([sys.executable, "-m", "snakemake", "-n", "all", *(["--configfile", *configfiles]
                                                                            if configfiles else [])],
@@ -129,7 +135,7 @@ def _dry_run(root, *configfiles):
 def test_all_includes_glue_exactly_when_tasks_are_configured(workflow_copy):
     with_glue = _dry_run(workflow_copy, "sample/config.yaml")
     assert with_glue.returncode == 0, with_glue.stderr[-2000:]
-    assert glue_jobs(with_glue.stdout) == {"glue_download": "4", "glue_featurize": "4", "glue_finetune": "2", "glue_eval": "2"}
+    assert glue_jobs(with_glue.stdout) == {"glue_download": "2", "glue_featurize": "2", "glue_finetune": "1", "glue_eval": "1"}
     (workflow_copy / "no_glue.yaml").write_text("glue: {tasks: []}\n")
     without = _dry_run(workflow_copy, "sample/config.yaml", "no_glue.yaml")
     assert without.returncode == 0 and "hdf5_dir" in without.stdout and glue_jobs(without.stdout) == {}
