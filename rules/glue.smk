@@ -93,4 +93,5 @@ rule glue_eval:
         "../envs/train.yaml"
     shell:
         "python -m workflow.glue.evaluate --task {wildcards.glue_task} --model {input.model:q} {params.features}"
-        " --output {output:q} --batch-size {params.batch_size} --precision {params.precision} 2> {log}"
+        " --output {output:q} --batch-size {params.batch_size} --precision {params.precision} --threads {threads}"
+        " 2> {log}"

@@ -168,3 +168,27 @@ def test_features_of_another_task_are_refused(tasks, tmp_path):
     with pytest.raises(UserError, match="labels of another task than SST-2"):
         glue_finetune.finetune(glue_data.TASKS["SST-2"], tasks / "init", tasks / "STS-B_train.npz",
                                tmp_path / "model", tmp_path / "run", device="cpu")
+
+
+def test_two_ranks_through_the_launcher_end_like_one_process_with_the_same_global_batch(tasks, tmp_path, repo_env):
+    config = BertConfig.from_json(tasks / "init" / "config.json")
+    config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0  # no per-rank dropout masks to differ
+    torch.manual_seed(0)
+    save_pretrained(BertForPreTraining(config), config, tasks / "vocab.txt", tmp_path / "init")
+
+    def command(name):
+        settings = glue_config(learning_rate=1e-3, epochs=1, batch_size=32, micro_batch_size=16, precision="fp32")
+        return [sys.executable, "-m", "workflow.train.distributed", "--", sys.executable, "-m",
+                "workflow.glue.finetune", "--config", settings, "--task", "SST-2", "--init", str(tmp_path / "init"),
+                "--features", str(tasks / "SST-2_train.npz"), "--output", str(tmp_path / name), "--run-dir",
+                str(tmp_path / f"run-{name}"), "--device", "cpu", "--threads", "2"]
+
+    two = subprocess.run(command("two"), env={**repo_env, "SNAKEBERT_LOCAL_RANKS": "2"}, capture_output=True,
+                         text=True, timeout=300)
+    assert two.returncode == 0 and "1 accumulation x 2 ranks" in two.stderr, two.stderr[-3000:]
+    one = subprocess.run(command("one"), env=repo_env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0 and "2 accumulation x 1 ranks" in one.stderr, one.stderr[-3000:]
+    expected, _ = glue_finetune.load_classifier(tmp_path / "one", 2, require_head=True)
+    got, _ = glue_finetune.load_classifier(tmp_path / "two", 2, require_head=True)
+    for (name, want), have in zip(expected.state_dict().items(), got.state_dict().values()):
+        assert torch.allclose(have, want, atol=1e-5, rtol=1e-4), name  # fp32 sums in another order only

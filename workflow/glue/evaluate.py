@@ -118,8 +118,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     args = parser.parse_args(argv)
     task = task_of(args.task)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     missing = set(task.dev_splits) - {split for split, _ in args.features}
     if missing:
         raise UserError(f"{task.name}: no --features for the dev split(s) {', '.join(sorted(missing))}")
