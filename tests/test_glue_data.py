@@ -143,3 +143,12 @@ def test_a_long_pair_is_truncated_longer_text_first_to_max_seq_length():
 def test_an_unknown_task_names_the_known_ones():
     with pytest.raises(UserError, match=r"unknown GLUE task 'SST2' \(known: CoLA, SST-2, MRPC"):
         glue_data.task_of("SST2")
+
+
+def test_lines_end_at_newlines_only_and_bad_bytes_name_their_line(tmp_path):
+    tsv = write_tsv(tmp_path / "train.tsv", "QQP", ["1\t2\t3\tWhy is the\rsky blue?\tWhat colour is the sky?\t1"])
+    pairs, labels, _ = glue_data.read_tsv(tsv, glue_data.TASKS["QQP"])
+    assert pairs == [("Why is the\rsky blue?", "What colour is the sky?")] and labels.tolist() == [1]
+    tsv.write_bytes(tsv.read_bytes() + b"4\t5\t6\tcaf\xe9?\tcafe?\t0\n")
+    with pytest.raises(UserError, match=rf"^{tsv}:3: not UTF-8 text \(invalid continuation byte\)$"):
+        glue_data.read_tsv(tsv, glue_data.TASKS["QQP"])

@@ -65,41 +65,46 @@ def task_of(name: str) -> GlueTask:
     return TASKS[name]
 
 
+def _read_row(line: str, number: int, path, task: GlueTask, needed: int, pairs: list, labels: list) -> int:
+    """Append one row's texts and label; 1 if it is a row with missing fields the task skips, else 0."""
+    fields = line.split("\t")
+    if len(fields) < needed:
+        if task.skip_short_rows:
+            return 1
+        raise UserError(f"{path}:{number}: {len(fields)} tab-separated fields, {task.name} needs at least {needed}")
+    text = fields[task.text_a], (fields[task.text_b] if task.text_b is not None else None)
+    label = fields[task.label].strip()
+    if task.labels is None:
+        try:
+            labels.append(float(label))
+        except ValueError:
+            raise UserError(f"{path}:{number}: label {label!r} is not a number ({task.name} is a regression "
+                            "task)") from None
+    elif label in task.labels:
+        labels.append(task.labels.index(label))
+    else:
+        raise UserError(f"{path}:{number}: label {label!r} is not one of {', '.join(task.labels)}")
+    pairs.append(text)
+    return 0
+
+
 def read_tsv(path: str | Path, task: GlueTask) -> tuple[list[tuple[str, str | None]], np.ndarray, int]:
     """(text pairs, labels (int64 class ids, or float32 scores), rows skipped) of a GLUE train/dev TSV file."""
     pairs, labels, skipped = [], [], 0
     # fields a row needs; a label in the last column (-1) comes after the texts
     needed = max(task.text_a, task.text_b or 0, task.label) + 1 + (task.label < 0)
     try:
-        lines = Path(path).read_text(encoding="utf-8").split("\n")
+        with open(path, "rb") as handle:  # binary: lines end at \n only (a stray \r inside a field stays there)
+            for number, raw in enumerate(handle, 1):
+                if number == 1 and task.header:
+                    continue
+                try:
+                    line = raw.decode("utf-8").rstrip("\n").rstrip("\r")
+                except UnicodeDecodeError as error:
+                    raise UserError(f"{path}:{number}: not UTF-8 text ({error.reason})") from None
+                skipped += _read_row(line, number, path, task, needed, pairs, labels)
     except OSError as error:
         raise UserError(f"{path}: cannot read: {error.strerror}") from error
-    except UnicodeDecodeError as error:
-        raise UserError(f"{path}: not UTF-8 text ({error})") from error
-    if lines and lines[-1] == "":
-        lines.pop()
-    for number, line in enumerate(lines, 1):
-        if number == 1 and task.header:
-            continue
-        fields = line.rstrip("\r").split("\t")
-        if len(fields) < needed:
-            if task.skip_short_rows:
-                skipped += 1
-                continue
-            raise UserError(f"{path}:{number}: {len(fields)} tab-separated fields, {task.name} needs at least {needed}")
-        text = fields[task.text_a], (fields[task.text_b] if task.text_b is not None else None)
-        label = fields[task.label].strip()
-        if task.labels is None:
-            try:
-                labels.append(float(label))
-            except ValueError:
-                raise UserError(f"{path}:{number}: label {label!r} is not a number ({task.name} is a regression "
-                                "task)") from None
-        elif label in task.labels:
-            labels.append(task.labels.index(label))
-        else:
-            raise UserError(f"{path}:{number}: label {label!r} is not one of {', '.join(task.labels)}")
-        pairs.append(text)
     if not pairs:
         raise UserError(f"{path}: no {task.name} examples")
     if skipped:
