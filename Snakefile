@@ -1,4 +1,4 @@
-# snakebert: raw Wikipedia (+ optional BookCorpus) -> pretrained BERT -> SQuAD score.
+# snakebert: raw Wikipedia (+ optional BookCorpus) -> pretrained BERT -> SQuAD and GLUE scores.
 # The table of contents of the workflow; every stage lives in rules/<stage>.smk.
 from snakemake.utils import min_version
 
@@ -18,6 +18,7 @@ include: "rules/tokenize.smk"
 include: "rules/encode.smk"
 include: "rules/pretrain.smk"
 include: "rules/squad.smk"
+include: "rules/glue.smk"
 include: "rules/report.smk"
 
 

@@ -13,6 +13,7 @@ from snakemake.utils import validate
 sys.path.insert(0, os.path.dirname(workflow.current_basedir.get_path_or_uri(secret_free=True)))
 from workflow.cli import UserError
 from workflow.data.download import dump_parts
+from workflow.glue.data import TASKS as GLUE_TASKS
 
 
 def config_error(config, schema_path):
@@ -49,7 +50,20 @@ def config_consistency_error(config):
     if squad["batch_size"] % squad["micro_batch_size"]:
         return (f"config key 'squad.batch_size': {squad['batch_size']} is not a multiple of squad.micro_batch_size "
                 f"({squad['micro_batch_size']})")
+    glue = config["glue"]
+    if glue["tasks"] and not glue["url"]:
+        return "config key 'glue.url': required when glue.tasks is non-empty (a directory or base URL of GLUE TSVs)"
+    for task in glue["tasks"]:
+        batch, micro = (glue_setting(task, key) for key in ("batch_size", "micro_batch_size"))
+        if batch % micro:
+            return (f"config key 'glue.batch_size': {batch} is not a multiple of glue.micro_batch_size ({micro}) "
+                    f"for task {task} (glue.overrides.{task} may set either)")
     return None
+
+
+def glue_setting(task, key):
+    """A GLUE task's value of `key`: glue.overrides.<task>.<key> if set, else glue.<key>."""
+    return config["glue"]["overrides"].get(task, {}).get(key, config["glue"][key])
 
 
 if config_consistency_error(config):
@@ -219,13 +233,45 @@ def squad_recipe(wildcards):
     return {"seed": config["seed"], **{key: config["squad"][key] for key in keys}}
 
 
+def glue_file_url(wildcards):
+    """Where a GLUE file is: <glue.url>/<task>/<file>.tsv, as download_glue_data.py lays GLUE out."""
+    return f"{config['glue']['url'].rstrip('/')}/{wildcards.glue_task}/{wildcards.glue_file}.tsv"
+
+
+def glue_max_seq_length(wildcards):
+    return glue_setting(wildcards.glue_task, "max_seq_length")
+
+
+def glue_dev_features(wildcards):
+    """{dev split: its features}: dev, or MNLI's dev_matched and dev_mismatched."""
+    return {split: f"data/glue/{wildcards.glue_task}/{split}_features.npz"
+            for split in GLUE_TASKS[wildcards.glue_task].dev_splits}
+
+
+def glue_dev_feature_args(wildcards, input):
+    return " ".join(f"--features {split}={input[split]}" for split in GLUE_TASKS[wildcards.glue_task].dev_splits)
+
+
+def glue_recipe(wildcards):
+    """What changes a task's fine-tuned model (glue_finetune's params): not cadence, micro-batch size or threads."""
+    keys = ("max_seq_length", "learning_rate", "epochs", "batch_size", "warmup_proportion", "weight_decay",
+            "max_grad_norm", "precision")
+    return {"seed": config["seed"], **{key: glue_setting(wildcards.glue_task, key) for key in keys}}
+
+
+def glue_targets():
+    """Each configured GLUE task's dev scores."""
+    return expand("results/glue/{task}/eval.json", task=config["glue"]["tasks"])
+
+
 def all_targets():
-    """What `snakemake all` builds: the data, both pretraining phases, the SQuAD evaluation."""
+    """What `snakemake all` builds: the data, both pretraining phases, the SQuAD evaluation, the GLUE tasks'."""
     return [
         hdf5_dir("phase1"),
         hdf5_dir("phase2"),
         "results/pretrain/phase2/model",
         "results/squad/eval.json",
+        *glue_targets(),
         "results/summary.csv",
         *REPORT_TARGETS,
     ]

@@ -23,17 +23,19 @@ rule summary:
         pretrain=PRETRAIN_METRICS,
         squad_eval="results/squad/eval.json",
         squad_metrics="results/squad/finetune_metrics.jsonl",
+        glue_evals=glue_targets(),
     output:
         report("results/summary.csv", caption="../report/summary.rst", category="Summary"),
     params:
         phases=PRETRAIN_PHASE_ARGS,
+        glue=" ".join(f"--glue-eval {path}" for path in glue_targets()),
     log:
         "logs/summary/summary.log",
     conda:
         "../envs/report.yaml"
     shell:
         "python -m workflow.report.summary {params.phases} --squad-eval {input.squad_eval:q}"
-        " --squad-metrics {input.squad_metrics:q} --output {output:q} 2> {log}"
+        " --squad-metrics {input.squad_metrics:q} {params.glue} --output {output:q} 2> {log}"
 
 
 rule report_pretrain_plots:

@@ -1,11 +1,12 @@
-"""The run in one table: pretraining losses/accuracies/throughput per phase and the SQuAD EM/F1.
+"""The run in one table: pretraining losses/accuracies/throughput per phase, the SQuAD EM/F1 and the GLUE dev scores.
 
     python -m workflow.report.summary --phase phase1=results/pretrain/phase1 --phase phase2=results/pretrain/phase2 \
         --squad-eval results/squad/eval.json --squad-metrics results/squad/finetune_metrics.jsonl \
-        --output results/summary.csv
+        --glue-eval results/glue/MRPC/eval.json --output results/summary.csv
     python -m workflow.report.summary --print results/summary.csv      # the table, EM/F1 and where the report is
 
 results/summary.csv has the columns stage, metric, value (one row per number; floats to 6 significant digits).
+GLUE rows: stage `glue`, metric `<task>.<metric>` (MNLI's dev sets as the GLUE leaderboard names them: MNLI-m, MNLI-mm).
 A pretraining directory holds metrics.jsonl (one line per logged step) and summary.json (the phase's totals).
 """
 import argparse
@@ -31,6 +32,8 @@ PHASE_TOTALS = [
 # (metric in summary.csv, key of the last metrics.jsonl line)
 PHASE_FINAL = [("final_loss", "loss"), ("final_mlm_loss", "mlm_loss"), ("final_nsp_loss", "nsp_loss"),
                ("final_mlm_accuracy", "mlm_accuracy")]
+# GLUE dev split -> the name of its column in the GLUE leaderboard ("dev": the task's own name)
+GLUE_SPLIT_NAMES = {"dev_matched": "-m", "dev_mismatched": "-mm"}
 SQUAD_KEYS = ["exact_match", "f1", "total", "HasAns_exact_match", "HasAns_f1", "HasAns_total",
               "NoAns_exact_match", "NoAns_f1", "NoAns_total"]
 
@@ -60,9 +63,22 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return records
 
 
+def glue_rows(eval_json: str | Path) -> list[tuple[str, str, object]]:
+    """("glue", "<task>.<metric>", value) rows of one task's eval.json (workflow.glue.evaluate)."""
+    result = read_json(eval_json)
+    if "task" not in result or not isinstance(result.get("splits"), dict):
+        raise UserError(f"{eval_json}: not a GLUE evaluation (keys task, splits)")
+    rows = []
+    for split, scores in result["splits"].items():
+        name = result["task"] + GLUE_SPLIT_NAMES.get(split, "")
+        rows.extend(("glue", f"{name}.{metric}", value) for metric, value in scores.items())
+    return rows
+
+
 def summarize(pretrain: dict[str, str | Path], squad_eval: str | Path | None,
-              squad_metrics: str | Path | None = None) -> list[tuple[str, str, object]]:
-    """(stage, metric, value) rows: per phase its totals and final training numbers, then SQuAD."""
+              squad_metrics: str | Path | None = None,
+              glue_evals: Sequence[str | Path] = ()) -> list[tuple[str, str, object]]:
+    """(stage, metric, value) rows: per phase its totals and final training numbers, then SQuAD, then GLUE."""
     rows: list[tuple[str, str, object]] = []
     for phase, directory in pretrain.items():
         totals = read_json(Path(directory) / "summary.json")
@@ -86,6 +102,8 @@ def summarize(pretrain: dict[str, str | Path], squad_eval: str | Path | None,
         for key in SQUAD_KEYS:
             if key in result:
                 rows.append(("squad", key, result[key]))
+    for path in glue_evals:
+        rows.extend(glue_rows(path))
     return rows
 
 
@@ -116,7 +134,7 @@ def read_summary(path: str | Path) -> list[dict]:
 
 
 def render(rows: list[dict], report: str | Path = "report.html") -> str:
-    """The table, aligned, then the SQuAD EM/F1 line and where the report is (or how to make it)."""
+    """The table, aligned, then the SQuAD EM/F1 and GLUE lines and where the report is (or how to make it)."""
     width = max([len(r["stage"]) + len(r["metric"]) + 1 for r in rows] + [10])
     lines = [f"{r['stage'] + '.' + r['metric']:<{width}}  {r['value']}" for r in rows]
     squad = {r["metric"]: r["value"] for r in rows if r["stage"] == "squad"}
@@ -124,6 +142,10 @@ def render(rows: list[dict], report: str | Path = "report.html") -> str:
         lines.append("")
         lines.append(f"SQuAD v{squad.get('version', '1.1')} dev: EM {float(squad['exact_match']):.2f}  "
                      f"F1 {float(squad['f1']):.2f}  ({squad.get('total', '?')} questions)")
+    glue = [r["metric"].rsplit(".", 1) + [r["value"]] for r in rows if r["stage"] == "glue"]
+    scores = [f"{task} {metric} {float(value):.4f}" for task, metric, value in glue if metric != "examples"]
+    if scores:
+        lines.append("GLUE dev: " + "  ".join(scores))
     report = Path(report)
     if report.is_file():
         lines.append(f"Report: {report.resolve()}")
@@ -140,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="a pretraining result directory (metrics.jsonl, summary.json); repeatable")
     parser.add_argument("--squad-eval", help="results/squad/eval.json")
     parser.add_argument("--squad-metrics", help="fine-tuning metrics JSONL")
+    parser.add_argument("--glue-eval", action="append", default=[], metavar="EVAL_JSON",
+                        help="a GLUE task's results/glue/<task>/eval.json; repeatable")
     parser.add_argument("--output", help="summary.csv to write")
     args = parser.parse_args(argv)
 
@@ -148,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if not args.output:
         parser.error("--output is required unless --print is given")
-    rows = summarize(dict(args.phase), args.squad_eval, args.squad_metrics)
+    rows = summarize(dict(args.phase), args.squad_eval, args.squad_metrics, args.glue_eval)
     write_text(args.output, to_csv(rows))
     log.info("%d numbers -> %s", len(rows), args.output)
 

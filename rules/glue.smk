@@ -1,0 +1,97 @@
+# GLUE: download each configured task's TSV files, featurize them with the model's WordPiece vocab, fine-tune (GPU),
+# score the dev set(s). Fine-tuning starts from the phase-2 export unless config glue.init_from names another HF BERT
+# directory; it reads the config sections seed and glue whole (params.config, not part of the rerun check);
+# params.recipe holds only what changes the task's model.
+
+GLUE_INIT = config["glue"]["init_from"] or "results/pretrain/phase2/model"
+GLUE_VOCAB = f"{config['glue']['init_from']}/vocab.txt" if config["glue"]["init_from"] else "data/vocab.txt"
+
+
+wildcard_constraints:
+    glue_task="CoLA|SST-2|MRPC|STS-B|QQP|MNLI|QNLI|RTE|WNLI",
+    glue_file="train|dev|dev_matched|dev_mismatched",
+
+
+rule glue:
+    input:
+        glue_targets(),
+
+
+rule glue_download:
+    output:
+        "data/download/glue/{glue_task}/{glue_file}.tsv",
+    params:
+        url=glue_file_url,
+    log:
+        "logs/glue_download/{glue_task}/{glue_file}.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.data.download file --url {params.url:q} --output {output:q} 2> {log}"
+
+
+rule glue_featurize:
+    input:
+        tsv="data/download/glue/{glue_task}/{glue_file}.tsv",
+        vocab=GLUE_VOCAB,
+    output:
+        "data/glue/{glue_task}/{glue_file}_features.npz",
+    params:
+        lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",
+        max_seq_length=glue_max_seq_length,
+    log:
+        "logs/glue_featurize/{glue_task}/{glue_file}.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.glue.data --task {wildcards.glue_task} --input {input.tsv:q} --vocab {input.vocab:q}"
+        " --output {output:q} {params.lowercase} --max-seq-length {params.max_seq_length} 2> {log}"
+
+
+rule glue_finetune:
+    input:
+        model=GLUE_INIT,
+        vocab=GLUE_VOCAB,
+        features="data/glue/{glue_task}/train_features.npz",
+    output:
+        model=directory("results/glue/{glue_task}/model"),
+        metrics="results/glue/{glue_task}/finetune_metrics.jsonl",
+    params:
+        recipe=glue_recipe,
+        config=config_sections("seed", "glue"),
+    threads: 8
+    resources:
+        gpus=1,
+    log:
+        "logs/glue_finetune/{glue_task}.log",
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "python -m workflow.train.distributed -- python -m workflow.glue.finetune --config {params.config:q}"
+        " --task {wildcards.glue_task} --init {input.model:q} --vocab {input.vocab:q} --features {input.features:q}"
+        " --output {output.model:q} --metrics {output.metrics:q} --run-dir runs/glue/{wildcards.glue_task}"
+        " --threads {threads} 2> {log}"
+
+
+rule glue_eval:
+    input:
+        unpack(glue_dev_features),
+        model="results/glue/{glue_task}/model",
+    output:
+        report("results/glue/{glue_task}/eval.json", caption="../report/glue_eval.rst", category="GLUE",
+               subcategory="{glue_task}"),
+    params:
+        features=glue_dev_feature_args,
+        batch_size=config["glue"]["eval_batch_size"],
+        precision=config["glue"]["precision"],
+    threads: 8
+    resources:
+        gpus=1,
+    log:
+        "logs/glue_eval/{glue_task}.log",
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "python -m workflow.glue.evaluate --task {wildcards.glue_task} --model {input.model:q} {params.features}"
+        " --output {output:q} --batch-size {params.batch_size} --precision {params.precision} --threads {threads}"
+        " 2> {log}"
