@@ -83,7 +83,7 @@ def test_fresh_runs_give_byte_identical_data_and_identical_phase1_weights(tmp_pa
         assert run.returncode == 0, run.stderr[-4000:]
         roots.append(root)
     data = [file_digests(root / "data") for root in roots]
-    assert {"vocab.txt", "hdf5_seq128/manifest.json", "hdf5_seq128/training/shard_0.hdf5"} <= data[0].keys()
+    assert {"vocab.txt", "hdf5_seq128/manifest.json", "hdf5_seq128/training/seq128_training_shard_0.hdf5"} <= data[0].keys()
     assert data[0] == data[1]
 
     weights = [load_file(root / "results/pretrain/phase1/model/model.safetensors") for root in roots]
