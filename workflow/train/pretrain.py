@@ -91,6 +91,7 @@ class TrainSettings:
     threads: int | None = None
     deterministic: bool = False
     compile: bool = False
+    loader_workers: int = 2
 
     @classmethod
     def from_config(cls, config: dict, phase: str, **paths) -> "TrainSettings":
@@ -100,7 +101,8 @@ class TrainSettings:
             values = {key: section[phase].get(key) for key in PHASE_KEYS}
             values.update({key: section["lamb"][key] for key in LAMB_KEYS})
             values.update({key: section[key] for key in ("precision", "checkpoint_every", "keep_checkpoints",
-                                                         "log_every", "eval_max_sequences")})
+                                                         "log_every", "eval_max_sequences", "compile",
+                                                         "loader_workers")})
             values.update(preset=config["model"]["preset"], bert_config=config["model"]["bert_config"],
                           seed=config["seed"])
         except (KeyError, TypeError, AttributeError) as error:
@@ -293,7 +295,8 @@ def _pretrain(s: TrainSettings, env) -> dict:
     loop = LoopSettings(config_key=f"pretrain.{s.phase}", run_dir=s.run_dir, total_steps=s.total_steps,
                         global_batch_size=s.global_batch_size, micro_batch_size=s.micro_batch_size,
                         max_steps=s.max_steps, precision=precision, checkpoint_every=s.checkpoint_every,
-                        keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed, compile=s.compile)
+                        keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed, compile=s.compile,
+                        loader_workers=s.loader_workers)
     try:
         outcome = train(env, model, optimizer, scheduler, PretrainingTask(sequences, seq_length), loop,
                         _fingerprint(s, config, train_shards))

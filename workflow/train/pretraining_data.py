@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,7 +185,14 @@ class PretrainingSequences:
         self._cached = cached_shards
         self._arrays: dict[int, dict] = {}   # shard index -> arrays, oldest first
         self._pending: dict[int, object] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
+        self._pool, self._pool_pid = None, None
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The shard prefetch thread of this process (a forked loader worker starts its own)."""
+        if self._pool_pid != os.getpid():
+            self._pool, self._pool_pid, self._pending = ThreadPoolExecutor(1, "shard-prefetch"), os.getpid(), {}
+        return self._pool
 
     def plan(self, epoch: int) -> list[int]:
         """The shards (indices into `shards`) in the order epoch `epoch` visits them."""
@@ -203,7 +211,7 @@ class PretrainingSequences:
 
     def _prefetch(self, shard: int) -> None:
         if shard not in self._arrays and shard not in self._pending:
-            self._pending[shard] = self._pool.submit(read_shard, self.shards[shard])
+            self._pending[shard] = self.pool.submit(read_shard, self.shards[shard])
 
     def _take(self, epoch: int, shard: int, offset: int, count: int) -> dict:
         """Sequences [offset, offset + count) of one shard's order in `epoch`, as arrays (+ "live" when packed)."""
@@ -242,7 +250,8 @@ class PretrainingSequences:
         return make_batch(arrays, slice(None), live)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None and self._pool_pid == os.getpid():
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def iterate_in_order(shards: list[ShardInfo], batch_size: int, limit: int | None = None):
