@@ -255,17 +255,18 @@ class PretrainingSequences:
 
 
 def iterate_in_order(shards: list[ShardInfo], batch_size: int, limit: int | None = None):
-    """Every row of `shards` once, in file order, in batches of `batch_size` rows (held-out evaluation); `limit`
-    counts rows."""
+    """Every row of `shards` once, in file order, in batches of `batch_size` rows (held-out evaluation), until the
+    rows hold `limit` sequences (packed rows are taken whole: up to S - 1 more)."""
     remaining = math.inf if limit is None else limit
     for shard in shards:
         if remaining <= 0:
             return
         arrays = read_shard(shard)
-        n = int(min(shard.rows, remaining))
+        per_row = np.asarray(shard.sequences_per_row) if shard.packed else np.ones(shard.rows, np.int64)
+        n = int(np.searchsorted(np.cumsum(per_row), remaining) + 1) if remaining < shard.n else shard.rows
         for start in range(0, n, batch_size):
             yield make_batch(arrays, np.arange(start, min(start + batch_size, n)))
-        remaining -= n
+        remaining -= int(per_row[:n].sum())
 
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
