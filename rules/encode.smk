@@ -1,5 +1,13 @@
-# Stages 7-8: masked-LM + next-sentence instances per tokenized shard (NVIDIA's HDF5 schema), then the
-# directory a trainer reads, data/hdf5_seq{seq}: both splits hard-linked from data/encoded_seq{seq} + manifest.json.
+# Stages 7-8: masked-LM + next-sentence instances per tokenized shard (packed; NVIDIA's HDF5 schema with
+# encode.packing.enabled false), then the directory a trainer reads, data/hdf5_seq{seq}: both splits hard-linked from data/encoded_seq{seq} + manifest.json.
+
+
+def packing_arguments(wildcards):
+    """encode's packing options from config encode.packing."""
+    packing = config["encode"]["packing"]
+    if not packing["enabled"]:
+        return "--no-packing"
+    return f"--packing --max-sequences-per-pack {packing['max_sequences_per_pack']} --pack-algorithm {packing['algorithm']}"
 
 
 rule encode:
@@ -15,6 +23,7 @@ rule encode:
         short_seq_prob=config["encode"]["short_seq_prob"],
         whole_word_masking="--whole-word-masking" if config["encode"]["whole_word_masking"] else "--no-whole-word-masking",
         compression=config["encode"]["compression"],
+        packing=packing_arguments,
         seed=config["seed"],
     log:
         "logs/encode/seq{seq}/{split}/shard_{index}.log",
@@ -26,6 +35,7 @@ rule encode:
         " --max-seq-length {wildcards.seq} --max-predictions-per-seq {params.max_predictions_per_seq}"
         " --dupe-factor {params.dupe_factor} --masked-lm-prob {params.masked_lm_prob}"
         " --short-seq-prob {params.short_seq_prob} {params.whole_word_masking} --compression {params.compression}"
+        " {params.packing}"
         " --seed {params.seed} --split {wildcards.split} --shard-index {wildcards.index} 2> {log}"
 
 

@@ -18,6 +18,7 @@ from benchmarks import google_reference
 from workflow.data.encode import EncodeSettings, Vocab, _truncate_pair, build_batch, encode_shard, plan_instances, shard_rng
 from workflow.cli import UserError
 from workflow.data.hdf5_dir import build_hdf5_dir
+from workflow.data.pack import PackSettings, pack_arrays
 from workflow.data.tokenize import load_tokenized, tokenize_shard
 from workflow.data.vocab import train_vocab
 from workflow.train.pretraining_data import list_shards
@@ -255,6 +256,56 @@ def test_hdf5_dir_links_shards_and_writes_manifest(shard, encoded, tmp_path):
     assert not (tmp_path / "again").exists()
 
 
+def read_all(path) -> tuple[dict, dict]:
+    with h5py.File(path, "r") as handle:
+        return {name: handle[name][()] for name in handle}, dict(handle.attrs)
+
+
+def test_packed_encode_writes_the_packs_of_its_own_instances_and_says_so(shard, encoded, tmp_path):
+    directory, settings = encoded
+    vocab, tokenized, _ = shard
+    packing = PackSettings(max_sequences_per_pack=3, algorithm="lpfhp")
+    encode_shard(tokenized, vocab, tmp_path / "p.hdf5", settings, seed=12345, split="training", shard_index=0,
+                 packing=packing)
+    unpacked, unpacked_attributes = read_all(directory / "a.hdf5")
+    packed, attributes = read_all(tmp_path / "p.hdf5")
+    expected = pack_arrays(unpacked, 3, settings.masked_lm_prob, "lpfhp")
+    assert sorted(packed) == sorted(expected)
+    for name in expected:
+        np.testing.assert_array_equal(packed[name], expected[name], err_msg=name)
+    assert attributes["packing"] == "lpfhp" and attributes["max_sequences_per_pack"] == 3
+    assert attributes["n_instances"] == unpacked_attributes["n_instances"] == len(unpacked["input_ids"])
+    assert attributes["n_packs"] == len(packed["input_ids"]) < len(unpacked["input_ids"])
+    assert attributes["fill"] == unpacked["input_mask"].sum() / packed["input_ids"].size
+    # The manifest says which format a directory holds and counts instances, not rows.
+    source = tmp_path / "encoded"
+    for split in ("training", "test"):
+        (source / split).mkdir(parents=True)
+        shutil.copyfile(tmp_path / "p.hdf5", source / split / "shard_0.hdf5")
+    manifest = build_hdf5_dir(source, {"training": 1, "test": 1}, tmp_path / "hdf5")
+    assert manifest["format"] == "packed" and manifest["settings"]["max_sequences_per_pack"] == 3
+    assert manifest["n_instances"]["training"] == len(unpacked["input_ids"])
+    assert manifest["shards"][0]["n_rows"] == len(packed["input_ids"])
+    # An unpacked shard beside packed ones is refused.
+    shutil.copyfile(directory / "a.hdf5", source / "test" / "shard_0.hdf5")
+    with pytest.raises(UserError, match=r"test/shard_0.hdf5: unpacked, but training/shard_0.hdf5 is packed"):
+        build_hdf5_dir(source, {"training": 1, "test": 1}, tmp_path / "again")
+
+
+def test_packing_off_on_the_command_line_writes_the_library_default_nvidia_file_byte_for_byte(shard, encoded,
+                                                                                              tmp_path):
+    directory, settings = encoded
+    vocab, tokenized, _ = shard
+    common = ("--tokenized", tokenized, "--vocab", vocab, "--max-seq-length", 128, "--max-predictions-per-seq", 20,
+              "--split", "training", "--shard-index", 0, "--seed", 12345)
+    result = run_stage("workflow.data.encode", *common, "--output", tmp_path / "off.hdf5", "--no-packing")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "off.hdf5").read_bytes() == (directory / "a.hdf5").read_bytes()
+    result = run_stage("workflow.data.encode", *common, "--output", tmp_path / "on.hdf5")
+    assert result.returncode == 0, result.stderr
+    assert read_all(tmp_path / "on.hdf5")[1]["packing"] == "lpfhp"  # the command line packs by default
+
+
 def nvidia_training_files(input_dir: str) -> list[str]:
     """NVIDIA DLE run_pretraining.py's file list, verbatim: the files of --input_dir whose name contains 'training'."""
     return [os.path.join(input_dir, f) for f in os.listdir(input_dir) if
@@ -374,6 +425,7 @@ def test_snakemake_hdf5_seq_target_is_byte_identical_with_1_or_2_jobs(shard, tmp
     assert sorted(trees[0]) == ["manifest.json", "test/seq64_test_shard_0.hdf5"] + [
         f"training/seq64_training_shard_{i}.hdf5" for i in range(3)]
     manifest = json.loads((tmp_path / "j1" / "data" / "hdf5_seq64" / "manifest.json").read_text())
+    assert manifest["format"] == "packed" and manifest["settings"]["packing"] == "lpfhp"  # packed by default
     assert manifest["settings"]["max_seq_length"] == 64 and manifest["settings"]["dupe_factor"] == 2
     assert manifest["n_instances"]["training"] == sum(e["n_instances"] for e in manifest["shards"][:3])
     assert all(trees[0][entry["path"]] == entry["sha256"] for entry in manifest["shards"])
@@ -394,6 +446,15 @@ def test_snakemake_other_seed_changes_the_data(shard, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     after = tree_digest(workdir / "data" / "hdf5_seq64")
     assert before["training/seq64_training_shard_0.hdf5"] != after["training/seq64_training_shard_0.hdf5"]
+    # Packing off: the same instances in NVIDIA's schema, one per row.
+    config = workdir / "test-config.yaml"
+    config.write_text(config.read_text().replace("encode: {", "encode: {packing: {enabled: false}, "))
+    result = snakemake(workdir, "--cores", "2", "data/hdf5_seq64", "--config", "seed=7")
+    assert result.returncode == 0, result.stderr[-3000:]
+    manifest = json.loads((workdir / "data" / "hdf5_seq64" / "manifest.json").read_text())
+    assert manifest["format"] == "unpacked" and "packing" not in manifest["settings"]
+    unpacked, _ = read_all(workdir / "data" / "hdf5_seq64" / "training" / "seq64_training_shard_0.hdf5")
+    assert sorted(unpacked) == sorted(SCHEMA) and manifest["n_instances"]["training"] == len(unpacked["input_ids"])
 
 
 def reference_pairs(documents: list[list[list[int]]], settings: EncodeSettings, rng: random.Random) -> list[tuple]:

@@ -57,7 +57,7 @@ def settings(data, out, **overrides) -> TrainSettings:
 def config_of(s: TrainSettings) -> dict:
     """The workflow config sections (seed, model, pretrain) that give `s`."""
     section = {key: getattr(s, key) for key in ("precision", "checkpoint_every", "keep_checkpoints", "log_every",
-                                                  "eval_max_sequences")}
+                                                  "eval_max_sequences", "compile", "loader_workers")}
     section["lamb"] = {key: getattr(s, key) for key in LAMB_KEYS}
     section[s.phase] = {key: getattr(s, key) for key in PHASE_KEYS}
     return {"seed": s.seed, "model": {"preset": s.preset, "bert_config": s.bert_config, "init_from": s.init_from},
@@ -129,7 +129,7 @@ def test_kill_9_then_rerun_resumes_to_bit_identical_weights(data, tmp_path):
     _, got = load_pretrained(crashed.out_model)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
-    timing = {"seq_per_s", "tokens_per_s"}
+    timing = {"seq_per_s", "tokens_per_s", "real_tokens_per_s"}
     strip = [{k: v for k, v in m.items() if k not in timing} for m in read_metrics(straight.out_metrics)]
     assert strip == [{k: v for k, v in m.items() if k not in timing} for m in read_metrics(crashed.out_metrics)]
 
@@ -201,6 +201,76 @@ def test_any_range_of_the_global_sequence_order_reads_the_same_sequences(tmp_pat
     ids = [tuple(row.tolist()) for row in whole["input_ids"]]
     assert sorted(ids[:63]) == sorted(ids[63:126]) and ids[:63] != ids[63:126]  # each epoch: all, reshuffled
     assert len({tuple(order.plan(e)) for e in range(6)}) > 1
+
+
+def live_sequences(batch) -> list[int]:
+    """The instances a packed batch trains on, in order (row by row, slot by slot)."""
+    return [i for i in batch["instance_index"].flatten().tolist() if i >= 0]
+
+
+def test_packed_reads_give_every_sequence_once_whatever_the_split_into_steps_and_micro_batches(tmp_path):
+    write_synthetic_shards(tmp_path, n_training_shards=1, sequences_per_shard=40, seed=2, max_sequences_per_pack=3, short_seq_prob=0.7)
+    shards = list_shards(tmp_path, "training")
+    assert shards[0].packed and shards[0].n == 40 and shards[0].rows < 30  # several sequences per row
+    length_of, row_of = packed_file_maps(shards[0].path)
+    whole = PretrainingSequences(shards, seed=9).read(0, 100)  # crosses two epoch boundaries
+    order = live_sequences(whole)
+    assert len(order) == 100 and sorted(order[:40]) == list(range(40)) and order[:40] != order[40:80]
+    for start, count in ((0, 1), (1, 6), (7, 13), (20, 21), (41, 3), (77, 23)):
+        part = PretrainingSequences(shards, seed=9).read(start, count)
+        assert live_sequences(part) == order[start:start + count]
+        assert int((part["next_sentence_labels"] >= 0).sum()) == count
+        # A straddling row's other sequences are padding here: only the live sequences' tokens are real.
+        assert int((part["attention_mask"] > 0).sum()) == sum(length_of[i] for i in live_sequences(part))
+    # Some reads above start or end inside a row.
+    assert any(row_of[order[start - 1]] == row_of[order[start]] for start in (1, 7, 20, 41, 77))
+
+
+def packed_file_maps(path) -> tuple[dict, dict]:
+    """{instance: its length}, {instance: its row} of a packed shard."""
+    with h5py.File(path, "r") as handle:
+        index, lengths = handle["instance_index"][()], handle["sequence_lengths"][()]
+    rows = np.nonzero(index >= 0)
+    return dict(zip(index[rows].tolist(), lengths[rows].tolist())), dict(zip(index[rows].tolist(), rows[0].tolist()))
+
+
+def test_a_packed_step_has_the_loss_and_gradients_of_the_same_sequences_unpacked(tmp_path):
+    from workflow.train.model import BertForPreTraining
+    from workflow.train.pretrain import PretrainingTask
+    from workflow.train.pretraining_data import make_batch, read_shard
+
+    write_synthetic_shards(tmp_path / "plain", n_training_shards=1, sequences_per_shard=48, seed=4,
+                           short_seq_prob=0.7)
+    write_synthetic_shards(tmp_path / "packed", n_training_shards=1, sequences_per_shard=48, seed=4,
+                           max_sequences_per_pack=3, short_seq_prob=0.7)
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.from_json(bert_config(tmp_path / "config.json", dropout=0.0)))
+    packed_task = PretrainingTask(PretrainingSequences(list_shards(tmp_path / "packed", "training"), seed=3), 32)
+    # One step of 24 sequences in micro-batches of 11 and 13 (the edge falls inside a row), after 5 sequences.
+    micro = [packed_task.read(5, 11), packed_task.read(16, 13)]
+    _, row_of = packed_file_maps(list_shards(tmp_path / "packed", "training")[0].path)
+    assert row_of[live_sequences(micro[0])[-1]] == row_of[live_sequences(micro[1])[0]]  # the edge splits a row
+
+    def step(task, batches):
+        model.zero_grad()
+        counts = [task.count(b) for b in batches]
+        totals = {key: sum(c[key] for c in counts).float() for key in counts[0]}
+        loss = 0
+        for batch in batches:
+            out = task.loss(model, batch, totals)
+            out["loss"].backward()
+            loss += out["loss"].item()
+        return loss, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    packed_loss, packed_grads = step(packed_task, micro)
+    instances = np.array([i for m in micro for i in live_sequences(m)])
+    assert len(instances) == 24 == len(set(instances))
+    plain = [make_batch(read_shard(list_shards(tmp_path / "plain", "training")[0]), np.sort(instances))]
+    plain_loss, plain_grads = step(packed_task, plain)
+    assert abs(packed_loss - plain_loss) < 1e-5
+    assert packed_grads.keys() == plain_grads.keys()
+    for name in plain_grads:
+        assert torch.allclose(packed_grads[name], plain_grads[name], atol=1e-5, rtol=1e-4), name
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
@@ -327,7 +397,19 @@ def test_when_one_rank_cannot_read_the_chosen_checkpoint_every_rank_stops(tmp_pa
                                                "(stale file handle)"
 
 
-def test_a_run_checkpointed_on_2_ranks_continues_on_1_then_4_like_an_uninterrupted_run(data, tmp_path):
+@pytest.fixture(scope="module")
+def packed_data(tmp_path_factory):
+    """The `data` fixture's kind of shards, many of them short, packed up to 3 per row."""
+    root = tmp_path_factory.mktemp("packed_data")
+    write_synthetic_shards(root / "hdf5", vocab_size=64, seq_length=32, max_predictions=5, n_training_shards=2,
+                           n_test_shards=1, sequences_per_shard=256, seed=0, short_seq_prob=0.7,
+                           max_sequences_per_pack=3)
+    return root
+
+
+@pytest.mark.parametrize("layout", ["unpacked", "packed"])
+def test_a_run_checkpointed_on_2_ranks_continues_on_1_then_4_like_an_uninterrupted_run(request, layout, tmp_path):
+    data = request.getfixturevalue("packed_data" if layout == "packed" else "data")
     config_path = bert_config(tmp_path / "config.json", dropout=0.0)  # dropout masks depend on the rank layout
     common = dict(total_steps=8, global_batch_size=16, checkpoint_every=100, log_every=1, eval_max_sequences=32,
                   bert_config=config_path)
@@ -351,6 +433,10 @@ def test_a_run_checkpointed_on_2_ranks_continues_on_1_then_4_like_an_uninterrupt
     losses = [(m["step"], round(m["loss"], 4)) for m in read_metrics(elastic / "metrics.jsonl")]
     assert losses == [(m["step"], round(m["loss"], 4)) for m in read_metrics(straight.out_metrics)]
     assert [m["step"] for m in read_metrics(elastic / "metrics.jsonl")] == list(range(1, 9))
+    summary = json.loads((elastic / "summary.json").read_text())
+    real = sum(m["real_tokens"] for m in read_metrics(elastic / "metrics.jsonl"))
+    assert summary["packed"] == (layout == "packed") and summary["real_tokens_per_s"] > 0
+    assert real == sum(m["real_tokens"] for m in read_metrics(straight.out_metrics))  # the same tokens, once each
 
 
 def test_a_change_of_the_math_refuses_to_resume_and_deletes_nothing(data, tmp_path, capsys):

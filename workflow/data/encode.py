@@ -9,13 +9,15 @@ The file schema is NVIDIA's, so its loader reads it as is:
     input_ids [N,L] int32, input_mask [N,L] int8, segment_ids [N,L] int8,
     masked_lm_positions [N,P] int32, masked_lm_ids [N,P] int32, next_sentence_labels [N] int8 (1 = random B),
 
-zero-padded. The work is vectorised numpy: instances are planned for all documents at once (one step = one
+zero-padded. With packing (the stage's default; workflow.data.pack), the shard's instances are packed before they
+are written, several to a row, in the packed schema of workflow.data.pack. The work is vectorised numpy: instances are planned for all documents at once (one step = one
 instance per document), then built and masked in batches of rows, so memory stays bounded by the batch.
 """
 import argparse
 import hashlib
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -26,6 +28,7 @@ from tqdm import tqdm
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
+from workflow.data.pack import ALGORITHMS, PackSettings, pack_arrays, packing_stats
 from workflow.data.tokenize import load_tokenized
 from workflow.data.vocab import read_vocab, special_token_ids
 
@@ -255,9 +258,11 @@ def encode_shard(
     split: str,
     shard_index: int,
     compression: str = "gzip",
+    packing: PackSettings | None = None,
 ) -> int:
-    """Encode one tokenized shard into the HDF5 file `output`; returns the number of instances."""
-    _check(settings)
+    """Encode one tokenized shard into the HDF5 file `output`, packed (workflow.data.pack) unless `packing` is
+    None; returns the number of instances."""
+    _check(settings, packing)
     vocab = Vocab.read(vocab_path)
     ids, sentence_offsets, document_offsets = load_tokenized(tokenized)
     padded_ids = np.append(ids, 0).astype(ids.dtype)
@@ -283,6 +288,33 @@ def encode_shard(
         "masked_lm_ids": ((n, n_predictions), np.int32),
         "next_sentence_labels": ((n,), np.int8),
     }
+    batches = (build_batch(padded_ids, plan[start : start + batch_rows], settings, vocab, mask_rng)
+               for start in tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5))
+    if packing is not None:
+        # Packing needs every instance's length: the shard's instances are held in memory (as big as the file).
+        parts = list(batches)
+        arrays = {name: np.concatenate([part[name] for part in parts]) if parts else np.zeros(shape, dtype)
+                  for name, (shape, dtype) in shapes.items()}
+        started = time.process_time()
+        packed = pack_arrays(arrays, packing.max_sequences_per_pack, settings.masked_lm_prob, packing.algorithm,
+                             source=str(tokenized))
+        stats = packing_stats(arrays["input_mask"], packed["input_ids"].shape[0])
+        packing_time = time.process_time() - started
+        write_shard(output, {**attributes, **stats, **packing.attributes()},
+                    {name: (packed[name].shape, packed[name].dtype) for name in sorted(packed)}, [packed],
+                    compression)
+        log.info("%s: %d instances in %d packs of %d, fill %.4f (unpacked %.4f); packing took %.3f CPU s",
+                 output, n, stats["n_packs"], length, stats["fill"], stats["fill_unpacked"],
+                 packing_time)
+        return n
+    write_shard(output, attributes, shapes, batches, compression)
+    log.info("%s: %d instances of length %d", output, n, length)
+    return n
+
+
+def write_shard(output, attributes: dict, shapes: dict, batches, compression: str) -> None:
+    """HDF5 file `output` (atomically) with the datasets `shapes` {name: (shape, dtype)}, filled row-block by
+    row-block from `batches` (dicts of arrays, in row order), and root attributes `attributes`."""
     try:
         with atomic_path(output) as temporary:
             with h5py.File(temporary, "w", libver="earliest") as handle:
@@ -291,14 +323,15 @@ def encode_shard(
                     name: handle.create_dataset(name, shape, dtype, track_times=False, **_layout(shape, compression))
                     for name, (shape, dtype) in shapes.items()
                 }
-                for start in tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5):
-                    arrays = build_batch(padded_ids, plan[start : start + batch_rows], settings, vocab, mask_rng)
+                start = 0
+                for arrays in batches:
+                    rows = 0
                     for name, array in arrays.items():
                         datasets[name][start : start + len(array)] = array
+                        rows = len(array)
+                    start += rows
     except OSError as error:
         raise UserError(f"{output}: cannot write ({error.strerror or error})") from None
-    log.info("%s: %d instances of length %d", output, n, length)
-    return n
 
 
 def _layout(shape: tuple[int, ...], compression: str) -> dict:
@@ -311,7 +344,9 @@ def _layout(shape: tuple[int, ...], compression: str) -> dict:
     return {"chunks": (min(rows, shape[0]),) + shape[1:], "compression": "gzip", "compression_opts": 1, "shuffle": True}
 
 
-def _check(settings: EncodeSettings) -> None:
+def _check(settings: EncodeSettings, packing: PackSettings | None) -> None:
+    if packing is not None and packing.max_sequences_per_pack < 1:
+        raise UserError(f"encode packing.max_sequences_per_pack {packing.max_sequences_per_pack}: must be at least 1")
     if settings.max_seq_length < 8:
         raise UserError(f"encode max_seq_length {settings.max_seq_length}: must be at least 8")
     if settings.max_predictions_per_seq < 1:
@@ -333,6 +368,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--split", choices=sorted(SPLIT_CODES), required=True)
     parser.add_argument("--shard-index", type=int, required=True)
     parser.add_argument("--compression", choices=["gzip", "none"], default="gzip")
+    parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+                        help="pack the instances (workflow.data.pack); --no-packing writes NVIDIA's schema")
+    parser.add_argument("--max-sequences-per-pack", type=int, default=PackSettings.max_sequences_per_pack)
+    parser.add_argument("--pack-algorithm", choices=ALGORITHMS, default=PackSettings.algorithm)
     args = parser.parse_args(argv)
     settings = EncodeSettings(
         max_seq_length=args.max_seq_length,
@@ -342,7 +381,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         short_seq_prob=args.short_seq_prob,
         whole_word_masking=args.whole_word_masking,
     )
-    encode_shard(args.tokenized, args.vocab, args.output, settings, args.seed, args.split, args.shard_index, args.compression)
+    packing = PackSettings(args.max_sequences_per_pack, args.pack_algorithm) if args.packing else None
+    encode_shard(args.tokenized, args.vocab, args.output, settings, args.seed, args.split, args.shard_index,
+                 args.compression, packing)
 
 
 if __name__ == "__main__":

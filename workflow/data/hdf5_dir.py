@@ -1,8 +1,10 @@
 """Stage hdf5_dir: the directory a trainer reads for one sequence length, data/hdf5_seq{L}.
 
 It holds training/ and test/ with every encoded shard hard-linked (copied where links are impossible) from
-data/encoded_seq{L}, and manifest.json: the shard list with instance counts, sizes and sha256 checksums, and
-the encode settings used (read from the shards' own attributes, which must agree).
+data/encoded_seq{L}, and manifest.json: the shard list with instance counts (and rows), sizes and sha256 checksums,
+the encode settings used (read from the shards' own attributes, which must agree), and `format`: "packed"
+(workflow.data.pack's schema; settings then include `packing` and `max_sequences_per_pack`) or "unpacked"
+(NVIDIA's schema, one instance per row).
 
 File names follow NVIDIA DLE's bertPrep.py (`wikicorpus_en_training_0.hdf5`, `wikicorpus_en_test_0.hdf5`):
 its run_pretraining.py keeps only the files of `--input_dir` whose name contains "training", so
@@ -34,6 +36,7 @@ SETTINGS = (
     "seed",
     "vocab_sha256",
 )
+PACKING = ("packing", "max_sequences_per_pack")  # attributes of packed shards only
 
 
 def sha256(path: Path) -> str:
@@ -49,7 +52,7 @@ def shard_info(path: Path) -> dict:
     try:
         with h5py.File(path, "r") as handle:
             attributes = dict(handle.attrs)
-            n_instances = int(handle["input_ids"].shape[0])
+            n_rows = int(handle["input_ids"].shape[0])
     except FileNotFoundError:
         raise UserError(f"{path}: encoded shard not found") from None
     except (OSError, KeyError) as error:
@@ -57,8 +60,11 @@ def shard_info(path: Path) -> dict:
     missing = [key for key in SETTINGS if key not in attributes]
     if missing:
         raise UserError(f"{path}: lacks the attribute(s) {', '.join(missing)}; re-run the encode stage")
-    settings = {key: _plain(attributes[key]) for key in SETTINGS}
-    return {"n_instances": n_instances, "settings": settings}
+    packed = "packing" in attributes
+    settings = {key: _plain(attributes[key]) for key in SETTINGS + (PACKING if packed else ())}
+    n_instances = int(attributes["n_instances"]) if packed else n_rows
+    return {"n_instances": n_instances, "n_rows": n_rows, "settings": settings,
+            "format": "packed" if packed else "unpacked"}
 
 
 def _plain(value):
@@ -87,17 +93,21 @@ def build_hdf5_dir(encoded: str | os.PathLike, n_shards: dict[str, int], output:
     infos = [shard_info(encoded / name) for name in names]
     reference = infos[0]["settings"] if infos else {}
     for name, info in zip(names, infos):
+        if info["format"] != infos[0]["format"]:
+            raise UserError(f"{encoded / name}: {info['format']}, but {names[0]} is {infos[0]['format']}; "
+                            f"re-run the encode stage")
         if info["settings"] != reference:
-            changed = sorted(key for key in SETTINGS if info["settings"][key] != reference[key])
+            changed = sorted(key for key in info["settings"] if info["settings"][key] != reference[key])
             raise UserError(f"{encoded / name}: encoded with other settings ({', '.join(changed)}) than {names[0]}")
     targets = [trainer_name(reference["max_seq_length"], split, index) for split, index in shards]
     with ThreadPoolExecutor(max(1, threads)) as pool:  # hashlib releases the GIL
         checksums = list(pool.map(sha256, (encoded / name for name in names)))
     manifest = {
+        "format": infos[0]["format"] if infos else "unpacked",
         "settings": reference,
         "n_instances": {split: sum(i["n_instances"] for n, i in zip(names, infos) if n.startswith(f"{split}/")) for split in n_shards},
         "shards": [
-            {"path": target, "n_instances": info["n_instances"], "bytes": (encoded / name).stat().st_size, "sha256": checksum}
+            {"path": target, "n_instances": info["n_instances"], "n_rows": info["n_rows"], "bytes": (encoded / name).stat().st_size, "sha256": checksum}
             for name, target, info, checksum in zip(names, targets, infos, checksums)
         ],
     }

@@ -1,4 +1,9 @@
-"""Stage pack: pack the instances of one encoded shard into fewer, fuller rows (Krell et al. 2021, arXiv 2107.02027).
+"""Sequence packing: the instances of one encoded shard in fewer, fuller rows (Krell et al. 2021, arXiv 2107.02027).
+
+The encode stage packs each shard as it writes it (config `encode.packing`, on by default): in memory, measured at
+0.13-0.5 CPU s per 44k instances at 512 (~10-40% of that encode job's CPU on 8 MB of real text, noisy shared
+machine; fresh pages are most of it), where a separate HDF5 -> HDF5 job costs about as much as encoding (I/O + gzip;
+see benchmarks/packing.py). `python -m workflow.data.pack` packs an existing NVIDIA-schema shard the same way.
 
 Histogram packing: the instance lengths of the shard form a histogram; lengths are taken longest first, and each
 goes into an open pack it still fits in (a pack closes when full or when it holds `max_sequences_per_pack`
@@ -9,7 +14,8 @@ instances are over half full or full (benchmarks/packing.py). The algorithm work
 cost does not grow with the number of instances; instances are then assigned to the packs length by length, in
 file order.
 
-Input: an encoded shard in NVIDIA's schema (workflow.data.encode). Output, zero-padded, one row per pack of
+Input: an encoded shard in NVIDIA's schema (workflow.data.encode). Output (root attributes `packing` = the
+algorithm, `max_sequences_per_pack`, and the fill statistics of `packing_stats`), zero-padded, one row per pack of
 S = max_sequences_per_pack slots:
 
     input_ids [R,L] int32, segment_ids [R,L] int8,
@@ -30,20 +36,38 @@ by the shard stage's size).
 import argparse
 import logging
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 import h5py
 import numpy as np
 
-from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
-from workflow.data.encode import _layout
 
 log = logging.getLogger(__name__)
 
 ENCODED = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 ALGORITHMS = ("lpfhp", "spfhp")
 MAX_SEQUENCES_PER_PACK = 3  # Krell et al.: 3 already reaches ~99% fill at 512 on Wikipedia
+
+
+@dataclass(frozen=True)
+class PackSettings:
+    """Config `encode.packing` (when enabled)."""
+
+    max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK
+    algorithm: str = "lpfhp"
+
+    def attributes(self) -> dict:
+        """The packed file's root attributes saying how it was packed."""
+        return {"packing": self.algorithm, "max_sequences_per_pack": self.max_sequences_per_pack}
+
+
+def packing_stats(input_mask: np.ndarray, n_packs: int) -> dict:
+    """Instances, packs, real tokens and the fill (real tokens / slots) packed and unpacked."""
+    n_real = int(np.count_nonzero(input_mask))
+    return {"n_instances": len(input_mask), "n_packs": n_packs, "n_real_tokens": n_real,
+            "fill": n_real / max(1, n_packs * input_mask.shape[1]), "fill_unpacked": n_real / max(1, input_mask.size)}
 
 
 def histogram_packing(histogram: np.ndarray, max_length: int, max_sequences_per_pack: int,
@@ -133,22 +157,23 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
         row += count
     # In the file, packs go by their first instance's row, so the file keeps the encode stage's shuffled order.
     order = np.argsort(np.where(members >= 0, members, n).min(axis=1), kind="stable")
-    destination = np.empty(n_packs, np.int64)
-    destination[order] = np.arange(n_packs)
-    # The packs of one strategy share one layout: their rows fill by block copies.
+    # The packs of one strategy share one layout and are built side by side (block copies into a slice of rows),
+    # then put in file order with one take per array.
     out = {name: np.zeros((n_packs, length), dtype) for name, dtype in
            (("input_ids", np.int32), ("segment_ids", np.int8), ("input_mask", np.int8), ("position_ids", np.int16))}
+    positions = np.arange(length, dtype=np.int16)
     row = 0
     for pack_lengths, count in strategies:
-        rows, start = destination[row : row + count], 0
+        rows, start = slice(row, row + count), 0
         for slot, size in enumerate(pack_lengths):
-            chosen, span = members[row : row + count, slot], slice(start, start + size)
+            chosen, span = members[rows, slot], slice(start, start + size)
             out["input_ids"][rows, span] = arrays["input_ids"][chosen, :size]
             out["segment_ids"][rows, span] = arrays["segment_ids"][chosen, :size]
             out["input_mask"][rows, span] = slot + 1
-            out["position_ids"][rows, span] = np.arange(size)
+            out["position_ids"][rows, span] = positions[:size]
             start += size
         row += count
+    out = {name: array[order] for name, array in out.items()}
     members = members[order]
 
     present = members >= 0
@@ -203,26 +228,18 @@ def read_encoded(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
 def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
                max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK, algorithm: str = "lpfhp",
                compression: str = "gzip") -> dict:
-    """Pack one encoded shard into the HDF5 file `output` (atomically); returns its statistics."""
+    """Pack one encoded shard into the HDF5 file `output` (atomically), as encode does; returns its statistics."""
+    from workflow.data.encode import write_shard  # encode imports this module
+
     arrays, attributes = read_encoded(encoded)
     masked_lm_prob = float(attributes.get("masked_lm_prob", 0.15))
     packed = pack_arrays(arrays, max_sequences_per_pack, masked_lm_prob, algorithm, source=str(encoded))
-    n_packs, length = packed["input_ids"].shape
-    n_real = int(arrays["input_mask"].astype(bool).sum())
-    stats = {"n_instances": len(arrays["input_ids"]), "n_packs": n_packs, "n_real_tokens": n_real,
-             "fill": n_real / max(1, n_packs * length), "fill_unpacked": n_real / max(1, arrays["input_mask"].size)}
-    attributes.update(stats, packing=algorithm, max_sequences_per_pack=max_sequences_per_pack)
-    try:
-        with atomic_path(output) as temporary:
-            with h5py.File(temporary, "w", libver="earliest") as handle:
-                handle.attrs.update(attributes)
-                for name in sorted(packed):
-                    array = packed[name]
-                    handle.create_dataset(name, data=array, track_times=False, **_layout(array.shape, compression))
-    except OSError as error:
-        raise UserError(f"{output}: cannot write ({error.strerror or error})") from None
-    log.info("%s: %d instances in %d packs of %d, fill %.4f (unpacked %.4f)", output, stats["n_instances"], n_packs,
-             length, stats["fill"], stats["fill_unpacked"])
+    stats = packing_stats(arrays["input_mask"], packed["input_ids"].shape[0])
+    attributes.update(stats, **PackSettings(max_sequences_per_pack, algorithm).attributes())
+    write_shard(output, attributes, {name: (packed[name].shape, packed[name].dtype) for name in sorted(packed)},
+                [packed], compression)
+    log.info("%s: %d instances in %d packs of %d, fill %.4f (unpacked %.4f)", output, stats["n_instances"],
+             stats["n_packs"], packed["input_ids"].shape[1], stats["fill"], stats["fill_unpacked"])
     return stats
 
 

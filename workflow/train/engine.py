@@ -17,6 +17,9 @@ next sequences. The loss is normalised by global counts (masked tokens, sequence
 the gradient does not depend on how the global batch is split into ranks and micro-batches either: world size,
 micro-batch size, threads, cadence and max_steps may change between runs; a change of the math refuses to resume.
 
+Input pipeline: `loader_workers` processes (a torch DataLoader over the step's micro-batch positions) read
+micro-batches `prefetch_steps` steps ahead of the training thread, into pinned memory on CUDA.
+
 Checkpoints: `run_dir/checkpoints/step_*.pt` (never deleted on a settings change; only the newest
 `keep_checkpoints` of the run are kept). Rank 0 chooses the newest valid one and every rank loads that one.
 A stop signal (SIGTERM, SIGUSR1) on any rank: every rank finishes the step, the checkpoint is written, all ranks meet
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -64,6 +68,8 @@ class LoopSettings:
     compile: bool = False
     telemetry: bool = True
     global_batch_key: str = "global_batch_size"  # its config name (SQuAD: batch_size)
+    loader_workers: int = 0   # processes reading micro-batches ahead (0: read on the training thread)
+    prefetch_steps: int = 2   # steps read ahead by the workers
 
 
 class Task(Protocol):
@@ -179,6 +185,35 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+class _Reads(torch.utils.data.Dataset):
+    """Item `start` = the task's sequences [start, start + count): what a DataLoader worker computes."""
+
+    def __init__(self, task: Task, count: int):
+        self.task, self.count = task, count
+
+    def __getitem__(self, start: int) -> dict:
+        return self.task.read(start, self.count)
+
+
+def _ignore_stop_signals(_worker: int) -> None:
+    # A stop signal is the rank's to handle (finish the step, checkpoint); its readers must outlive it.
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def micro_batches(task: Task, starts, s: LoopSettings, accumulation: int, device: torch.device):
+    """Iterator of the micro-batches at `starts` (sequence positions), read by `s.loader_workers` processes
+    `s.prefetch_steps` steps ahead, in pinned memory on CUDA (so copies to the GPU overlap compute). Reads are pure
+    functions of the position, so reading ahead changes nothing: resume stays exact."""
+    workers = s.loader_workers
+    loader = torch.utils.data.DataLoader(
+        _Reads(task, s.micro_batch_size), batch_size=None, sampler=starts, num_workers=workers,
+        prefetch_factor=max(1, -(-s.prefetch_steps * accumulation // workers)) if workers else None,
+        pin_memory=device.type == "cuda", worker_init_fn=_ignore_stop_signals if workers else None,
+        generator=torch.Generator())  # its own seed draw: the global RNG (dropout) must not move
+    return iter(loader)
+
+
 def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerprint: dict) -> Outcome:
     """Train `model` on `task` until max_steps (resuming from the run directory); see the module docstring."""
     accumulation = accumulation_steps(s.global_batch_size, s.micro_batch_size, env.world_size, s.config_key,
@@ -234,15 +269,17 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
         distributed.barrier()  # no rank leaves (or exits) before the checkpoint is on disk
 
     window, window_steps, window_start = {}, 0, time.perf_counter()
+    first = consumed + env.rank * accumulation * s.micro_batch_size  # this rank's first micro-batch of the step
+    loader = micro_batches(task, [first + k * s.global_batch_size + i * s.micro_batch_size
+                                  for k in range(max_steps - step) for i in range(accumulation)],
+                           s, accumulation, env.device)
     model.train()
     with ckpt.StopSignals() as stop, GpuTelemetry(run_dir / "gpu_telemetry.csv",
                                                   enabled=env.is_main and s.telemetry):
         progress = tqdm(total=max_steps, initial=step, desc=s.config_key, disable=not env.is_main, file=sys.stderr)
         while step < max_steps:
             started = time.perf_counter()
-            first = consumed + env.rank * accumulation * s.micro_batch_size
-            batches = [_to_device(task.read(first + i * s.micro_batch_size, s.micro_batch_size), env.device)
-                       for i in range(accumulation)]
+            batches = [_to_device(next(loader), env.device) for _ in range(accumulation)]
             totals = _sum_counts(task, batches, env)
             for index, batch in enumerate(batches):
                 last = index == accumulation - 1

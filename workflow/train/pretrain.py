@@ -11,8 +11,14 @@ API:
         --data-dir data/hdf5_seq128 --vocab data/vocab.txt --run-dir runs/pretrain/phase1 --out-dir results/...
 
 Loss: MLM cross-entropy summed over the masked tokens of the global batch / their number, plus NSP summed over its
-sequences / their number (one token-weighted mean per step, whatever the micro-batch split). Metrics: tokens_per_s
-counts sequences x sequence length (padding included), as NVIDIA reports it. Gradient clipping is LAMB's global-norm
+sequences / their number (one token-weighted mean per step, whatever the micro-batch split or packing).
+Data: NVIDIA-schema or packed shards (workflow.data.pack); `global_batch_size` counts sequences either way, as in
+NVIDIA's recipe: step k trains on sequences [k*G, (k+1)*G) of the global order, packed rows carrying them (a row
+straddling a step's or micro-batch's edge is carried by both sides, each with its own sequences only; see
+workflow/train/pretraining_data.py), so a packed step has fewer rows and the same loss. `micro_batch_size` counts
+sequences too: a packed micro-batch has at most that many rows. Metrics: seq_per_s; tokens_per_s counts
+sequences x sequence length (padding included), as NVIDIA reports it; real_tokens_per_s counts the tokens that are
+not padding (what packing raises). Gradient clipping is LAMB's global-norm
 pre-normalisation (max_grad_norm), as in NVIDIA's recipe. Phase 2 starts from phase 1's weights and, unless
 `pretrain.carry_optimizer_state` is false, phase 1's LAMB moments with step and learning rate reset.
 
@@ -85,6 +91,7 @@ class TrainSettings:
     threads: int | None = None
     deterministic: bool = False
     compile: bool = False
+    loader_workers: int = 2
 
     @classmethod
     def from_config(cls, config: dict, phase: str, **paths) -> "TrainSettings":
@@ -94,7 +101,8 @@ class TrainSettings:
             values = {key: section[phase].get(key) for key in PHASE_KEYS}
             values.update({key: section["lamb"][key] for key in LAMB_KEYS})
             values.update({key: section[key] for key in ("precision", "checkpoint_every", "keep_checkpoints",
-                                                         "log_every", "eval_max_sequences")})
+                                                         "log_every", "eval_max_sequences", "compile",
+                                                         "loader_workers")})
             values.update(preset=config["model"]["preset"], bert_config=config["model"]["bert_config"],
                           seed=config["seed"])
         except (KeyError, TypeError, AttributeError) as error:
@@ -151,22 +159,21 @@ class PretrainingTask:
         return self.sequences.read(start, count)
 
     def count(self, batch: dict) -> dict:
-        return {"masked": (batch["masked_lm_labels"] >= 0).sum(),
-                "sequences": torch.tensor(batch["input_ids"].shape[0], device=batch["input_ids"].device)}
+        return {"masked": (batch["masked_lm_labels"] >= 0).sum(), "sequences": (batch["next_sentence_labels"] >= 0).sum()}
 
     def loss(self, model, batch: dict, totals: dict) -> dict:
-        mlm_logits, nsp_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
-                                       batch["masked_lm_positions"])
+        mlm_logits, nsp_logits = forward(model, batch)
         labels = batch["masked_lm_labels"].flatten()
         mlm_logits = mlm_logits.float().flatten(0, -2)
-        nsp_labels = batch["next_sentence_labels"].view(-1)
+        nsp_labels = batch["next_sentence_labels"].flatten()
+        nsp_logits = nsp_logits.float().flatten(0, -2)
         mlm_loss = F.cross_entropy(mlm_logits, labels, ignore_index=-1, reduction="sum") / totals["masked"]
-        nsp_loss = F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="sum") / totals["sequences"]
+        nsp_loss = F.cross_entropy(nsp_logits, nsp_labels, ignore_index=-1, reduction="sum") / totals["sequences"]
         with torch.no_grad():
-            valid = labels >= 0
+            valid, nsp_valid = labels >= 0, nsp_labels >= 0
             stats = {"mlm_correct": ((mlm_logits.argmax(-1) == labels) & valid).sum(), "mlm_count": valid.sum(),
-                     "nsp_correct": (nsp_logits.argmax(-1) == nsp_labels).sum(), "nsp_count": nsp_labels.new_tensor(
-                         nsp_labels.numel())}
+                     "nsp_correct": ((nsp_logits.argmax(-1) == nsp_labels) & nsp_valid).sum(),
+                     "nsp_count": nsp_valid.sum(), "real_tokens": (batch["attention_mask"] > 0).sum()}
         return {"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss, **stats}
 
     def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float, step: int) -> dict:
@@ -174,13 +181,18 @@ class PretrainingTask:
                 "nsp_loss": sums["nsp_loss"] / steps,
                 "mlm_accuracy": sums["mlm_correct"] / max(sums["mlm_count"], 1),
                 "nsp_accuracy": sums["nsp_correct"] / max(sums["nsp_count"], 1),
-                "tokens_per_s": sequences * self.seq_length / max(elapsed, 1e-9)}
+                "tokens_per_s": sequences * self.seq_length / max(elapsed, 1e-9),
+                "real_tokens": int(sums["real_tokens"]), "real_tokens_per_s": sums["real_tokens"] / max(elapsed, 1e-9)}
+
+
+def forward(model, batch: dict):
+    """(mlm_logits, nsp_logits) of a batch, packed (position_ids, cls_positions given) or not."""
+    return model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["masked_lm_positions"],
+                 batch.get("position_ids"), batch.get("cls_positions"))
 
 
 def pretraining_forward(model, batch: dict) -> dict:
-    mlm_logits, nsp_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
-                                   batch["masked_lm_positions"])
-    return pretraining_loss(mlm_logits, nsp_logits, batch["masked_lm_labels"], batch["next_sentence_labels"])
+    return pretraining_loss(*forward(model, batch), batch["masked_lm_labels"], batch["next_sentence_labels"])
 
 
 @torch.no_grad()
@@ -194,9 +206,9 @@ def evaluate(model, shards, env, precision, batch_size, limit) -> dict:
         batch = {k: v.to(env.device) for k, v in batch.items()}
         with autocast(env.device, precision):
             out = pretraining_forward(model, batch)
-        n = batch["input_ids"].shape[0]
         sums += torch.stack([out["mlm_correct"], out["mlm_count"], out["nsp_correct"], out["nsp_count"],
-                             out["mlm_loss"].float() * out["mlm_count"], out["nsp_loss"].float() * n]).double()
+                             out["mlm_loss"].float() * out["mlm_count"],
+                             out["nsp_loss"].float() * out["nsp_count"]]).double()
     distributed.all_reduce_(sums)
     model.train()
     mlm_correct, mlm_count, nsp_correct, nsp_count, mlm_loss, nsp_loss = sums.tolist()
@@ -216,7 +228,8 @@ def _fingerprint(s: TrainSettings, config: BertConfig, shards) -> dict:
             "model": config.to_dict(), "init weights": _file_digest(s.init_from, ("model.safetensors",
                                                                                   "pytorch_model.bin")),
             "init optimizer state": _file_digest(s.init_optimizer, ("",)),
-            "training data": f"{len(shards)} shards, {sum(x.n for x in shards)} sequences, sha256 {data}"}
+            "training data": f"{len(shards)} {'packed ' if shards[0].packed else ''}shards, "
+                             f"{sum(x.n for x in shards)} sequences, sha256 {data}"}
 
 
 def _file_digest(path: str | None, names) -> str | None:
@@ -228,6 +241,12 @@ def _file_digest(path: str | None, names) -> str | None:
         if candidate.is_file():
             return ckpt.file_sha256(candidate)[:16]
     return str(path)
+
+
+def _real_tokens(metrics_path: Path) -> int:
+    """Real tokens trained on so far: every step is in exactly one metrics line (a resume truncates later ones)."""
+    lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+    return sum(json.loads(line).get("real_tokens", 0) for line in lines if line.strip())
 
 
 def carry_optimizer_state(optimizer, path: str) -> None:
@@ -276,7 +295,8 @@ def _pretrain(s: TrainSettings, env) -> dict:
     loop = LoopSettings(config_key=f"pretrain.{s.phase}", run_dir=s.run_dir, total_steps=s.total_steps,
                         global_batch_size=s.global_batch_size, micro_batch_size=s.micro_batch_size,
                         max_steps=s.max_steps, precision=precision, checkpoint_every=s.checkpoint_every,
-                        keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed, compile=s.compile)
+                        keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed, compile=s.compile,
+                        loader_workers=s.loader_workers)
     try:
         outcome = train(env, model, optimizer, scheduler, PretrainingTask(sequences, seq_length), loop,
                         _fingerprint(s, config, train_shards))
@@ -287,12 +307,14 @@ def _pretrain(s: TrainSettings, env) -> dict:
         raise SystemExit(outcome.stopped)
 
     step, train_time = outcome.step, outcome.train_time_s
+    real_tokens = _real_tokens(Path(s.run_dir) / "metrics.jsonl") if env.is_main else 0
     evaluation = evaluate(model, test_shards, env, precision, s.micro_batch_size * 2, s.eval_max_sequences)
     summary = {
         "phase": s.phase, "steps": step, "total_steps": s.total_steps, "train_time_s": round(train_time, 3),
         "sequences": step * s.global_batch_size, "seq_length": seq_length,
         "seq_per_s": step * s.global_batch_size / max(train_time, 1e-9),
         "tokens_per_s": step * s.global_batch_size * seq_length / max(train_time, 1e-9),
+        "real_tokens_per_s": real_tokens / max(train_time, 1e-9), "packed": train_shards[0].packed,
         "world_size": env.world_size, "device": str(env.device.type), "precision": precision,
         "optimizer": optimizer_name, "parameters": count_parameters(model), "global_batch_size": s.global_batch_size,
         "micro_batch_size": s.micro_batch_size, "accumulation_steps": accumulation,

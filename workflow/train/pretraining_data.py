@@ -1,19 +1,29 @@
-"""Reading NVIDIA-schema pretraining HDF5 shards: validation, per-rank shard streams with prefetch, batches.
+"""Reading pretraining HDF5 shards, NVIDIA's schema or packed (workflow.data.pack): validation, the global sequence
+order, batches.
 
 API:
-    list_shards(directory, split) -> [ShardInfo]     every `directory/split/*.hdf5`, validated (datasets, shapes)
-    read_shard(path) -> dict of numpy arrays
-    make_batch(arrays, rows) -> dict of torch tensors: input_ids, token_type_ids, attention_mask,
-        masked_lm_positions, masked_lm_labels ([B, P], -1 where no prediction), next_sentence_labels
+    list_shards(directory, split) -> [ShardInfo]     every `directory/split/*.hdf5`, validated (datasets, shapes);
+                                                     all of one format and one sequence length
+    read_shard(shard) -> dict of numpy arrays
+    make_batch(arrays, rows, live=None) -> dict of torch tensors: input_ids, token_type_ids, attention_mask,
+        masked_lm_positions, masked_lm_labels ([B, P], -1 where no prediction), next_sentence_labels; packed rows
+        add position_ids, cls_positions and instance_index, and their next_sentence_labels are [B, S] (-1 = no
+        sequence) and attention_mask each token's sequence number (0 = padding), as BertForPreTraining expects.
     PretrainingSequences(shards, seed).read(start, count) -> batch
         sequences [start, start + count) of one endless global order (epochs of shuffled shards, rows shuffled
-        within a shard) that does not depend on the number of ranks: resuming at a position is exact on any
-        number of ranks.
+        within a shard, a packed row's sequences in slot order) that does not depend on the number of ranks:
+        resuming at a position is exact on any number of ranks.
+
+Packed rows and batch boundaries: the data position counts sequences, never rows. A read of sequences [a, b)
+carries every row holding one of them; a row whose sequences straddle a or b (a step's or a micro-batch's edge) is
+carried by both reads, each with only its own sequences live (the others' tokens turned into padding, their
+labels -1), so every sequence is trained on exactly once and a step's loss is that of the same sequences unpacked.
 """
 from __future__ import annotations
 
 import logging
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +36,7 @@ from workflow.cli import UserError
 
 log = logging.getLogger(__name__)
 
-# dataset name -> number of dimensions; all share the first (instance) dimension.
+# dataset name -> number of dimensions; all share the first (row) dimension.
 SCHEMA = {
     "input_ids": 2,
     "input_mask": 2,
@@ -35,14 +45,23 @@ SCHEMA = {
     "masked_lm_ids": 2,
     "next_sentence_labels": 1,
 }
+# Packed rows (workflow.data.pack): S sequence slots per row.
+PACKED_SCHEMA = {**SCHEMA, "next_sentence_labels": 2, "position_ids": 2, "cls_positions": 2, "sequence_lengths": 2,
+                 "instance_index": 2}
 
 
 @dataclass(frozen=True)
 class ShardInfo:
     path: str
-    n: int
+    n: int                 # sequences
     seq_length: int
     max_predictions: int
+    packed: bool = False
+    sequences_per_row: tuple = ()  # packed: each row's number of sequences (they fill its leading slots)
+
+    @property
+    def rows(self) -> int:
+        return len(self.sequences_per_row) if self.packed else self.n
 
 
 def _validate(path: Path) -> ShardInfo:
@@ -51,23 +70,33 @@ def _validate(path: Path) -> ShardInfo:
     except OSError as error:
         raise UserError(f"{path}: not a readable HDF5 file ({error})") from None
     with handle:
+        packed = "cls_positions" in handle
+        schema = PACKED_SCHEMA if packed else SCHEMA
         shapes = {}
-        for name, ndim in SCHEMA.items():
+        for name, ndim in schema.items():
             if name not in handle:
-                raise UserError(f"{path}: missing dataset {name!r} (expected {sorted(SCHEMA)})")
+                raise UserError(f"{path}: missing dataset {name!r} (expected {sorted(schema)})")
             shape = handle[name].shape
             if len(shape) != ndim:
                 raise UserError(f"{path}: dataset {name!r} has shape {shape}, expected {ndim} dimensions")
             shapes[name] = shape
+        sequences_per_row = (handle["sequence_lengths"][()] > 0).sum(axis=1) if packed else None
     n, seq_length = shapes["input_ids"]
     max_predictions = shapes["masked_lm_positions"][1]
     expected = {"input_mask": (n, seq_length), "segment_ids": (n, seq_length),
                 "masked_lm_positions": (n, max_predictions), "masked_lm_ids": (n, max_predictions),
                 "next_sentence_labels": (n,)}
+    if packed:
+        slots = shapes["cls_positions"][1]
+        expected.update({name: (n, slots) for name in ("next_sentence_labels", "sequence_lengths", "instance_index")},
+                        position_ids=(n, seq_length))
     for name, shape in expected.items():
         if shapes[name] != shape:
             raise UserError(f"{path}: dataset {name!r} has shape {shapes[name]}, expected {shape} "
                             f"(input_ids is {shapes['input_ids']})")
+    if packed:
+        return ShardInfo(str(path), int(sequences_per_row.sum()), seq_length, max_predictions, True,
+                         tuple(int(c) for c in sequences_per_row))
     return ShardInfo(str(path), n, seq_length, max_predictions)
 
 
@@ -80,6 +109,9 @@ def list_shards(directory: str | Path, split: str) -> list[ShardInfo]:
     shards = [_validate(p) for p in paths]
     first = shards[0]
     for shard in shards[1:]:
+        if shard.packed != first.packed:
+            raise UserError(f"{shard.path}: {'packed' if shard.packed else 'unpacked'}, but {first.path} is "
+                            f"{'packed' if first.packed else 'unpacked'}; one data directory holds one format")
         if (shard.seq_length, shard.max_predictions) != (first.seq_length, first.max_predictions):
             raise UserError(f"{shard.path}: sequence length/max predictions {shard.seq_length}/"
                             f"{shard.max_predictions} differ from {first.path}'s "
@@ -87,26 +119,51 @@ def list_shards(directory: str | Path, split: str) -> list[ShardInfo]:
     return shards
 
 
-def read_shard(path: str) -> dict[str, np.ndarray]:
-    with h5py.File(path, "r") as handle:
-        return {name: handle[name][()] for name in SCHEMA}
+def read_shard(shard: ShardInfo) -> dict[str, np.ndarray]:
+    names = [name for name in (PACKED_SCHEMA if shard.packed else SCHEMA) if name != "sequence_lengths"]
+    with h5py.File(shard.path, "r") as handle:
+        return {name: handle[name][()] for name in names}
 
 
-def make_batch(arrays: dict[str, np.ndarray], rows) -> dict[str, torch.Tensor]:
+def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+    """The batch of `rows`; for packed rows, `live` [B, S] (default: all) says which of their sequences it trains
+    on: the others become padding."""
     def take(name):
         return torch.from_numpy(np.ascontiguousarray(arrays[name][rows]).astype(np.int64))
 
     positions = take("masked_lm_positions")
-    # A zero position after the first entry ends the list of predictions (position 0 is [CLS], never masked).
-    valid = torch.cumprod((positions != 0).long(), dim=1).bool()
-    labels = torch.where(valid, take("masked_lm_ids"), torch.full_like(positions, -1))
+    if "cls_positions" not in arrays:
+        # A zero position after the first entry ends the list of predictions (position 0 is [CLS], never masked).
+        valid = torch.cumprod((positions != 0).long(), dim=1).bool()
+        labels = torch.where(valid, take("masked_lm_ids"), torch.full_like(positions, -1))
+        return {
+            "input_ids": take("input_ids"),
+            "token_type_ids": take("segment_ids"),
+            "attention_mask": take("input_mask"),
+            "masked_lm_positions": positions * valid,
+            "masked_lm_labels": labels,
+            "next_sentence_labels": take("next_sentence_labels"),
+        }
+    sequence = take("input_mask")  # each token's sequence number, 1..S (0 = padding)
+    nsp = take("next_sentence_labels")
+    instance = take("instance_index")
+    valid = positions > 0  # a packed row's first token is a [CLS]: never masked
+    if live is not None:
+        live = torch.from_numpy(np.asarray(live, dtype=bool))
+        sequence = torch.where(torch.gather(torch.cat([live.new_zeros(len(live), 1), live], 1), 1, sequence),
+                               sequence, 0)
+        nsp, instance = nsp.masked_fill(~live, -1), instance.masked_fill(~live, -1)
+        valid &= torch.gather(sequence, 1, positions) > 0
     return {
-        "input_ids": take("input_ids"),
-        "token_type_ids": take("segment_ids"),
-        "attention_mask": take("input_mask"),
+        "input_ids": take("input_ids") * (sequence > 0),
+        "token_type_ids": take("segment_ids") * (sequence > 0),
+        "attention_mask": sequence,
+        "position_ids": take("position_ids") * (sequence > 0),
+        "cls_positions": take("cls_positions"),
         "masked_lm_positions": positions * valid,
-        "masked_lm_labels": labels,
-        "next_sentence_labels": take("next_sentence_labels"),
+        "masked_lm_labels": torch.where(valid, take("masked_lm_ids"), torch.full_like(positions, -1)),
+        "next_sentence_labels": nsp,
+        "instance_index": instance,
     }
 
 
@@ -128,26 +185,50 @@ class PretrainingSequences:
         self._cached = cached_shards
         self._arrays: dict[int, dict] = {}   # shard index -> arrays, oldest first
         self._pending: dict[int, object] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
+        self._pool, self._pool_pid = None, None
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The shard prefetch thread of this process (a forked loader worker starts its own)."""
+        if self._pool_pid != os.getpid():
+            self._pool, self._pool_pid, self._pending = ThreadPoolExecutor(1, "shard-prefetch"), os.getpid(), {}
+        return self._pool
 
     def plan(self, epoch: int) -> list[int]:
         """The shards (indices into `shards`) in the order epoch `epoch` visits them."""
         return [int(i) for i in np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))]
 
     def _rows(self, epoch: int, shard: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch, shard]).permutation(self.shards[shard].n)
+        return np.random.default_rng([self.seed, epoch, shard]).permutation(self.shards[shard].rows)
 
     def _load(self, shard: int) -> dict:
         if shard not in self._arrays:
             future = self._pending.pop(shard, None)
-            self._arrays[shard] = future.result() if future is not None else read_shard(self.shards[shard].path)
+            self._arrays[shard] = future.result() if future is not None else read_shard(self.shards[shard])
             while len(self._arrays) > self._cached:
                 self._arrays.pop(next(iter(self._arrays)))
         return self._arrays[shard]
 
     def _prefetch(self, shard: int) -> None:
         if shard not in self._arrays and shard not in self._pending:
-            self._pending[shard] = self._pool.submit(read_shard, self.shards[shard].path)
+            self._pending[shard] = self.pool.submit(read_shard, self.shards[shard])
+
+    def _take(self, epoch: int, shard: int, offset: int, count: int) -> dict:
+        """Sequences [offset, offset + count) of one shard's order in `epoch`, as arrays (+ "live" when packed)."""
+        arrays, order = self._load(shard), self._rows(epoch, shard)
+        info = self.shards[shard]
+        if not info.packed:
+            rows = order[offset:offset + count]
+            return {name: values[rows] for name, values in arrays.items()}
+        per_row = np.asarray(info.sequences_per_row)[order]
+        ends = np.cumsum(per_row)
+        first, last = np.searchsorted(ends, [offset, offset + count - 1], side="right")
+        rows = order[first:last + 1]
+        # Global index (within the shard's order) of each slot's sequence; live if it falls in the range.
+        slot = np.arange(arrays["cls_positions"].shape[1])
+        index = (ends[first:last + 1] - per_row[first:last + 1])[:, None] + slot
+        live = (index >= offset) & (index < offset + count) & (slot < per_row[first:last + 1, None])
+        return {**{name: values[rows] for name, values in arrays.items()}, "live": live}
 
     def read(self, start: int, count: int) -> dict[str, torch.Tensor]:
         """Sequences [start, start + count) of the global order as one batch."""
@@ -160,29 +241,32 @@ class PretrainingSequences:
                     break
                 offset -= self.shards[shard].n
             take = min(count, self.shards[shard].n - offset)
-            rows = self._rows(epoch, shard)[offset:offset + take]
-            parts.append({name: values[rows] for name, values in self._load(shard).items()})
+            parts.append(self._take(epoch, shard, offset, take))
             following = plan[slot + 1] if slot + 1 < len(plan) else self.plan(epoch + 1)[0]
             self._prefetch(following)
             start, count = start + take, count - take
-        arrays = {name: np.concatenate([p[name] for p in parts]) for name in SCHEMA}
-        return make_batch(arrays, slice(None))
+        arrays = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+        live = arrays.pop("live", None)
+        return make_batch(arrays, slice(None), live)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None and self._pool_pid == os.getpid():
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def iterate_in_order(shards: list[ShardInfo], batch_size: int, limit: int | None = None):
-    """Every row of `shards` once, in file order, in batches (for held-out evaluation)."""
+    """Every row of `shards` once, in file order, in batches of `batch_size` rows (held-out evaluation), until the
+    rows hold `limit` sequences (packed rows are taken whole: up to S - 1 more)."""
     remaining = math.inf if limit is None else limit
     for shard in shards:
         if remaining <= 0:
             return
-        arrays = read_shard(shard.path)
-        n = int(min(shard.n, remaining))
+        arrays = read_shard(shard)
+        per_row = np.asarray(shard.sequences_per_row) if shard.packed else np.ones(shard.rows, np.int64)
+        n = int(np.searchsorted(np.cumsum(per_row), remaining) + 1) if remaining < shard.n else shard.rows
         for start in range(0, n, batch_size):
             yield make_batch(arrays, np.arange(start, min(start + batch_size, n)))
-        remaining -= n
+        remaining -= int(per_row[:n].sum())
 
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -190,11 +274,16 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 def write_synthetic_shards(directory: str | Path, vocab_size: int = 64, seq_length: int = 32,
                            max_predictions: int = 5, n_training_shards: int = 2, n_test_shards: int = 1,
-                           sequences_per_shard: int = 64, seed: int = 0, step: int = 0) -> Path:
+                           sequences_per_shard: int = 64, seed: int = 0, step: int = 0,
+                           max_sequences_per_pack: int | None = None, short_seq_prob: float = 0.0) -> Path:
     """A learnable toy corpus in the NVIDIA schema (tests and benchmarks): `directory/{training,test}/*.hdf5`
     and `directory/vocab.txt`. Each segment counts upwards (token i+1 follows token i), so masked tokens are
     predictable from their neighbours; segment B continues A (label 0) or starts anywhere (label 1).
-    `step` is the increment between neighbouring tokens (0: each segment repeats one token, the easiest)."""
+    `step` is the increment between neighbouring tokens (0: each segment repeats one token, the easiest).
+    With `max_sequences_per_pack`, the same instances are written packed (workflow.data.pack, LPFHP);
+    `short_seq_prob` makes that share of instances shorter (as encode's short_seq_prob), so that rows hold several."""
+    from workflow.data.pack import pack_arrays
+
     directory = Path(directory)
     rng = np.random.default_rng(seed)
     first = len(SPECIAL_TOKENS)
@@ -205,6 +294,8 @@ def write_synthetic_shards(directory: str | Path, vocab_size: int = 64, seq_leng
 
     def instance():
         budget = seq_length - 3
+        if short_seq_prob and rng.random() < short_seq_prob:  # no draw otherwise: the default data stay the same
+            budget = int(rng.integers(4, budget + 1))
         len_a = int(rng.integers(budget // 4, budget // 2 + 1))
         len_b = int(rng.integers(budget // 4, budget - len_a + 1))
         start = int(rng.integers(span))
@@ -236,9 +327,13 @@ def write_synthetic_shards(directory: str | Path, vocab_size: int = 64, seq_leng
         (directory / split).mkdir(parents=True, exist_ok=True)
         for index in range(count):
             rows = [instance() for _ in range(sequences_per_shard)]
+            arrays = {name: np.asarray([r[column] for r in rows], dtype=dtype) for column, (name, dtype) in
+                      enumerate([("input_ids", "i4"), ("input_mask", "i1"), ("segment_ids", "i1"),
+                                 ("masked_lm_positions", "i4"), ("masked_lm_ids", "i4"),
+                                 ("next_sentence_labels", "i1")])}
+            if max_sequences_per_pack:
+                arrays = pack_arrays(arrays, max_sequences_per_pack, masked_lm_prob=1.0)  # room for any predictions
             with h5py.File(directory / split / f"{split}_{index:03d}.hdf5", "w") as handle:
-                for column, (name, dtype) in enumerate([("input_ids", "i4"), ("input_mask", "i1"),
-                                                        ("segment_ids", "i1"), ("masked_lm_positions", "i4"),
-                                                        ("masked_lm_ids", "i4"), ("next_sentence_labels", "i1")]):
-                    handle.create_dataset(name, data=np.asarray([r[column] for r in rows], dtype=dtype))
+                for name, array in arrays.items():
+                    handle.create_dataset(name, data=array)
     return directory
