@@ -21,6 +21,16 @@ include: "rules/squad.smk"
 include: "rules/report.smk"
 
 
+# Seconds of work each: run by Snakemake itself on the submit host, not through sbatch.
+localrules:
+    all,
+    summary,
+    report_pretrain_plots,
+    report_gpu_telemetry,
+    report_squad_plot,
+    report_config,
+
+
 rule all:
     input:
         all_targets(),

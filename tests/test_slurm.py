@@ -233,3 +233,60 @@ def test_profile_resolves_by_bare_name_from_the_repo_root():
                              "env-modules", "--configfile", "sample/config.yaml", "--", "all"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Using profile slurm" in result.stderr and "pretrain_phase1" in result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- the launcher (no cluster needed)
+
+SCONTROL_2x4 = ("JobId=812 JobName=3f1c-run Comment=rule_pretrain_phase1 Restarts=0 BatchHost=gpu01 NumNodes=2 "
+                "NumCPUs=64 NumTasks=8 CPUs/Task=1 TRES=cpu=64,mem=500G,node=2,billing=64,gres/gpu=8 "
+                "TresPerNode=gres:gpu:a100:4 NodeList=gpu[01-02]")
+
+
+def test_launcher_gives_every_rank_its_own_gpu_and_its_share_of_the_node_cores():
+    from workflow.train.distributed import SlurmJob, srun_command
+
+    job = SlurmJob.parse(SCONTROL_2x4)
+    assert (job.nodes, job.tasks, job.gpus_per_node, job.rule, job.batch_host) == (2, 8, 4, "pretrain_phase1", "gpu01")
+    assert srun_command(job, ["python", "t.py"]) == [
+        "srun", "--ntasks=8", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=8", "--gpus-per-task=1",
+        "--kill-on-bad-exit=1", "python", "t.py"]
+
+
+def test_a_gpu_job_whose_ranks_differ_from_its_gpus_stops_naming_the_profile_keys():
+    from workflow.cli import UserError
+    from workflow.train.distributed import SlurmJob, check_one_rank_per_gpu, srun_command
+
+    job = SlurmJob.parse(SCONTROL_2x4)
+    check_one_rank_per_gpu(job, 8)
+    with pytest.raises(UserError) as error:
+        check_one_rank_per_gpu(job, 1)  # e.g. the plugin wrapped the launcher in `srun -n1`
+    message = str(error.value)
+    assert "1 rank(s) on 8 GPU(s)" in message and "pretrain_phase1" in message
+    assert all(key in message for key in ("tasks_per_node", "gres", "mpi")), message
+    uneven = SlurmJob.parse(SCONTROL_2x4.replace("NumTasks=8", "NumTasks=7"))
+    with pytest.raises(UserError, match="tasks_per_node"):
+        srun_command(uneven, ["x"])  # 7 tasks on 2 nodes: no per-node layout gives each rank one GPU
+
+
+def test_the_rendezvous_port_is_one_the_os_found_free_not_one_derived_from_the_job_id():
+    import socket
+
+    from workflow.train.distributed import free_port
+
+    with socket.socket() as held:  # a port another job on the node holds
+        held.bind(("", free_port()))
+        taken = held.getsockname()[1]
+        assert all(free_port() != taken for _ in range(20))
+
+
+def test_training_jobs_are_requeued_by_cause():
+    from workflow.slurm_attempts import TIME_LIMIT_EXIT, decide
+
+    assert not decide(0, None, 12, 0).requeue
+    assert decide(TIME_LIMIT_EXIT, 4, 8, 0).requeue            # time limit with progress: again and again
+    assert decide(TIME_LIMIT_EXIT, 4, 8, 5).requeue
+    assert decide(TIME_LIMIT_EXIT, None, 4, 0).requeue
+    stuck = decide(TIME_LIMIT_EXIT, 8, 8, 0)                   # time limit without a new checkpoint: stop
+    assert not stuck.requeue and "runtime" in stuck.why
+    assert decide(137, 4, 4, 0).requeue                        # a genuine failure: once
+    assert not decide(1, 4, 4, 1).requeue
