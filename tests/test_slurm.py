@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from workflow.slurm_profile import derive
+
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "start_cluster.sh"
 WORKFLOW_FILES = ["Snakefile", "rules", "workflow", "envs", "sample", "config.yaml", "config.schema.yaml"]
@@ -27,7 +29,12 @@ DATA_RULES = {"download_wikipedia", "extract_wikipedia", "format", "shard", "voc
               "hdf5_dir"}
 PHASE_RULES = ("pretrain_phase1", "pretrain_phase2")
 FAIL_AT_STEP = 6  # between the checkpoints at steps 4 and 8 (tests/slurm/config.yaml: checkpoint_every 4)
-SNAKEMAKE_TIMEOUT_S = 420
+SNAKEMAKE_TIMEOUT_S = 900  # the cluster's 2 CPUs are shared: generous
+DATA_TARGETS = ("data/hdf5_seq128", "data/hdf5_seq512")
+# The demo's data half as grouped Slurm jobs (profiles/slurm `groups`): downloads, extract+format, the shard
+# split, the vocab, tokenize+encode of all shards, and one hdf5 directory per sequence length.
+DATA_JOBS = {"download_download_bookcorpus_download_wikipedia": 1, "part_extract_wikipedia_format": 1, "shard": 1,
+             "vocab": 1, "shard_encode_tokenize": 1, "hdf5_dir": 2}
 
 
 def _cluster_answers() -> bool:
@@ -63,13 +70,6 @@ def clean_env() -> dict:
     return env
 
 
-def _merge(base: dict, override: dict) -> dict:
-    for key, value in override.items():
-        base[key] = _merge(base.get(key, {}), value) if isinstance(value, dict) and isinstance(
-            base.get(key), dict) else value
-    return base
-
-
 class Run:
     """A workdir with the workflow, the slurm profile sized for the test cluster, and helpers around it."""
 
@@ -78,10 +78,7 @@ class Run:
         path.mkdir(parents=True)
         for name in WORKFLOW_FILES:
             (path / name).symlink_to(REPO / name)
-        profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.v8+.yaml").read_text())
-        _merge(profile, yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
-        (path / "profile").mkdir()
-        (path / "profile" / "config.v8+.yaml").write_text(yaml.safe_dump(profile))
+        derive(REPO / "profiles" / "slurm", REPO / "tests" / "slurm" / "profile.yaml", path / "profile")
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 2))
 
     def snakemake(self, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -105,12 +102,31 @@ class Run:
             row["rule"] = row["Comment"].removeprefix("rule_").split("_wildcards_")[0]
         return sorted(rows, key=lambda r: int(r["JobID"].split("_")[0]))
 
+    def start(self, *args: str) -> subprocess.Popen:
+        """Snakemake in the background (output in self.output once `finish` returns)."""
+        return subprocess.Popen(
+            ["timeout", "-k", "20", str(SNAKEMAKE_TIMEOUT_S), "snakemake", *args, "--profile", "profile",
+             "--configfile", *CONFIG_FILES], cwd=self.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=clean_env())
+
+    def wait_for_phase1_checkpoint(self, process: subprocess.Popen) -> str:
+        """The Slurm job id of phase 1, once it runs and has written its first checkpoint."""
+        checkpoints = self.path / "runs" / "pretrain" / "phase1" / "checkpoints"
+        deadline = time.time() + SNAKEMAKE_TIMEOUT_S
+        while not list(checkpoints.glob("step_*")) and process.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        running = [job for job in self.jobs() if job["rule"] == "pretrain_phase1" and job["State"] == "RUNNING"]
+        assert running, "phase 1 was not running when its first checkpoint appeared"
+        return running[0]["JobID"]
+
+    def active_jobs(self) -> list[str]:
+        out = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True).stdout
+        return [line.split()[0] for line in out.splitlines() if Path(line.split()[1]).resolve() == self.path.resolve()]
+
     def cancel_leftovers(self) -> None:
         out = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            job, _, workdir = line.partition(" ")
-            if Path(workdir).resolve() == self.path.resolve():
-                subprocess.run(["scancel", job])
+        for job in self.active_jobs():
+            subprocess.run(["scancel", job])
 
     def weights(self, phase: str) -> dict:
         from safetensors.torch import load_file
@@ -134,6 +150,24 @@ def new_run(tmp_path, cluster):
     yield make
     for run in runs:
         run.cancel_leftovers()
+
+
+def job_records(job_id: str) -> list[dict]:
+    """Every run of one Slurm job id, requeued runs included (sacct --duplicates), oldest first."""
+    fields = ["JobID", "State", "DerivedExitCode", "NodeList"]
+    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job_id, "-o", ",".join(fields)],
+                         capture_output=True, text=True, check=True).stdout
+    return [dict(zip(fields, line.split("|"))) for line in out.splitlines() if line]
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory, cluster):
+    """The demo's data half, built once on the cluster for the fault tests."""
+    run = Run(tmp_path_factory.mktemp("slurm") / "data")
+    result = run.snakemake(*DATA_TARGETS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    yield run
+    run.cancel_leftovers()
 
 
 def assert_same_weights(actual: dict, expected: dict, what: str) -> None:
@@ -185,7 +219,7 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
         job = by_rule[rule]
         assert "gres/gpu=" in job["AllocTRES"] and job["Partition"] == "gpu", job
     for rule in PHASE_RULES:
-        assert "--ntasks-per-gpu=1" in by_rule[rule]["SubmitLine"], by_rule[rule]["SubmitLine"]
+        assert "--ntasks-per-node=2" in by_rule[rule]["SubmitLine"], by_rule[rule]["SubmitLine"]
         assert "--signal=USR1@" in by_rule[rule]["SubmitLine"], by_rule[rule]["SubmitLine"]
     for rule in DATA_RULES:
         assert "gres/gpu" not in by_rule[rule]["AllocTRES"] and by_rule[rule]["Partition"] != "gpu", by_rule[rule]
@@ -199,29 +233,23 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
     assert_same_weights(run.weights("phase1"), reference.weights("phase1"), "crashed+resumed vs uninterrupted")
 
     # Slurm's time-limit warning (the same SIGUSR1 to the job's steps that --signal=USR1@N sends): the trainers
-    # checkpoint and exit non-zero, the retry resumes, and the weights are again those of the reference.
+    # checkpoint and exit 138, the launcher requeues its job, the phase resumes, and the weights are again those
+    # of the reference.
     signalled = new_run("signalled")
     copy_data(run, signalled)
-    process = subprocess.Popen(
-        ["timeout", "-k", "20", str(SNAKEMAKE_TIMEOUT_S), "snakemake", "results/pretrain/phase1/model",
-         "--profile", "profile", "--retries", "1", "--configfile", *CONFIG_FILES],
-        cwd=signalled.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=clean_env())
-    checkpoints = signalled.path / "runs" / "pretrain" / "phase1" / "checkpoints"
-    deadline = time.time() + SNAKEMAKE_TIMEOUT_S
-    while not list(checkpoints.glob("step_*")) and process.poll() is None and time.time() < deadline:
-        time.sleep(0.5)
-    running = [job for job in signalled.jobs() if job["State"] == "RUNNING"]
-    assert running, "phase 1 was not running when its first checkpoint appeared"
-    subprocess.run(["scancel", "--signal=USR1", running[0]["JobID"]], check=True)
+    process = signalled.start("results/pretrain/phase1/model")
+    job_id = signalled.wait_for_phase1_checkpoint(process)
+    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
     output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
     assert process.returncode == 0, output[-3000:]
-    attempts = [job for job in signalled.jobs() if job["rule"] == "pretrain_phase1"]
-    assert [job["State"] for job in attempts] == ["FAILED", "COMPLETED"], attempts
-    assert attempts[0]["DerivedExitCode"] == "138:0", attempts[0]  # 128 + SIGUSR1: the handler checkpointed
+    assert [job["JobID"] for job in signalled.jobs() if job["rule"] == "pretrain_phase1"] == [job_id]
+    assert [r["State"] for r in job_records(job_id)] == ["REQUEUED", "COMPLETED"], job_records(job_id)
+    history = [json.loads(line) for line in (signalled.path / "logs" / "pretrain_phase1" / "attempts" /
+                                             "pretrain.history.jsonl").read_text().splitlines()]
+    assert [(h["exit"], h["requeue"]) for h in history] == [(138, True), (0, False)], history
     resumed = re.search(r"resumed from \S+ at step (\d+)", signalled.log_text("pretrain_phase1"))
     assert resumed and int(resumed.group(1)) >= 4, signalled.log_text("pretrain_phase1")[-2000:]
-    assert_same_weights(signalled.weights("phase1"), reference.weights("phase1"), "signalled+retried vs reference")
+    assert_same_weights(signalled.weights("phase1"), reference.weights("phase1"), "signalled+requeued vs reference")
 
 
 def test_profile_resolves_by_bare_name_from_the_repo_root():
@@ -290,3 +318,92 @@ def test_training_jobs_are_requeued_by_cause():
     assert not stuck.requeue and "runtime" in stuck.why
     assert decide(137, 4, 4, 0).requeue                        # a genuine failure: once
     assert not decide(1, 4, 4, 1).requeue
+
+
+# ---------------------------------------------------------------- faults on the real cluster
+
+
+def test_the_demo_data_half_runs_as_a_handful_of_grouped_slurm_jobs(demo_data):
+    jobs = demo_data.jobs()
+    counts = {rule: sum(1 for job in jobs if job["rule"] == rule) for rule in {job["rule"] for job in jobs}}
+    assert counts == DATA_JOBS, counts
+    assert all(job["State"] == "COMPLETED" for job in jobs), jobs
+
+
+def test_scancel_of_a_running_phase_job_stops_the_run_naming_the_cancel(demo_data, new_run):
+    run = new_run("cancelled")
+    copy_data(demo_data, run)
+    process = run.start("results/pretrain/phase1/model")
+    job_id = run.wait_for_phase1_checkpoint(process)
+    subprocess.run(["scancel", job_id], check=True)
+    output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)  # the plugin polls at most every 180 s
+    assert process.returncode not in (0, 124, 137), output[-3000:]
+    assert f"SLURM-job '{job_id}' failed, SLURM status is: 'CANCELLED'" in output, output[-3000:]
+    phase1 = [job for job in run.jobs() if job["rule"] == "pretrain_phase1"]
+    assert [job["JobID"] for job in phase1] == [job_id], phase1  # never resubmitted
+    assert phase1[0]["State"].startswith("CANCELLED"), phase1
+    assert not run.active_jobs()
+
+
+def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_data, new_run):
+    run = new_run("node_failure")
+    copy_data(demo_data, run)
+    node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[0]
+    process = run.start("results/pretrain/phase1/model")
+    job_id = run.wait_for_phase1_checkpoint(process)
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=snakebert-test"], check=True)
+    try:
+        deadline = time.time() + 60
+        while job_records(job_id)[0]["State"] == "RUNNING" and time.time() < deadline:
+            time.sleep(1)
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
+    output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
+    assert process.returncode == 0, output[-3000:]
+    assert "None assigned" not in output
+    runs = job_records(job_id)
+    assert [r["State"] for r in runs] == ["NODE_FAIL", "COMPLETED"], runs  # one job id: requeued by Slurm
+    assert [job["JobID"] for job in run.jobs() if job["rule"] == "pretrain_phase1"] == [job_id]
+    log = run.log_text("pretrain_phase1")
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
+    assert resumed and int(resumed.group(1)) >= 4, log[-2000:]
+    attempts = run.path / "logs" / "pretrain_phase1" / "attempts"
+    kept = sorted(p.name for p in attempts.glob("*.log"))
+    assert kept == [f"pretrain.job{job_id}.run0.log", f"pretrain.job{job_id}.run1.log"], kept
+    first = (attempts / kept[0]).read_text()  # the interrupted run's log survives the requeued run's `2> {log}`
+    assert f"Slurm job {job_id} run 0" in first and "resumed from" not in first, first[-2000:]
+    assert not run.active_jobs()
+
+
+# ---------------------------------------------------------------- sizing
+
+
+def test_a_request_no_node_of_its_partition_can_satisfy_is_one_error_line_naming_rule_and_key():
+    from workflow.slurm_profile import check, merge, parse_sinfo, read_profile
+
+    nodes = parse_sinfo("cpu* vm 2 21694 (null)\ngpu vm 2 21694 gpu:a100:2(S:0)\n")
+    stock = read_profile(REPO / "profiles" / "slurm")
+    problems = check(stock, nodes, where="slurm")
+    assert "slurm: set-resources pretrain_phase1: gres asks 4 GPUs per node; partition gpu has at most 2" in problems
+    assert "slurm: set-resources pretrain_phase2: mem_mb asks 256000 MB of memory per node; partition gpu has at " \
+           "most 21694" in problems
+    assert "slurm: group jobs: cores asks 32 CPUs per node; the default partition has at most 2" in problems
+    small = merge(stock, yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
+    assert check(small, nodes) == []
+    # A profile that inherits keeps every key it does not name: here the phase keeps its GPUs and partition.
+    assert small["set-resources"]["pretrain_phase1"]["slurm_partition"] == "gpu"
+    assert check(merge(small, {"set-resources": {"squad_predict": {"slurm_partition": "a100"}}}), nodes) == [
+        "profile: set-resources squad_predict: slurm_partition=a100 is not a partition here (sinfo: cpu, gpu)"]
+
+
+def test_profile_check_on_the_test_cluster_rejects_the_stock_profile_and_accepts_the_small_one(cluster, tmp_path):
+    derive(REPO / "profiles" / "slurm", REPO / "tests" / "slurm" / "profile.yaml", tmp_path / "small")
+    check = [sys.executable, "-m", "workflow.slurm_profile", "check"]
+    stock = subprocess.run([*check, "profiles/slurm"], cwd=REPO, capture_output=True, text=True, env=clean_env())
+    assert stock.returncode == 1 and not stock.stdout
+    lines = stock.stderr.splitlines()
+    assert all(line.startswith("error: profiles/slurm/config.v8+.yaml: ") for line in lines), lines
+    assert any("set-resources pretrain_phase1: gres asks 4 GPUs per node" in line for line in lines), lines
+    small = subprocess.run([*check, str(tmp_path / "small")], cwd=REPO, capture_output=True, text=True,
+                           env=clean_env())
+    assert small.returncode == 0, small.stderr
