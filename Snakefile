@@ -19,6 +19,7 @@ include: "rules/encode.smk"
 include: "rules/pretrain.smk"
 include: "rules/squad.smk"
 include: "rules/report.smk"
+include: "rules/cluster_check.smk"
 
 
 # Seconds of work each: run by Snakemake itself on the submit host, not through sbatch.

@@ -407,3 +407,15 @@ def test_profile_check_on_the_test_cluster_rejects_the_stock_profile_and_accepts
     small = subprocess.run([*check, str(tmp_path / "small")], cwd=REPO, capture_output=True, text=True,
                            env=clean_env())
     assert small.returncode == 0, small.stderr
+
+
+def test_cluster_check_runs_one_rank_per_gpu_each_on_its_own_gpu(new_run):
+    run = new_run("cluster_check")
+    result = run.snakemake("cluster_check", "--config", "model={preset: tiny}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((run.path / "results" / "cluster_check.json").read_text())
+    assert report["world_size"] == 2  # tests/slurm/profile.yaml: 1 node x gpu:2
+    assert sorted(r["cuda_visible_devices"] for r in report["ranks"]) == ["0", "1"], report["ranks"]
+    assert report["allreduce_bus_gbps"] > 0 and report["sequences_per_second"] > 0
+    (job,) = [job for job in run.jobs() if job["rule"] == "cluster_check"]
+    assert "--ntasks-per-node=2" in job["SubmitLine"] and "gres/gpu=2" in job["AllocTRES"], job

@@ -2,7 +2,8 @@
 
     python -m workflow.slurm_profile derive profiles/slurm my-cluster.yaml --output profiles/my-cluster
         profiles/slurm's config.v8+.yaml deep-merged with my-cluster.yaml (only the keys you change; a
-        set-resources entry keeps every key you do not name), written as a complete profile. Snakemake's own
+        set-resources entry keeps every key you do not name; `key: null` removes a key), written as a complete
+        profile. Snakemake's own
         `--set-resources` on the command line replaces the profile's whole set-resources instead.
     python -m workflow.slurm_profile check profiles/my-cluster
         compares every set-resources / default-resources entry and the group-job size (`cores`, `resources`)
@@ -25,10 +26,13 @@ PROFILE_FILE = "config.v8+.yaml"
 
 
 def merge(base: dict, override: dict) -> dict:
-    """`override` deep-merged into a copy of `base`: mappings merge key by key, anything else is replaced."""
+    """`override` deep-merged into a copy of `base`: mappings merge key by key, anything else is replaced, and a
+    key set to null is removed (e.g. `software-deployment-method: null`: no conda, jobs use the submit shell's env)."""
     merged = dict(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = merge(merged[key], value)
         else:
             merged[key] = value
@@ -92,11 +96,9 @@ def requests(profile: dict) -> dict[str, dict]:
         asked[what] = {"partition": res.get("slurm_partition") or "*", "gres": (gpus, "GPUs"),
                        cpu_key: (cpus, "CPUs"), "mem_mb": (int(res.get("mem_mb", 0)), "MB of memory"),
                        "nodes": (int(res.get("nodes", 1)), "nodes")}
-    if profile.get("groups"):  # a group job asks for up to `cores` CPUs and the `resources` memory
-        memory = [int(r.split("=")[1]) for r in profile.get("resources") or [] if r.startswith("mem_mb=")]
+    if profile.get("groups"):  # a group job asks for up to `cores` CPUs
         asked["group jobs"] = {"partition": defaults.get("slurm_partition") or "*",
-                               "cores": (int(profile.get("cores") or 1), "CPUs"),
-                               "resources mem_mb": (memory[0] if memory else 0, "MB of memory")}
+                               "cores": (int(profile.get("cores") or 1), "CPUs")}
     return asked
 
 
