@@ -419,3 +419,20 @@ def test_cluster_check_runs_one_rank_per_gpu_each_on_its_own_gpu(new_run):
     assert report["allreduce_bus_gbps"] > 0 and report["sequences_per_second"] > 0
     (job,) = [job for job in run.jobs() if job["rule"] == "cluster_check"]
     assert "--ntasks-per-node=2" in job["SubmitLine"] and "gres/gpu=2" in job["AllocTRES"], job
+
+
+def test_a_gpu_job_launched_with_fewer_ranks_than_gpus_stops_with_one_error_line(cluster, tmp_path):
+    # The batch step of a 1-task job on 2 GPUs, and a plugin-style `srun -n1` wrap of a 2-task job on 2 GPUs.
+    launcher = f"{sys.executable} -m workflow.train.distributed -- true"
+    outputs = []
+    for name, layout, command in (("batch", ["--ntasks=1"], launcher),
+                                  ("wrapped", ["--ntasks-per-node=2"], f"srun -n1 {launcher}")):
+        out = tmp_path / f"{name}.out"
+        result = subprocess.run(["timeout", "300", "sbatch", "--wait", "-p", "gpu", "--gres=gpu:2", "--mem=500",
+                                 *layout, "-t", "5", "-o", str(out), "--wrap", command],
+                                cwd=REPO, env=clean_env(), capture_output=True, text=True)
+        assert result.returncode != 0, out.read_text()
+        outputs.append([line for line in out.read_text().splitlines() if not line.startswith("srun: ")])
+    for lines in outputs:  # (srun adds its own "srun: error: ... task 0: Exited with exit code 1")
+        assert len(lines) == 1 and lines[0].startswith("error: Slurm job "), lines
+        assert "on 2 GPU(s)" in lines[0] and "tasks_per_node" in lines[0] and "mpi" in lines[0], lines
