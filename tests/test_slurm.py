@@ -102,11 +102,15 @@ class Run:
             row["rule"] = row["Comment"].removeprefix("rule_").split("_wildcards_")[0]
         return sorted(rows, key=lambda r: int(r["JobID"].split("_")[0]))
 
-    def start(self, *args: str) -> subprocess.Popen:
-        """Snakemake in the background (output in self.output once `finish` returns)."""
+    def start(self, *args: str, config: dict | None = None) -> subprocess.Popen:
+        """Snakemake in the background, with `config` layered over the test configs."""
+        configs = list(CONFIG_FILES)
+        if config:
+            (self.path / "extra_config.yaml").write_text(yaml.safe_dump(config))
+            configs.append("extra_config.yaml")
         return subprocess.Popen(
             ["timeout", "-k", "20", str(SNAKEMAKE_TIMEOUT_S), "snakemake", *args, "--profile", "profile",
-             "--configfile", *CONFIG_FILES], cwd=self.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+             "--configfile", *configs], cwd=self.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, env=clean_env())
 
     def wait_for_phase1_checkpoint(self, process: subprocess.Popen) -> str:
@@ -115,8 +119,9 @@ class Run:
         deadline = time.time() + SNAKEMAKE_TIMEOUT_S
         while not list(checkpoints.glob("step_*")) and process.poll() is None and time.time() < deadline:
             time.sleep(0.5)
-        running = [job for job in self.jobs() if job["rule"] == "pretrain_phase1" and job["State"] == "RUNNING"]
-        assert running, "phase 1 was not running when its first checkpoint appeared"
+        jobs = self.jobs()
+        running = [job for job in jobs if job["rule"] == "pretrain_phase1" and job["State"] == "RUNNING"]
+        assert running, f"phase 1 was not running when its first checkpoint appeared: {jobs}"
         return running[0]["JobID"]
 
     def active_jobs(self) -> list[str]:
@@ -349,8 +354,14 @@ def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_d
     run = new_run("node_failure")
     copy_data(demo_data, run)
     node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[0]
-    process = run.start("results/pretrain/phase1/model")
+    # Long enough to still be running when the other jobs on the shared node have gone.
+    process = run.start("results/pretrain/phase1/model", config={"pretrain": {"phase1": {"total_steps": 400}}})
     job_id = run.wait_for_phase1_checkpoint(process)
+    # Taking the node down kills every job on it: wait until ours is the only one (the cluster may be shared).
+    deadline = time.time() + SNAKEMAKE_TIMEOUT_S / 2
+    while subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split() != [job_id]:
+        assert time.time() < deadline and process.poll() is None, "other jobs kept the node busy: not taking it down"
+        time.sleep(1)
     subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=snakebert-test"], check=True)
     try:
         deadline = time.time() + 60
