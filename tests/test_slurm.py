@@ -98,8 +98,9 @@ class Run:
                              capture_output=True, text=True, check=True).stdout
         rows = [dict(zip(fields, line.split("|", len(fields) - 1))) for line in out.splitlines() if line]
         rows = [r for r in rows if Path(r["WorkDir"]).resolve() == self.path.resolve()]
-        for row in rows:
-            row["rule"] = row["Comment"].removeprefix("rule_").split("_wildcards_")[0]
+        for row in rows:  # (slurmdbd stores the comment when the job ends: a running job's is in its submit line)
+            comment = row["Comment"] or re.search(r"--comment (\S+)", row["SubmitLine"]).group(1)
+            row["rule"] = comment.removeprefix("rule_").split("_wildcards_")[0]
         return sorted(rows, key=lambda r: int(r["JobID"].split("_")[0]))
 
     def start(self, *args: str, config: dict | None = None) -> subprocess.Popen:
@@ -355,7 +356,7 @@ def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_d
     copy_data(demo_data, run)
     node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[0]
     # Long enough to still be running when the other jobs on the shared node have gone.
-    process = run.start("results/pretrain/phase1/model", config={"pretrain": {"phase1": {"total_steps": 400}}})
+    process = run.start("results/pretrain/phase1/model", config={"pretrain": {"phase1": {"total_steps": 20}}})
     job_id = run.wait_for_phase1_checkpoint(process)
     # Taking the node down kills every job on it: wait until ours is the only one (the cluster may be shared).
     deadline = time.time() + SNAKEMAKE_TIMEOUT_S / 2
@@ -422,7 +423,7 @@ def test_profile_check_on_the_test_cluster_rejects_the_stock_profile_and_accepts
 
 def test_cluster_check_runs_one_rank_per_gpu_each_on_its_own_gpu(new_run):
     run = new_run("cluster_check")
-    result = run.snakemake("cluster_check", "--config", "model={preset: tiny}")
+    result = run.snakemake("cluster_check")  # sample/config.yaml: the tiny model
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((run.path / "results" / "cluster_check.json").read_text())
     assert report["world_size"] == 2  # tests/slurm/profile.yaml: 1 node x gpu:2

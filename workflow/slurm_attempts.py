@@ -91,7 +91,10 @@ def run_attempt(job, command: list[str], rendezvous: dict) -> None:
     record_path = None
     earlier_failures = 0
     if log_file is not None:
-        keep_log(log_file, job.job_id, job.restarts)
+        try:
+            keep_log(log_file, job.job_id, job.restarts)
+        except OSError as error:  # a filesystem without hard links: the run goes on, its log is not kept
+            log.warning("cannot keep %s under %s/attempts: %s", log_file, log_file.parent, error)
         record_path = log_file.parent / "attempts" / f"{log_file.stem}.history.jsonl"
         earlier_failures = sum(1 for r in history(record_path) if r["job"] == job.job_id and r["cause"] == "failure")
     start_step = newest_step(command)
@@ -110,6 +113,9 @@ def run_attempt(job, command: list[str], rendezvous: dict) -> None:
                                   "requeue": decision.requeue}) + "\n")
     print(f"launch: Slurm job {job.job_id} run {job.restarts} {decision.why}", file=sys.stderr, flush=True)
     if decision.requeue:
-        subprocess.run(["scontrol", "requeue", job.job_id], check=True)
-        time.sleep(600)  # Slurm ends this run now; exiting first would race the requeue with a job failure
+        requeue = subprocess.run(["scontrol", "requeue", job.job_id], capture_output=True, text=True)
+        if requeue.returncode == 0:
+            time.sleep(600)  # Slurm ends this run now; exiting first would race the requeue with a job failure
+        print(f"error: `scontrol requeue {job.job_id}` failed ({requeue.stderr.strip()}): is `slurm-requeue: true` "
+              "in the profile? Run snakemake again to resume", file=sys.stderr, flush=True)
     sys.exit(status if status < 256 else 1)
