@@ -448,3 +448,31 @@ def test_a_gpu_job_launched_with_fewer_ranks_than_gpus_stops_with_one_error_line
     for lines in outputs:  # (srun adds its own "srun: error: ... task 0: Exited with exit code 1")
         assert len(lines) == 1 and lines[0].startswith("error: Slurm job "), lines
         assert "on 2 GPU(s)" in lines[0] and "tasks_per_node" in lines[0] and "mpi" in lines[0], lines
+
+
+def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_decision(tmp_path):
+    # A run stopped by the time-limit signal after a new checkpoint asks to be requeued; outside a real job
+    # `scontrol requeue` fails, which is reported on one `error:` line and ends the run with the trainer's status.
+    (tmp_path / "logs").mkdir()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    script = ("import sys; from workflow.slurm_attempts import run_attempt; from workflow.train.distributed import "
+              "SlurmJob; job = SlurmJob.parse(sys.argv[1]); run_attempt(job, ['sh', '-c', sys.argv[2], 'trainer', "
+              "'--run-dir', sys.argv[3]], {})")
+    trainer = f"echo training >&2; mkdir -p {checkpoints}; touch {checkpoints}/step_00000008.pt; exit 138"
+    job = SCONTROL_2x4.replace("JobId=812", "JobId=999999999")
+    with open(tmp_path / "logs" / "pretrain.log", "w") as log:
+        result = subprocess.run([sys.executable, "-c", script, job, trainer, str(tmp_path / "run")], cwd=REPO,
+                                stderr=log, env=clean_env())
+    assert result.returncode == 138
+    kept = tmp_path / "logs" / "attempts" / "pretrain.job999999999.run0.log"
+    assert kept.read_text() == (tmp_path / "logs" / "pretrain.log").read_text()  # the same file, hard-linked
+    lines = kept.read_text().splitlines()
+    assert lines[0].startswith("launch: Slurm job 999999999 run 0 (rule pretrain_phase1), 8 rank(s) on 2 node(s), "
+                               "newest checkpoint step None: sh -c"), lines
+    assert lines[1] == "training"
+    assert lines[2] == ("launch: Slurm job 999999999 run 0 stopped by the time-limit signal at checkpoint step 8: "
+                        "requeued")
+    assert lines[3].startswith("error: `scontrol requeue 999999999` failed (") and len(lines) == 4, lines
+    history = json.loads((tmp_path / "logs" / "attempts" / "pretrain.history.jsonl").read_text())
+    assert history == {"job": "999999999", "run": 0, "run_id": "3f1c-run", "start_step": None, "end_step": 8,
+                       "exit": 138, "cause": "time-limit", "requeue": True}
