@@ -1,11 +1,14 @@
 """The demo DAG on a real single-host Slurm cluster (tests/slurm/start_cluster.sh) through profiles/slurm.
 
-Proves: every job went through sbatch (sacct lists it with its rule, GPU rules with their GPUs); a phase-1 job
-that dies midway is rerun alone on the next invocation and resumes from its checkpoint; a phase-1 job stopped by
-Slurm's warning signal checkpoints, and the profile's retry resumes it; both end with the weights of an
-uninterrupted run. Skipped where no cluster can be started (not root), never under CI=true.
-"""
-from __future__ import annotations
+Proves: every job went through sbatch (sacct lists it with its rule, GPU rules with their GPUs); the data half
+is a handful of grouped jobs; a phase-1 job that dies midway is rerun alone on the next invocation and resumes
+from its checkpoint; a phase-1 job stopped by Slurm's warning signal checkpoints and its launcher requeues it;
+a scancel stops the run naming the cancel, never resubmitted; a node failure is requeued by Slurm and resumes
+from the checkpoint with no second job; a GPU job with fewer ranks than GPUs stops with one `error:` line; the
+profile check rejects requests no node can satisfy. The launcher's srun line, rank guard and retry decisions
+are also tested without a cluster. Cluster tests skip where no cluster can be started (not root), never
+under CI=true.
+"""from __future__ import annotations
 
 import json
 import os
