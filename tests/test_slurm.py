@@ -8,7 +8,8 @@ from the checkpoint with no second job; a GPU job with fewer ranks than GPUs sto
 profile check rejects requests no node can satisfy. The launcher's srun line, rank guard and retry decisions
 are also tested without a cluster. Cluster tests skip where no cluster can be started (not root), never
 under CI=true.
-"""from __future__ import annotations
+"""
+from __future__ import annotations
 
 import json
 import os

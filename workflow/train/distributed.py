@@ -3,8 +3,8 @@
 API:
     env = setup(device="auto")   -> DistEnv(rank, world_size, local_rank, device, backend, is_main)
         torchrun's RANK/WORLD_SIZE/LOCAL_RANK, or Slurm's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID with
-        MASTER_ADDR = first host of `scontrol show hostnames $SLURM_NODELIST` and MASTER_PORT derived from the job id
-        (both only when not already set). world_size > 1 initialises torch.distributed: nccl on CUDA, gloo on CPU.
+        MASTER_ADDR/MASTER_PORT as the launcher below set them (the batch host, a port the OS found free), else the
+        first host of `scontrol show hostnames $SLURM_NODELIST` and a port derived from the job id. world_size > 1 initialises torch.distributed: nccl on CUDA, gloo on CPU.
     cleanup()                    destroy the process group (if any)
     all_reduce_(tensor, op="sum") in place; a no-op in a 1-process run
     broadcast_object(obj, src=0) the object from rank `src` (identity in a 1-process run)
@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from workflow import slurm_attempts
 from workflow.cli import UserError
 
 log = logging.getLogger(__name__)
@@ -220,13 +221,12 @@ def main(argv=None) -> None:
         os.execvp(argv[0], argv)
     job = SlurmJob.query(job_id)
     if "SLURM_STEP_ID" in os.environ:  # already a step: the plugin wrapped us in `srun -n1`, or a user's srun
-        check_one_rank_per_gpu(job, int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS", "1")))
+        ranks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS", "1")
+        check_one_rank_per_gpu(job, int(ranks))
         os.execvp(argv[0], argv)
     check_one_rank_per_gpu(job, job.tasks)
-    from workflow import slurm_attempts
-
-    slurm_attempts.run_attempt(job, srun_command(job, argv), {"MASTER_ADDR": job.batch_host or socket.gethostname(),
-                                                        "MASTER_PORT": str(free_port())})
+    rendezvous = {"MASTER_ADDR": job.batch_host or socket.gethostname(), "MASTER_PORT": str(free_port())}
+    slurm_attempts.run_attempt(job, srun_command(job, argv), rendezvous)
 
 
 if __name__ == "__main__":
