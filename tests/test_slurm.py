@@ -372,8 +372,9 @@ def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_d
         deadline = time.time() + 60
         while job_records(job_id)[0]["State"] == "RUNNING" and time.time() < deadline:
             time.sleep(1)
-    finally:
-        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
+    finally:  # (ReturnToService=2 may have brought it back already: then there is nothing to resume)
+        if "down" in subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True).stdout:
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
     output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
     assert process.returncode == 0, output[-3000:]
     assert "None assigned" not in output
