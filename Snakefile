@@ -30,6 +30,7 @@ localrules:
     report_gpu_telemetry,
     report_squad_plot,
     report_config,
+    squad_eval,
 
 
 rule all:

@@ -29,8 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "start_cluster.sh"
 WORKFLOW_FILES = ["Snakefile", "rules", "workflow", "envs", "sample", "config.yaml", "config.schema.yaml"]
 CONFIG_FILES = ["sample/config.yaml", str(REPO / "tests" / "slurm" / "config.yaml")]
-DATA_RULES = {"download_wikipedia", "extract_wikipedia", "format", "shard", "vocab", "tokenize", "encode",
-              "hdf5_dir"}
 PHASE_RULES = ("pretrain_phase1", "pretrain_phase2")
 FAIL_AT_STEP = 6  # between the checkpoints at steps 4 and 8 (tests/slurm/config.yaml: checkpoint_every 4)
 SNAKEMAKE_TIMEOUT_S = 900  # the cluster's 2 CPUs are shared: generous
@@ -39,6 +37,7 @@ DATA_TARGETS = ("data/hdf5_seq128", "data/hdf5_seq512")
 # split, the vocab, tokenize+encode of all shards, and one hdf5 directory per sequence length.
 DATA_JOBS = {"download_download_bookcorpus_download_wikipedia": 1, "part_extract_wikipedia_format": 1, "shard": 1,
              "vocab": 1, "shard_encode_tokenize": 1, "hdf5_dir": 2}
+DATA_RULES = set(DATA_JOBS)  # the rule or group names sacct shows for them
 
 
 def _cluster_answers() -> bool:
