@@ -327,6 +327,8 @@ def test_training_jobs_are_requeued_by_cause():
     assert not stuck.requeue and "runtime" in stuck.why
     assert decide(137, 4, 4, 0).requeue                        # a genuine failure: once
     assert not decide(1, 4, 4, 1).requeue
+    node_failure = decide(0, 4, 5, 0, job_state="NODE_FAIL")   # srun may even return 0: Slurm requeues it
+    assert not node_failure.requeue and "NODE_FAIL" in node_failure.why
 
 
 # ---------------------------------------------------------------- faults on the real cluster

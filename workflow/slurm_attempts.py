@@ -7,7 +7,8 @@ how they ended, where the cause is still known (Snakemake only sees "failed"):
     warning: the trainers checkpointed)  checkpoint is newer than at the start of the run; else stop: no progress
     any other failure                    requeue once per job; a second failure stops
     scancel                              nothing runs here: the job is gone, the profile gives it no retry
-A node failure is requeued by Slurm itself (`slurm-requeue: true`); the next run resumes like ours.
+    node failure (job no longer RUNNING) nothing: Slurm requeues the job itself (`slurm-requeue: true`)
+The next run resumes from the newest checkpoint either way.
 
 Every run hard-links the rule's log (its stderr) to `<log dir>/attempts/<log stem>.job<id>.run<n>.log` before
 starting, so the next run's fresh `2> {log}` cannot erase it, and appends one JSON line per run to
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,8 +38,12 @@ class Decision:
     why: str
 
 
-def decide(exit_status: int, start_step: int | None, end_step: int | None, earlier_failures: int) -> Decision:
-    """What to do with a run of this job that ended with `exit_status` (the highest rank exit status)."""
+def decide(exit_status: int, start_step: int | None, end_step: int | None, earlier_failures: int,
+           job_state: str = "RUNNING") -> Decision:
+    """What to do with a run of this job that ended with `exit_status` (the highest rank exit status), the job
+    being in `job_state` (RUNNING while this run is its own; else Slurm is ending or requeueing it)."""
+    if job_state != "RUNNING":
+        return Decision(False, f"interrupted by Slurm (job state {job_state}): Slurm requeues or ends it")
     if exit_status == 0:
         return Decision(False, "completed")
     if exit_status == TIME_LIMIT_EXIT:
@@ -59,6 +65,13 @@ def newest_step(command: list[str]) -> int | None:
             found = list_checkpoints(Path(value) / "checkpoints")
             return int(found[-1].stem.split("_")[1]) if found else None
     return None
+
+
+def job_state(job_id: str) -> str:
+    """The job's state from slurmctld (RUNNING, or e.g. NODE_FAIL / REQUEUED / PENDING when Slurm took over)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    match = re.search(r"\bJobState=(\S+)", out)
+    return match.group(1) if match else "RUNNING"  # no answer: judge by the exit status alone
 
 
 def rule_log() -> Path | None:
@@ -104,8 +117,10 @@ def run_attempt(job, command: list[str], rendezvous: dict) -> None:
     status = subprocess.run(command, env={**os.environ, **rendezvous}).returncode
     status = 128 - status if status < 0 else status
     end_step = newest_step(command)
-    decision = decide(status, start_step, end_step, earlier_failures)
-    cause = "ok" if status == 0 else "time-limit" if status == TIME_LIMIT_EXIT else "failure"
+    state = job_state(job.job_id)
+    decision = decide(status, start_step, end_step, earlier_failures, state)
+    cause = ("slurm" if state != "RUNNING" else "ok" if status == 0 else "time-limit" if status == TIME_LIMIT_EXIT
+             else "failure")
     if record_path is not None:
         with record_path.open("a") as out:
             out.write(json.dumps({"job": job.job_id, "run": job.restarts, "run_id": job.name, "start_step": start_step,
