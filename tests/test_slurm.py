@@ -286,7 +286,7 @@ def test_launcher_gives_every_rank_its_own_gpu_and_its_share_of_the_node_cores()
     assert (job.nodes, job.tasks, job.gpus_per_node, job.rule, job.batch_host) == (2, 8, 4, "pretrain_phase1", "gpu01")
     assert srun_command(job, ["python", "t.py"]) == [
         "srun", "--ntasks=8", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=8", "--gpus-per-task=1",
-        "--kill-on-bad-exit=1", "python", "t.py"]
+        "--kill-on-bad-exit=0", "--wait=300", "python", "t.py"]
 
 
 def test_a_gpu_job_whose_ranks_differ_from_its_gpus_stops_naming_the_profile_keys():

@@ -32,6 +32,8 @@ from workflow.cli import UserError
 
 log = logging.getLogger(__name__)
 
+RANK_EXIT_WAIT_S = 300  # how long srun lets the other ranks finish (rank 0: its checkpoint) after one has exited
+
 
 @dataclass
 class DistEnv:
@@ -188,8 +190,10 @@ def srun_command(job: SlurmJob, command: list[str]) -> list[str]:
                         "set `tasks_per_node` in the profile, not `tasks`, so every node runs as many ranks")
     cpus_per_task = max(1, job.cpus // job.nodes // per_node)
     gpu = ["--gpus-per-task=1"] if job.gpus_per_node else []
+    # Not --kill-on-bad-exit: after the time-limit signal the other ranks exit (138) while rank 0 still writes the
+    # checkpoint. --wait gives the last ranks that long after the first exits, then ends ranks hung on a dead peer.
     return ["srun", f"--ntasks={job.tasks}", f"--nodes={job.nodes}", f"--ntasks-per-node={per_node}",
-            f"--cpus-per-task={cpus_per_task}", *gpu, "--kill-on-bad-exit=1", *command]
+            f"--cpus-per-task={cpus_per_task}", *gpu, "--kill-on-bad-exit=0", f"--wait={RANK_EXIT_WAIT_S}", *command]
 
 
 def free_port() -> int:
