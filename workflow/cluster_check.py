@@ -3,7 +3,7 @@
 Every rank reports its host, GPU (CUDA_VISIBLE_DEVICES and name) and the cores it may run on; then one NCCL (gloo
 on CPU) all-reduce of `--allreduce-mb` MB is timed (bus bandwidth, as nccl-tests reports it: 2(n-1)/n x size /
 time), then `--steps` fixed training steps of the configured model on random phase-1 shaped batches (seq/s,
-all ranks). Rank 0 prints the table and writes it as JSON: world size, per-rank placement, bandwidth, seq/s.
+all ranks). Rank 0 prints the table to stderr (the rule's log) and writes it as JSON: world size, per-rank placement, bandwidth, seq/s.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -101,10 +102,10 @@ def main(argv=None) -> None:
         if env.is_main:
             for r in ranks:
                 print(f"rank {r['rank']:>3} on {r['host']}: GPU {r['gpu'] or '-'} (CUDA_VISIBLE_DEVICES="
-                      f"{r['cuda_visible_devices']}, {r['device']}), cores {r['cores']}", flush=True)
+                      f"{r['cuda_visible_devices']}, {r['device']}), cores {r['cores']}", file=sys.stderr, flush=True)
             print(f"world size {env.world_size}; all-reduce {args.allreduce_mb} MB: "
                   f"{bandwidth if bandwidth is None else round(bandwidth, 2)} GB/s bus bandwidth; {args.preset} "
-                  f"seq {args.seq_length} {precision}: {throughput:.1f} seq/s", flush=True)
+                  f"seq {args.seq_length} {precision}: {throughput:.1f} seq/s", file=sys.stderr, flush=True)
             result = {"world_size": env.world_size, "ranks": ranks, "allreduce_mb": args.allreduce_mb,
                       "allreduce_bus_gbps": bandwidth, "preset": args.preset, "precision": precision,
                       "seq_length": args.seq_length, "sequences_per_second": throughput}
