@@ -20,6 +20,18 @@ include: "rules/pretrain.smk"
 include: "rules/squad.smk"
 include: "rules/glue.smk"
 include: "rules/report.smk"
+include: "rules/cluster_check.smk"
+
+
+# Seconds of work each: run by Snakemake itself on the submit host, not through sbatch.
+localrules:
+    all,
+    summary,
+    report_pretrain_plots,
+    report_gpu_telemetry,
+    report_squad_plot,
+    report_config,
+    squad_eval,
 
 
 rule all:

@@ -482,7 +482,7 @@ def test_bf16_and_fp16_autocast_on_cpu_train_with_losses_close_to_fp32(data, tmp
 
 
 def test_rank_and_world_come_from_torchrun_or_from_a_slurm_step_only():
-    from workflow.train.distributed import launch_command, read_environment
+    from workflow.train.distributed import local_command, read_environment
 
     assert read_environment({}) == (0, 1, 0)
     assert read_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)
@@ -492,10 +492,10 @@ def test_rank_and_world_come_from_torchrun_or_from_a_slurm_step_only():
     # A batch script carries SLURM_PROCID=0 and SLURM_NTASKS=2 but is one process: it must launch, not join.
     batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
     assert read_environment(batch) == (0, 1, 0)
-    assert launch_command(["python", "x.py"], batch) == ["srun", "--ntasks=2", "--kill-on-bad-exit=1", "python",
-                                                         "x.py"]
-    assert launch_command(["python", "x.py"], step) == ["python", "x.py"]
-    assert launch_command(["python", "x.py"], {"SNAKEBERT_LOCAL_RANKS": "1"}) == ["python", "x.py"]
+    # (the srun line of a batch step: tests/test_slurm.py, test_launcher_gives_every_rank_its_own_gpu_...)
+    assert local_command(["python", "x.py"], {"SNAKEBERT_LOCAL_RANKS": "1"}) == ["python", "x.py"]
+    assert local_command(["python", "x.py"], {"SNAKEBERT_LOCAL_RANKS": "2"})[-4:] == ["--nproc-per-node=2", "--no-python",
+                                                                                   "python", "x.py"]
 
 
 def _slurm_answers() -> bool:

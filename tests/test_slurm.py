@@ -1,9 +1,13 @@
 """The demo DAG on a real single-host Slurm cluster (tests/slurm/start_cluster.sh) through profiles/slurm.
 
-Proves: every job went through sbatch (sacct lists it with its rule, GPU rules with their GPUs); a phase-1 job
-that dies midway is rerun alone on the next invocation and resumes from its checkpoint; a phase-1 job stopped by
-Slurm's warning signal checkpoints, and the profile's retry resumes it; both end with the weights of an
-uninterrupted run. Skipped where no cluster can be started (not root), never under CI=true.
+Proves: every job went through sbatch (sacct lists it with its rule, GPU rules with their GPUs); the data half
+is a handful of grouped jobs; a phase-1 job that dies midway is rerun alone on the next invocation and resumes
+from its checkpoint; a phase-1 job stopped by Slurm's warning signal checkpoints and its launcher requeues it;
+a scancel stops the run naming the cancel, never resubmitted; a node failure is requeued by Slurm and resumes
+from the checkpoint with no second job; a GPU job with fewer ranks than GPUs stops with one `error:` line; the
+profile check rejects requests no node can satisfy. The launcher's srun line, rank guard and retry decisions
+are also tested without a cluster. Cluster tests skip where no cluster can be started (not root), never
+under CI=true.
 """
 from __future__ import annotations
 
@@ -19,15 +23,21 @@ from pathlib import Path
 import pytest
 import yaml
 
+from workflow.slurm_profile import derive
+
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "start_cluster.sh"
 WORKFLOW_FILES = ["Snakefile", "rules", "workflow", "envs", "sample", "config.yaml", "config.schema.yaml"]
 CONFIG_FILES = ["sample/config.yaml", str(REPO / "tests" / "slurm" / "config.yaml")]
-DATA_RULES = {"download_wikipedia", "extract_wikipedia", "format", "shard", "vocab", "tokenize", "encode",
-              "hdf5_dir"}
-PHASE_RULES = ("pretrain",)
+PHASE_RULES = ("pretrain_phase1", "pretrain_phase2")
 FAIL_AT_STEP = 6  # between the checkpoints at steps 4 and 8 (tests/slurm/config.yaml: checkpoint_every 4)
-SNAKEMAKE_TIMEOUT_S = 420
+SNAKEMAKE_TIMEOUT_S = 900  # the cluster's 2 CPUs are shared: generous
+DATA_TARGETS = ("data/hdf5_seq128", "data/hdf5_seq512")
+# The demo's data half as grouped Slurm jobs (profiles/slurm `groups`): downloads, extract+format, the shard
+# split, the vocab, tokenize+encode of all shards, and one hdf5 directory per sequence length.
+DATA_JOBS = {"download_download_bookcorpus_download_wikipedia": 1, "part_extract_wikipedia_format": 1, "shard": 1,
+             "vocab": 1, "shard_encode_tokenize": 1, "hdf5_dir": 2}
+DATA_RULES = set(DATA_JOBS)  # the rule or group names sacct shows for them
 
 
 def _cluster_answers() -> bool:
@@ -63,13 +73,6 @@ def clean_env() -> dict:
     return env
 
 
-def _merge(base: dict, override: dict) -> dict:
-    for key, value in override.items():
-        base[key] = _merge(base.get(key, {}), value) if isinstance(value, dict) and isinstance(
-            base.get(key), dict) else value
-    return base
-
-
 class Run:
     """A workdir with the workflow, the slurm profile sized for the test cluster, and helpers around it."""
 
@@ -78,10 +81,7 @@ class Run:
         path.mkdir(parents=True)
         for name in WORKFLOW_FILES:
             (path / name).symlink_to(REPO / name)
-        profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.v8+.yaml").read_text())
-        _merge(profile, yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
-        (path / "profile").mkdir()
-        (path / "profile" / "config.v8+.yaml").write_text(yaml.safe_dump(profile))
+        derive(REPO / "profiles" / "slurm", REPO / "tests" / "slurm" / "profile.yaml", path / "profile")
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 2))
 
     def snakemake(self, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -101,16 +101,41 @@ class Run:
                              capture_output=True, text=True, check=True).stdout
         rows = [dict(zip(fields, line.split("|", len(fields) - 1))) for line in out.splitlines() if line]
         rows = [r for r in rows if Path(r["WorkDir"]).resolve() == self.path.resolve()]
-        for row in rows:
-            row["rule"] = row["Comment"].removeprefix("rule_").split("_wildcards_")[0]
+        for row in rows:  # (slurmdbd stores the comment when the job ends: a running job's is in its submit line)
+            comment = row["Comment"] or re.search(r"--comment (\S+)", row["SubmitLine"]).group(1)
+            row["rule"] = comment.removeprefix("rule_").split("_wildcards_")[0]
         return sorted(rows, key=lambda r: int(r["JobID"].split("_")[0]))
+
+    def start(self, *args: str, config: dict | None = None) -> subprocess.Popen:
+        """Snakemake in the background, with `config` layered over the test configs."""
+        configs = list(CONFIG_FILES)
+        if config:
+            (self.path / "extra_config.yaml").write_text(yaml.safe_dump(config))
+            configs.append("extra_config.yaml")
+        return subprocess.Popen(
+            ["timeout", "-k", "20", str(SNAKEMAKE_TIMEOUT_S), "snakemake", *args, "--profile", "profile",
+             "--configfile", *configs], cwd=self.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=clean_env())
+
+    def wait_for_phase1_checkpoint(self, process: subprocess.Popen) -> str:
+        """The Slurm job id of phase 1, once it runs and has written its first checkpoint."""
+        checkpoints = self.path / "runs" / "pretrain" / "phase1" / "checkpoints"
+        deadline = time.time() + SNAKEMAKE_TIMEOUT_S
+        while not list(checkpoints.glob("step_*")) and process.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        jobs = self.jobs()
+        running = [job for job in jobs if job["rule"] == "pretrain_phase1" and job["State"] == "RUNNING"]
+        assert running, f"phase 1 was not running when its first checkpoint appeared: {jobs}"
+        return running[0]["JobID"]
+
+    def active_jobs(self) -> list[str]:
+        out = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True).stdout
+        return [line.split()[0] for line in out.splitlines() if Path(line.split()[1]).resolve() == self.path.resolve()]
 
     def cancel_leftovers(self) -> None:
         out = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            job, _, workdir = line.partition(" ")
-            if Path(workdir).resolve() == self.path.resolve():
-                subprocess.run(["scancel", job])
+        for job in self.active_jobs():
+            subprocess.run(["scancel", job])
 
     def weights(self, phase: str) -> dict:
         from safetensors.torch import load_file
@@ -134,6 +159,24 @@ def new_run(tmp_path, cluster):
     yield make
     for run in runs:
         run.cancel_leftovers()
+
+
+def job_records(job_id: str) -> list[dict]:
+    """Every run of one Slurm job id, requeued runs included (sacct --duplicates), oldest first."""
+    fields = ["JobID", "State", "DerivedExitCode", "NodeList"]
+    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job_id, "-o", ",".join(fields)],
+                         capture_output=True, text=True, check=True).stdout
+    return [dict(zip(fields, line.split("|"))) for line in out.splitlines() if line]
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory, cluster):
+    """The demo's data half, built once on the cluster for the fault tests."""
+    run = Run(tmp_path_factory.mktemp("slurm") / "data")
+    result = run.snakemake(*DATA_TARGETS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    yield run
+    run.cancel_leftovers()
 
 
 def assert_same_weights(actual: dict, expected: dict, what: str) -> None:
@@ -185,7 +228,7 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
         job = by_rule[rule]
         assert "gres/gpu=" in job["AllocTRES"] and job["Partition"] == "gpu", job
     for rule in PHASE_RULES:
-        assert "--ntasks-per-gpu=1" in by_rule[rule]["SubmitLine"], by_rule[rule]["SubmitLine"]
+        assert "--ntasks-per-node=2" in by_rule[rule]["SubmitLine"], by_rule[rule]["SubmitLine"]
         assert "--signal=USR1@" in by_rule[rule]["SubmitLine"], by_rule[rule]["SubmitLine"]
     for rule in DATA_RULES:
         assert "gres/gpu" not in by_rule[rule]["AllocTRES"] and by_rule[rule]["Partition"] != "gpu", by_rule[rule]
@@ -199,38 +242,243 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
     assert_same_weights(run.weights("phase1"), reference.weights("phase1"), "crashed+resumed vs uninterrupted")
 
     # Slurm's time-limit warning (the same SIGUSR1 to the job's steps that --signal=USR1@N sends): the trainers
-    # checkpoint and exit non-zero, the retry resumes, and the weights are again those of the reference.
+    # checkpoint and exit 138, the launcher requeues its job, the phase resumes, and the weights are again those
+    # of the reference.
     signalled = new_run("signalled")
     copy_data(run, signalled)
-    process = subprocess.Popen(
-        ["timeout", "-k", "20", str(SNAKEMAKE_TIMEOUT_S), "snakemake", "results/pretrain/phase1/model",
-         "--profile", "profile", "--retries", "1", "--configfile", *CONFIG_FILES],
-        cwd=signalled.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=clean_env())
-    checkpoints = signalled.path / "runs" / "pretrain" / "phase1" / "checkpoints"
-    deadline = time.time() + SNAKEMAKE_TIMEOUT_S
-    while not list(checkpoints.glob("step_*")) and process.poll() is None and time.time() < deadline:
-        time.sleep(0.5)
-    running = [job for job in signalled.jobs() if job["State"] == "RUNNING"]
-    assert running, "phase 1 was not running when its first checkpoint appeared"
-    subprocess.run(["scancel", "--signal=USR1", running[0]["JobID"]], check=True)
+    process = signalled.start("results/pretrain/phase1/model")
+    job_id = signalled.wait_for_phase1_checkpoint(process)
+    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
     output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
     assert process.returncode == 0, output[-3000:]
-    attempts = [job for job in signalled.jobs() if job["rule"] == "pretrain_phase1"]
-    assert [job["State"] for job in attempts] == ["FAILED", "COMPLETED"], attempts
-    assert attempts[0]["DerivedExitCode"] == "138:0", attempts[0]  # 128 + SIGUSR1: the handler checkpointed
+    assert [job["JobID"] for job in signalled.jobs() if job["rule"] == "pretrain_phase1"] == [job_id]
+    assert [r["State"] for r in job_records(job_id)] == ["REQUEUED", "COMPLETED"], job_records(job_id)
+    history = [json.loads(line) for line in (signalled.path / "logs" / "pretrain_phase1" / "attempts" /
+                                             "pretrain.history.jsonl").read_text().splitlines()]
+    assert [(h["exit"], h["requeue"]) for h in history] == [(138, True), (0, False)], history
     resumed = re.search(r"resumed from \S+ at step (\d+)", signalled.log_text("pretrain_phase1"))
     assert resumed and int(resumed.group(1)) >= 4, signalled.log_text("pretrain_phase1")[-2000:]
-    assert_same_weights(signalled.weights("phase1"), reference.weights("phase1"), "signalled+retried vs reference")
+    assert_same_weights(signalled.weights("phase1"), reference.weights("phase1"), "signalled+requeued vs reference")
 
 
-def test_profile_resolves_by_bare_name_from_the_repo_root(workflow_copy):
+def test_profile_resolves_by_bare_name_from_the_repo_root():
     # `snakemake --profile slurm` as typed in the README: Snakemake looks in the current directory first.
-    link = workflow_copy / "slurm"
-    assert link.is_symlink() and link.resolve() == (workflow_copy / "profiles" / "slurm").resolve()
+    link = REPO / "slurm"
+    assert link.is_symlink() and link.resolve() == (REPO / "profiles" / "slurm").resolve()
     # (env-modules instead of the profile's conda: no conda here, and no rule declares envmodules)
     result = subprocess.run(["snakemake", "--profile", "slurm", "--dry-run", "--software-deployment-method",
-                             "env-modules", "--configfile", "sample/config.yaml", "--", "all"], cwd=workflow_copy,
-                            env=clean_env(), capture_output=True, text=True, timeout=120)
+                             "env-modules", "--configfile", "sample/config.yaml", "--", "all"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Using profile slurm" in result.stderr and "pretrain_phase1" in result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- the launcher (no cluster needed)
+
+SCONTROL_2x4 = ("JobId=812 JobName=3f1c-run Comment=rule_pretrain_phase1 Restarts=0 BatchHost=gpu01 NumNodes=2 "
+                "NumCPUs=64 NumTasks=8 CPUs/Task=1 TRES=cpu=64,mem=500G,node=2,billing=64,gres/gpu=8 "
+                "TresPerNode=gres:gpu:a100:4 NodeList=gpu[01-02]")
+
+
+def test_launcher_gives_every_rank_its_own_gpu_and_its_share_of_the_node_cores():
+    from workflow.train.distributed import SlurmJob, srun_command
+
+    job = SlurmJob.parse(SCONTROL_2x4)
+    assert (job.nodes, job.tasks, job.gpus_per_node, job.rule, job.batch_host) == (2, 8, 4, "pretrain_phase1", "gpu01")
+    assert srun_command(job, ["python", "t.py"]) == [
+        "srun", "--ntasks=8", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=8", "--gpus-per-task=1",
+        "--kill-on-bad-exit=0", "--wait=300", "python", "t.py"]
+
+
+def test_a_gpu_job_whose_ranks_differ_from_its_gpus_stops_naming_the_profile_keys():
+    from workflow.cli import UserError
+    from workflow.train.distributed import SlurmJob, check_one_rank_per_gpu, srun_command
+
+    job = SlurmJob.parse(SCONTROL_2x4)
+    check_one_rank_per_gpu(job, 8)
+    with pytest.raises(UserError) as error:
+        check_one_rank_per_gpu(job, 1)  # e.g. the plugin wrapped the launcher in `srun -n1`
+    message = str(error.value)
+    assert "1 rank(s) on 8 GPU(s)" in message and "pretrain_phase1" in message
+    assert all(key in message for key in ("tasks_per_node", "gres", "mpi")), message
+    uneven = SlurmJob.parse(SCONTROL_2x4.replace("NumTasks=8", "NumTasks=7"))
+    with pytest.raises(UserError, match="tasks_per_node"):
+        srun_command(uneven, ["x"])  # 7 tasks on 2 nodes: no per-node layout gives each rank one GPU
+
+
+def test_the_rendezvous_port_is_one_the_os_found_free_not_one_derived_from_the_job_id():
+    import socket
+
+    from workflow.train.distributed import free_port
+
+    with socket.socket() as held:  # a port another job on the node holds
+        held.bind(("", free_port()))
+        taken = held.getsockname()[1]
+        assert all(free_port() != taken for _ in range(20))
+
+
+def test_training_jobs_are_requeued_by_cause():
+    from workflow.slurm_attempts import TIME_LIMIT_EXIT, decide
+
+    assert not decide(0, None, 12, 0).requeue
+    assert decide(TIME_LIMIT_EXIT, 4, 8, 0).requeue            # time limit with progress: again and again
+    assert decide(TIME_LIMIT_EXIT, 4, 8, 5).requeue
+    assert decide(TIME_LIMIT_EXIT, None, 4, 0).requeue
+    stuck = decide(TIME_LIMIT_EXIT, 8, 8, 0)                   # time limit without a new checkpoint: stop
+    assert not stuck.requeue and "runtime" in stuck.why
+    assert decide(137, 4, 4, 0).requeue                        # a genuine failure: once
+    assert not decide(1, 4, 4, 1).requeue
+    node_failure = decide(0, 4, 5, 0, job_state="NODE_FAIL")   # srun may even return 0: Slurm requeues it
+    assert not node_failure.requeue and "NODE_FAIL" in node_failure.why
+
+
+# ---------------------------------------------------------------- faults on the real cluster
+
+
+def test_the_demo_data_half_runs_as_a_handful_of_grouped_slurm_jobs(demo_data):
+    jobs = demo_data.jobs()
+    counts = {rule: sum(1 for job in jobs if job["rule"] == rule) for rule in {job["rule"] for job in jobs}}
+    assert counts == DATA_JOBS, counts
+    assert all(job["State"] == "COMPLETED" for job in jobs), jobs
+
+
+def test_scancel_of_a_running_phase_job_stops_the_run_naming_the_cancel(demo_data, new_run):
+    run = new_run("cancelled")
+    copy_data(demo_data, run)
+    process = run.start("results/pretrain/phase1/model")
+    job_id = run.wait_for_phase1_checkpoint(process)
+    subprocess.run(["scancel", job_id], check=True)
+    output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)  # the plugin polls at most every 180 s
+    assert process.returncode not in (0, 124, 137), output[-3000:]
+    assert f"SLURM-job '{job_id}' failed, SLURM status is: 'CANCELLED'" in output, output[-3000:]
+    phase1 = [job for job in run.jobs() if job["rule"] == "pretrain_phase1"]
+    assert [job["JobID"] for job in phase1] == [job_id], phase1  # never resubmitted
+    assert phase1[0]["State"].startswith("CANCELLED"), phase1
+    assert not run.active_jobs()
+
+
+def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_data, new_run):
+    run = new_run("node_failure")
+    copy_data(demo_data, run)
+    node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[0]
+    # Long enough to still be running when the other jobs on the shared node have gone.
+    process = run.start("results/pretrain/phase1/model", config={"pretrain": {"phase1": {"total_steps": 20}}})
+    job_id = run.wait_for_phase1_checkpoint(process)
+    # Taking the node down kills every job on it: wait until ours is the only one (the cluster may be shared).
+    deadline = time.time() + SNAKEMAKE_TIMEOUT_S / 2
+    while subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split() != [job_id]:
+        assert time.time() < deadline and process.poll() is None, "other jobs kept the node busy: not taking it down"
+        time.sleep(1)
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=snakebert-test"], check=True)
+    try:
+        deadline = time.time() + 60
+        while job_records(job_id)[0]["State"] == "RUNNING" and time.time() < deadline:
+            time.sleep(1)
+    finally:  # (ReturnToService=2 may have brought it back already: then there is nothing to resume)
+        if "down" in subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True).stdout:
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
+    output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
+    assert process.returncode == 0, output[-3000:]
+    assert "None assigned" not in output
+    runs = job_records(job_id)
+    assert [r["State"] for r in runs] == ["NODE_FAIL", "COMPLETED"], runs  # one job id: requeued by Slurm
+    assert [job["JobID"] for job in run.jobs() if job["rule"] == "pretrain_phase1"] == [job_id]
+    log = run.log_text("pretrain_phase1")
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
+    assert resumed and int(resumed.group(1)) >= 4, log[-2000:]
+    attempts = run.path / "logs" / "pretrain_phase1" / "attempts"
+    kept = sorted(p.name for p in attempts.glob("*.log"))
+    assert kept == [f"pretrain.job{job_id}.run0.log", f"pretrain.job{job_id}.run1.log"], kept
+    first = (attempts / kept[0]).read_text()  # the interrupted run's log survives the requeued run's `2> {log}`
+    assert f"Slurm job {job_id} run 0" in first and "resumed from" not in first, first[-2000:]
+    assert not run.active_jobs()
+
+
+# ---------------------------------------------------------------- sizing
+
+
+def test_a_request_no_node_of_its_partition_can_satisfy_is_one_error_line_naming_rule_and_key():
+    from workflow.slurm_profile import check, merge, parse_sinfo, read_profile
+
+    nodes = parse_sinfo("cpu* vm 2 21694 (null)\ngpu vm 2 21694 gpu:a100:2(S:0)\n")
+    stock = read_profile(REPO / "profiles" / "slurm")
+    problems = check(stock, nodes, where="slurm")
+    assert "slurm: set-resources pretrain_phase1: gres asks 4 GPUs per node; partition gpu has at most 2" in problems
+    assert "slurm: set-resources pretrain_phase2: mem_mb asks 256000 MB of memory per node; partition gpu has at " \
+           "most 21694" in problems
+    assert "slurm: group jobs: cores asks 32 CPUs per node; the default partition has at most 2" in problems
+    small = merge(stock, yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
+    assert check(small, nodes) == []
+    # A profile that inherits keeps every key it does not name: here the phase keeps its GPUs and partition.
+    assert small["set-resources"]["pretrain_phase1"]["slurm_partition"] == "gpu"
+    assert check(merge(small, {"set-resources": {"squad_predict": {"slurm_partition": "a100"}}}), nodes) == [
+        "profile: set-resources squad_predict: slurm_partition=a100 is not a partition here (sinfo: cpu, gpu)"]
+
+
+def test_profile_check_on_the_test_cluster_rejects_the_stock_profile_and_accepts_the_small_one(cluster, tmp_path):
+    derive(REPO / "profiles" / "slurm", REPO / "tests" / "slurm" / "profile.yaml", tmp_path / "small")
+    check = [sys.executable, "-m", "workflow.slurm_profile", "check"]
+    stock = subprocess.run([*check, "profiles/slurm"], cwd=REPO, capture_output=True, text=True, env=clean_env())
+    assert stock.returncode == 1 and not stock.stdout
+    lines = stock.stderr.splitlines()
+    assert all(line.startswith("error: profiles/slurm/config.v8+.yaml: ") for line in lines), lines
+    assert any("set-resources pretrain_phase1: gres asks 4 GPUs per node" in line for line in lines), lines
+    small = subprocess.run([*check, str(tmp_path / "small")], cwd=REPO, capture_output=True, text=True,
+                           env=clean_env())
+    assert small.returncode == 0, small.stderr
+
+
+def test_cluster_check_runs_one_rank_per_gpu_each_on_its_own_gpu(new_run):
+    run = new_run("cluster_check")
+    result = run.snakemake("cluster_check")  # sample/config.yaml: the tiny model
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((run.path / "results" / "cluster_check.json").read_text())
+    assert report["world_size"] == 2  # tests/slurm/profile.yaml: 1 node x gpu:2
+    assert sorted(r["cuda_visible_devices"] for r in report["ranks"]) == ["0", "1"], report["ranks"]
+    assert report["allreduce_bus_gbps"] > 0 and report["sequences_per_second"] > 0
+    (job,) = [job for job in run.jobs() if job["rule"] == "cluster_check"]
+    assert "--ntasks-per-node=2" in job["SubmitLine"] and "gres/gpu=2" in job["AllocTRES"], job
+
+
+def test_a_gpu_job_launched_with_fewer_ranks_than_gpus_stops_with_one_error_line(cluster, tmp_path):
+    # The batch step of a 1-task job on 2 GPUs, and a plugin-style `srun -n1` wrap of a 2-task job on 2 GPUs.
+    launcher = f"{sys.executable} -m workflow.train.distributed -- true"
+    outputs = []
+    for name, layout, command in (("batch", ["--ntasks=1"], launcher),
+                                  ("wrapped", ["--ntasks-per-node=2"], f"srun -n1 {launcher}")):
+        out = tmp_path / f"{name}.out"
+        result = subprocess.run(["timeout", "300", "sbatch", "--wait", "-p", "gpu", "--gres=gpu:2", "--mem=500",
+                                 *layout, "-t", "5", "-o", str(out), "--wrap", command],
+                                cwd=REPO, env=clean_env(), capture_output=True, text=True)
+        assert result.returncode != 0, out.read_text()
+        outputs.append([line for line in out.read_text().splitlines() if not line.startswith("srun: ")])
+    for lines in outputs:  # (srun adds its own "srun: error: ... task 0: Exited with exit code 1")
+        assert len(lines) == 1 and lines[0].startswith("error: Slurm job "), lines
+        assert "on 2 GPU(s)" in lines[0] and "tasks_per_node" in lines[0] and "mpi" in lines[0], lines
+
+
+def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_decision(tmp_path):
+    # A run stopped by the time-limit signal after a new checkpoint asks to be requeued; outside a real job
+    # `scontrol requeue` fails, which is reported on one `error:` line and ends the run with the trainer's status.
+    (tmp_path / "logs").mkdir()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    script = ("import sys; from workflow.slurm_attempts import run_attempt; from workflow.train.distributed import "
+              "SlurmJob; job = SlurmJob.parse(sys.argv[1]); run_attempt(job, ['sh', '-c', sys.argv[2], 'trainer', "
+              "'--run-dir', sys.argv[3]], {})")
+    trainer = f"echo training >&2; mkdir -p {checkpoints}; touch {checkpoints}/step_00000008.pt; exit 138"
+    job = SCONTROL_2x4.replace("JobId=812", "JobId=999999999")
+    with open(tmp_path / "logs" / "pretrain.log", "w") as log:
+        result = subprocess.run([sys.executable, "-c", script, job, trainer, str(tmp_path / "run")], cwd=REPO,
+                                stderr=log, env=clean_env())
+    assert result.returncode == 138
+    kept = tmp_path / "logs" / "attempts" / "pretrain.job999999999.run0.log"
+    assert kept.read_text() == (tmp_path / "logs" / "pretrain.log").read_text()  # the same file, hard-linked
+    lines = kept.read_text().splitlines()
+    assert lines[0].startswith("launch: Slurm job 999999999 run 0 (rule pretrain_phase1), 8 rank(s) on 2 node(s), "
+                               "newest checkpoint step None: sh -c"), lines
+    assert lines[1] == "training"
+    assert lines[2] == ("launch: Slurm job 999999999 run 0 stopped by the time-limit signal at checkpoint step 8: "
+                        "requeued")
+    assert lines[3].startswith("error: `scontrol requeue 999999999` failed (") and len(lines) == 4, lines
+    history = json.loads((tmp_path / "logs" / "attempts" / "pretrain.history.jsonl").read_text())
+    assert history == {"job": "999999999", "run": 0, "run_id": "3f1c-run", "start_step": None, "end_step": 8,
+                       "exit": 138, "cause": "time-limit", "requeue": True}
