@@ -20,6 +20,7 @@ include: "rules/pretrain.smk"
 include: "rules/squad.smk"
 include: "rules/glue.smk"
 include: "rules/report.smk"
+include: "rules/scaling.smk"
 
 
 rule all:
