@@ -282,6 +282,11 @@ def scaling_gres(wildcards):
     return f"gpu:{scaling_layout(wildcards)[1]}"
 
 
+def scaling_threads(wildcards):
+    """The job's CPU threads: two per rank (the trainer gives each local rank its share)."""
+    return 2 * scaling_layout(wildcards)[1]
+
+
 def scaling_data(wildcards):
     return hdf5_dir(wildcards.phase)
 

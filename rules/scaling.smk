@@ -3,7 +3,8 @@
 # Slurm allocation of N nodes with G GPUs each (resources below; the profile's set-resources for scaling_benchmark
 # add partition, tasks_per_gpu, CPUs, memory and time, never nodes or gres). Each job trains in its own scratch
 # directory runs/scaling/{phase}/{layout} (emptied before, removed after: never a phase's checkpoints) and writes its
-# measurements; the table adds speedup and efficiency against the smallest layout.
+# measurements; the table adds speedup and efficiency against the smallest layout. Threads: two CPU threads per rank
+# in every layout (as a phase job's 8 threads on 4 GPUs), so that layouts differ only in their number of ranks.
 
 
 rule scaling:
@@ -22,7 +23,7 @@ rule scaling_benchmark:
         config=config_sections("seed", "model", "pretrain", "scaling"),
     log:
         "logs/scaling/{phase}/{layout}.log",
-    threads: 8
+    threads: scaling_threads
     resources:
         nodes=scaling_nodes,
         gres=scaling_gres,

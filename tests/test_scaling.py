@@ -207,3 +207,15 @@ def test_scaling_on_slurm_measures_1_and_2_ranks_and_derives_speedup_and_efficie
     assert not (workdir / "runs" / "scaling" / "phase1").exists() or not any(
         (workdir / "runs" / "scaling" / "phase1").iterdir())
     assert not (workdir / "runs" / "pretrain").exists()
+
+
+def test_a_layout_listed_twice_stops_snakemake_before_any_job(tmp_path):
+    workdir = copy_workflow(tmp_path / "twice")
+    (workdir / "twice.yaml").write_text(yaml.safe_dump({"scaling": {"layouts": [
+        {"nodes": 1, "gpus_per_node": 2}, {"nodes": 2, "gpus_per_node": 1}, {"nodes": 1, "gpus_per_node": 2}]}}))
+    result = subprocess.run([sys.executable, "-m", "snakemake", "-n", "scaling", "--configfile", "sample/config.yaml",
+                             "twice.yaml"], cwd=workdir, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    assert "config key 'scaling.layouts': a layout (nodes, gpus_per_node) is listed twice" in output.splitlines()
+    assert "Job stats" not in output
