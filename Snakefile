@@ -21,6 +21,7 @@ include: "rules/squad.smk"
 include: "rules/glue.smk"
 include: "rules/report.smk"
 include: "rules/cluster_check.smk"
+include: "rules/scaling.smk"
 
 
 # Seconds of work each: run by Snakemake itself on the submit host, not through sbatch.
@@ -32,6 +33,9 @@ localrules:
     report_squad_plot,
     report_config,
     squad_eval,
+    scaling,
+    scaling_table,
+    report_scaling_plot,
 
 
 rule all:

@@ -50,6 +50,9 @@ def config_consistency_error(config):
     if squad["batch_size"] % squad["micro_batch_size"]:
         return (f"config key 'squad.batch_size': {squad['batch_size']} is not a multiple of squad.micro_batch_size "
                 f"({squad['micro_batch_size']})")
+    layouts = [(layout["nodes"], layout["gpus_per_node"]) for layout in config["scaling"]["layouts"]]
+    if len(set(layouts)) < len(layouts):
+        return "config key 'scaling.layouts': a layout (nodes, gpus_per_node) is listed twice"
     glue = config["glue"]
     if glue["tasks"] and not glue["url"]:
         return "config key 'glue.url': required when glue.tasks is non-empty (a directory or base URL of GLUE TSVs)"
@@ -104,6 +107,7 @@ wildcard_constraints:
     index=r"\d+",
     seq=r"\d+",
     phase="phase1|phase2",
+    layout=r"\d+x\d+",
 
 
 def wikipedia_part_url(wildcards):
@@ -262,6 +266,35 @@ def glue_recipe(wildcards):
 def glue_targets():
     """Each configured GLUE task's dev scores."""
     return expand("results/glue/{task}/eval.json", task=config["glue"]["tasks"])
+
+
+def scaling_layout(wildcards):
+    """(nodes, GPUs per node) of a scaling layout name NxG."""
+    nodes, gpus = wildcards.layout.split("x")
+    return int(nodes), int(gpus)
+
+
+def scaling_nodes(wildcards):
+    return scaling_layout(wildcards)[0]
+
+
+def scaling_gres(wildcards):
+    return f"gpu:{scaling_layout(wildcards)[1]}"
+
+
+def scaling_threads(wildcards):
+    """The job's CPU threads: two per rank (the trainer gives each local rank its share)."""
+    return 2 * scaling_layout(wildcards)[1]
+
+
+def scaling_data(wildcards):
+    return hdf5_dir(wildcards.phase)
+
+
+def scaling_results():
+    """Each configured phase's benchmark of each configured layout (config scaling)."""
+    layouts = [f"{layout['nodes']}x{layout['gpus_per_node']}" for layout in config["scaling"]["layouts"]]
+    return expand("results/scaling/{phase}/{layout}.json", phase=config["scaling"]["phases"], layout=layouts)
 
 
 def all_targets():

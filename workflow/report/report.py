@@ -6,6 +6,7 @@
     python -m workflow.report.report squad --metrics results/squad/finetune_metrics.jsonl --eval results/squad/eval.json \
         --output squad.png
     python -m workflow.report.report config --json '{...}' --output config.yaml
+    python -m workflow.report.report scaling --table results/scaling/scaling.csv --output scaling.png
 
 A phase directory holds metrics.jsonl, summary.json and, only when a GPU was used, gpu_telemetry.csv; without
 telemetry the figure says so instead of failing.
@@ -165,6 +166,37 @@ def squad_figure(metrics, eval_json):
     return figure
 
 
+def plot_scaling(table, output) -> None:
+    """Throughput against world size (with ideal linear scaling from the smallest layout) and efficiency."""
+    _save(scaling_figure(table), output)
+
+
+def scaling_figure(table):
+    """The figure of plot_scaling, unsaved: sequences/s and efficiency by world size, a line per phase."""
+    frame = pd.read_csv(table)
+    figure, (throughput, efficiency) = plt.subplots(1, 2, figsize=(12, 4))
+    for phase, rows in frame.groupby("phase"):
+        rows = rows.sort_values("world_size")
+        line, = throughput.plot(rows["world_size"], rows["seq_per_s"], "o-", label=f"{phase} measured")
+        base = rows.iloc[0]
+        throughput.plot(rows["world_size"], base["seq_per_s"] * rows["world_size"] / base["world_size"], "--",
+                        color=line.get_color(), alpha=0.5, label=f"{phase} ideal (linear)")
+        efficiency.plot(rows["world_size"], rows["efficiency"], "o-", label=phase)
+        for _, row in rows.iterrows():
+            throughput.annotate(row["layout"], (row["world_size"], row["seq_per_s"]), fontsize=8,
+                                textcoords="offset points", xytext=(4, -10))
+    throughput.set(title="throughput by layout", xlabel="world size (GPUs)", ylabel="sequences / s")
+    efficiency.set(title="scaling efficiency (speedup / GPU ratio)", xlabel="world size (GPUs)", ylabel="efficiency")
+    efficiency.set_ylim(bottom=0)
+    for axis in (throughput, efficiency):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sorted(frame["world_size"].unique()), [str(n) for n in sorted(frame["world_size"].unique())])
+        axis.minorticks_off()
+        axis.legend()
+        axis.grid(alpha=0.3)
+    return figure
+
+
 def _to_yaml(value, indent=0) -> str:
     """A small YAML writer for the config (dicts, lists, scalars), keys in the config's own order."""
     pad = "  " * indent
@@ -216,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     squad.add_argument("--metrics", required=True)
     squad.add_argument("--eval", required=True)
     squad.add_argument("--output", required=True)
+    scaling = commands.add_parser("scaling", help="throughput and efficiency by layout (the scaling study)")
+    scaling.add_argument("--table", required=True, help="results/scaling/scaling.csv")
+    scaling.add_argument("--output", required=True)
     config = commands.add_parser("config", help="the effective config as YAML")
     config.add_argument("--json", required=True)
     config.add_argument("--output", required=True)
@@ -227,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         plot_telemetry(args.phase, args.output)
     elif args.command == "squad":
         plot_squad(args.metrics, args.eval, args.output)
+    elif args.command == "scaling":
+        plot_scaling(args.table, args.output)
     else:
         write_config(args.json, args.output)
 
