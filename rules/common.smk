@@ -190,6 +190,14 @@ def max_predictions_per_seq(wildcards):
     return config["encode"][phase_of_seq(wildcards)]["max_predictions_per_seq"]
 
 
+def packing_arguments(wildcards):
+    """encode's packing options from config encode.packing."""
+    packing = config["encode"]["packing"]
+    if not packing["enabled"]:
+        return "--no-packing"
+    return f"--packing --max-sequences-per-pack {packing['max_sequences_per_pack']} --pack-algorithm {packing['algorithm']}"
+
+
 def encoded_shards(wildcards):
     """Every encoded shard, both splits, of sequence length wildcards.seq."""
     return [

@@ -1,13 +1,6 @@
 # Stages 7-8: masked-LM + next-sentence instances per tokenized shard (packed; NVIDIA's HDF5 schema with
-# encode.packing.enabled false), then the directory a trainer reads, data/hdf5_seq{seq}: both splits hard-linked from data/encoded_seq{seq} + manifest.json.
-
-
-def packing_arguments(wildcards):
-    """encode's packing options from config encode.packing."""
-    packing = config["encode"]["packing"]
-    if not packing["enabled"]:
-        return "--no-packing"
-    return f"--packing --max-sequences-per-pack {packing['max_sequences_per_pack']} --pack-algorithm {packing['algorithm']}"
+# encode.packing.enabled false), then the directory a trainer reads, data/hdf5_seq{seq}: both splits hard-linked
+# from data/encoded_seq{seq} + manifest.json.
 
 
 rule encode:

@@ -43,7 +43,7 @@ rule scaling_table:
     log:
         "logs/scaling/table.log",
     conda:
-        "../envs/report.yaml"
+        "../envs/train.yaml"  # workflow.train.scaling imports the trainer
     shell:
         "python -m workflow.train.scaling table {input:q} --output {output:q} 2> {log}"
 

@@ -59,8 +59,9 @@ def _is_optional(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
 
 
 @cache
-def module_imports(module: str) -> frozenset[str]:
-    """Top-level names of the third-party modules `module` needs, through every `workflow.*` module it imports."""
+def module_imports(module: str, _visiting: frozenset[str] = frozenset()) -> frozenset[str]:
+    """Top-level names of the third-party modules `module` needs, through every `workflow.*` module it imports
+    (an import cycle between workflow modules is followed once)."""
     path = REPO / (module.replace(".", "/") + ".py")
     if not path.exists():
         path = REPO / module.replace(".", "/") / "__init__.py"
@@ -79,8 +80,8 @@ def module_imports(module: str) -> frozenset[str]:
         for name in names:
             top = name.split(".")[0]
             if top == "workflow":
-                if (REPO / (name.replace(".", "/") + ".py")).exists() and name != module:
-                    needed |= module_imports(name)
+                if (REPO / (name.replace(".", "/") + ".py")).exists() and name != module and name not in _visiting:
+                    needed |= module_imports(name, _visiting | {module})
             elif top not in sys.stdlib_module_names and top != "__future__":
                 needed.add(top)
     return frozenset(needed)
