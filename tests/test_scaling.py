@@ -1,14 +1,14 @@
 """The scaling study: the table's math (speedup, efficiency, timed steps), a layout job's checks, and `snakemake
 scaling` on the real single-host Slurm cluster with 1 and 2 ranks (gloo, CPU).
 
-The cluster test is skipped where no cluster answers, and fails under CI=true (like tests/test_slurm.py).
+The cluster test uses tests/test_slurm.py's cluster and profile (skipped where no cluster can be had, failing
+under CI=true).
 """
 from __future__ import annotations
 
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import copy_workflow
+from tests.test_slurm import cluster  # noqa: F401  (the fixture: the running test cluster, or a skip)
 from workflow.cli import UserError
+from workflow.slurm_profile import derive
 from workflow.train import scaling
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
-from tests.conftest import copy_workflow
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,42 +111,10 @@ def test_a_job_with_fewer_ranks_than_its_layout_stops_before_training(tmp_path, 
 
 # ---- on the real Slurm test cluster -------------------------------------------------------------------------------
 
-CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "start_cluster.sh"
 TIMEOUT_S = 600
 # 1 and 2 ranks on the test node (2 CPUs, 2 fake GPUs); a few steps of the demo's tiny model on the demo data.
 STUDY = {"scaling": {"layouts": [{"nodes": 1, "gpus_per_node": 1}, {"nodes": 1, "gpus_per_node": 2}],
                      "phases": ["phase1"], "warmup_steps": 2, "max_steps": 4, "accumulation_steps": 1}}
-
-
-def _cluster_answers() -> bool:
-    if not shutil.which("sinfo"):
-        return False
-    nodes = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
-    accounting = subprocess.run(["sacct", "-n", "-X", "-S", "now"], capture_output=True, text=True)
-    return accounting.returncode == 0 and any(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in nodes.stdout.split())
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    if not _cluster_answers():
-        reason = f"no Slurm cluster answers (start one with `sudo {CLUSTER_SCRIPT.relative_to(REPO)}`)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true needs the Slurm cluster: {reason}")
-        pytest.skip(reason)
-
-
-def _merged_profile(directory: Path) -> None:
-    """profiles/slurm with tests/slurm/profile.yaml deep-merged over it (the test cluster's sizes)."""
-    def merge(base, override):
-        for key, value in override.items():
-            base[key] = merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) \
-                else value
-        return base
-
-    profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.v8+.yaml").read_text())
-    merge(profile, yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
-    directory.mkdir()
-    (directory / "config.v8+.yaml").write_text(yaml.safe_dump(profile))
 
 
 def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -169,7 +139,7 @@ def test_scaling_on_slurm_measures_1_and_2_ranks_and_derives_speedup_and_efficie
     (workdir / "study.yaml").write_text(yaml.safe_dump(STUDY))
     # The demo data, built locally (test_slurm proves the data rules on Slurm); then only the study goes to Slurm.
     _snakemake(workdir, "--cores", "2", "data/hdf5_seq128", "data/vocab.txt")
-    _merged_profile(workdir / "profile")
+    derive(REPO / "profiles" / "slurm", REPO / "tests" / "slurm" / "profile.yaml", workdir / "profile")
     started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 2))
     _snakemake(workdir, "scaling", "--profile", "profile")
 

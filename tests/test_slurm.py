@@ -29,14 +29,16 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "start_cluster.sh"
 WORKFLOW_FILES = ["Snakefile", "rules", "workflow", "envs", "sample", "config.yaml", "config.schema.yaml"]
 CONFIG_FILES = ["sample/config.yaml", str(REPO / "tests" / "slurm" / "config.yaml")]
-PHASE_RULES = ("pretrain_phase1", "pretrain_phase2")
+PHASES = ("phase1", "phase2")  # one rule `pretrain`, its jobs told apart by the wildcard {phase}
 FAIL_AT_STEP = 6  # between the checkpoints at steps 4 and 8 (tests/slurm/config.yaml: checkpoint_every 4)
 SNAKEMAKE_TIMEOUT_S = 900  # the cluster's 2 CPUs are shared: generous
 DATA_TARGETS = ("data/hdf5_seq128", "data/hdf5_seq512")
-# The demo's data half as grouped Slurm jobs (profiles/slurm `groups`): downloads, extract+format, the shard
-# split, the vocab, tokenize+encode of all shards, and one hdf5 directory per sequence length.
-DATA_JOBS = {"download_download_bookcorpus_download_wikipedia": 1, "part_extract_wikipedia_format": 1, "shard": 1,
-             "vocab": 1, "shard_encode_tokenize": 1, "hdf5_dir": 2}
+# The demo's data half as grouped Slurm jobs (profiles/slurm `groups`; a group job is named <group>_<its rules>):
+# the downloads, the dump parts' templates, their extracts, the one punkt job, the formats (the dump's and the
+# books'), the shard split, the vocab, tokenize+encode of all shards, and one hdf5 directory per sequence length.
+DATA_JOBS = {"download_download_bookcorpus_download_wikipedia": 1, "templates_wikipedia_templates": 1,
+             "extract_extract_wikipedia": 1, "punkt": 1, "format_format": 1, "shard": 1, "vocab": 1,
+             "shard_encode_tokenize": 1, "hdf5_dir": 2}
 DATA_RULES = set(DATA_JOBS)  # the rule or group names sacct shows for them
 
 
@@ -103,8 +105,12 @@ class Run:
         rows = [r for r in rows if Path(r["WorkDir"]).resolve() == self.path.resolve()]
         for row in rows:  # (slurmdbd stores the comment when the job ends: a running job's is in its submit line)
             comment = row["Comment"] or re.search(r"--comment (\S+)", row["SubmitLine"]).group(1)
-            row["rule"] = comment.removeprefix("rule_").split("_wildcards_")[0]
+            row["rule"], _, row["wildcards"] = comment.removeprefix("rule_").partition("_wildcards_")
         return sorted(rows, key=lambda r: int(r["JobID"].split("_")[0]))
+
+    def phase_jobs(self, phase: str) -> list[dict]:
+        """The Slurm jobs of one pretraining phase (rule pretrain, wildcard {phase}), oldest first."""
+        return [job for job in self.jobs() if job["rule"] == "pretrain" and job["wildcards"] == phase]
 
     def start(self, *args: str, config: dict | None = None) -> subprocess.Popen:
         """Snakemake in the background, with `config` layered over the test configs."""
@@ -123,8 +129,8 @@ class Run:
         deadline = time.time() + SNAKEMAKE_TIMEOUT_S
         while not list(checkpoints.glob("step_*")) and process.poll() is None and time.time() < deadline:
             time.sleep(0.5)
-        jobs = self.jobs()
-        running = [job for job in jobs if job["rule"] == "pretrain_phase1" and job["State"] == "RUNNING"]
+        jobs = self.phase_jobs("phase1")
+        running = [job for job in jobs if job["State"] == "RUNNING"]
         assert running, f"phase 1 was not running when its first checkpoint appeared: {jobs}"
         return running[0]["JobID"]
 
@@ -144,8 +150,10 @@ class Run:
         assert files, f"no exported weights for {phase} in {self.path}"
         return {key: value for f in files for key, value in load_file(f).items()}
 
-    def log_text(self, rule: str) -> str:
-        return "\n".join(p.read_text(errors="replace") for p in sorted((self.path / "logs" / rule).rglob("*.log")))
+    def log_text(self, phase: str) -> str:
+        """A phase's pretrain log and its kept attempts' logs (logs/pretrain/{phase}/)."""
+        logs = self.path / "logs" / "pretrain" / phase
+        return "\n".join(p.read_text(errors="replace") for p in sorted(logs.rglob("*.log")))
 
 
 @pytest.fixture
@@ -202,7 +210,7 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
     rules = {job["rule"] for job in first_jobs}
     assert DATA_RULES <= rules, f"data rules missing from sacct: {DATA_RULES - rules}"
     assert all(job["SubmitLine"].startswith("sbatch ") for job in first_jobs)
-    phase1 = [job for job in first_jobs if job["rule"] == "pretrain_phase1"]
+    phase1 = [job for job in first_jobs if job["rule"] == "pretrain" and job["wildcards"] == "phase1"]
     assert len(phase1) == 1 and phase1[0]["State"] == "FAILED", phase1
     assert phase1[0]["DerivedExitCode"] == "0:9", phase1  # its trainer step died of SIGKILL
     assert all(job["State"] == "COMPLETED" for job in first_jobs if job["rule"] in DATA_RULES)
@@ -213,23 +221,28 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
     assert second.returncode == 0, second.stderr[-3000:]
     second_jobs = [job for job in run.jobs() if int(job["JobID"]) > max(int(j["JobID"]) for j in first_jobs)]
     rerun = {job["rule"] for job in second_jobs}
-    assert "pretrain_phase1" in rerun and not rerun & DATA_RULES, f"second invocation ran {sorted(rerun)}"
+    assert [job["wildcards"] for job in second_jobs if job["rule"] == "pretrain"] == ["phase1", "phase2"], second_jobs
+    assert not rerun & DATA_RULES, f"second invocation ran {sorted(rerun)}"
     assert all(job["State"] == "COMPLETED" for job in second_jobs), second_jobs
     # One allocation with 2 (fake) GPUs ran 2 trainer processes: one rank per GPU.
     summary = json.loads((run.path / "results" / "pretrain" / "phase1" / "summary.json").read_text())
     assert summary["world_size"] == 2, summary["world_size"]
-    log = run.log_text("pretrain_phase1")
+    log = run.log_text("phase1")
     resumed = re.search(r"resumed from \S+ at step (\d+)", log)
     assert resumed and int(resumed.group(1)) == FAIL_AT_STEP - FAIL_AT_STEP % 4, log[-2000:]
 
     # Every GPU rule asked Slurm for GPUs, in one allocation per job, on the gpu partition.
-    by_rule = {job["rule"]: job for job in run.jobs()}
-    for rule in (*PHASE_RULES, "squad_finetune", "squad_predict"):
-        job = by_rule[rule]
+    jobs = run.jobs()
+    by_rule = {job["rule"]: job for job in jobs}
+    phase_jobs = {phase: [job for job in jobs if job["rule"] == "pretrain" and job["wildcards"] == phase][-1]
+                  for phase in PHASES}
+    gpu_jobs = [*phase_jobs.values(), *(by_rule[rule] for rule in ("squad_finetune", "squad_predict",
+                                                                   "glue_finetune", "glue_eval"))]
+    for job in gpu_jobs:
         assert "gres/gpu=" in job["AllocTRES"] and job["Partition"] == "gpu", job
-    for rule in PHASE_RULES:
-        assert "--ntasks-per-node=2" in by_rule[rule]["SubmitLine"], by_rule[rule]["SubmitLine"]
-        assert "--signal=USR1@" in by_rule[rule]["SubmitLine"], by_rule[rule]["SubmitLine"]
+    for job in phase_jobs.values():
+        assert "--ntasks-per-node=2" in job["SubmitLine"], job["SubmitLine"]
+        assert "--signal=USR1@" in job["SubmitLine"], job["SubmitLine"]
     for rule in DATA_RULES:
         assert "gres/gpu" not in by_rule[rule]["AllocTRES"] and by_rule[rule]["Partition"] != "gpu", by_rule[rule]
 
@@ -238,7 +251,7 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
     copy_data(run, reference)
     result = reference.snakemake("results/pretrain/phase1/model")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert {job["rule"] for job in reference.jobs()} == {"pretrain_phase1"}
+    assert [(job["rule"], job["wildcards"]) for job in reference.jobs()] == [("pretrain", "phase1")]
     assert_same_weights(run.weights("phase1"), reference.weights("phase1"), "crashed+resumed vs uninterrupted")
 
     # Slurm's time-limit warning (the same SIGUSR1 to the job's steps that --signal=USR1@N sends): the trainers
@@ -251,13 +264,13 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
     output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
     assert process.returncode == 0, output[-3000:]
-    assert [job["JobID"] for job in signalled.jobs() if job["rule"] == "pretrain_phase1"] == [job_id]
+    assert [job["JobID"] for job in signalled.phase_jobs("phase1")] == [job_id]
     assert [r["State"] for r in job_records(job_id)] == ["REQUEUED", "COMPLETED"], job_records(job_id)
-    history = [json.loads(line) for line in (signalled.path / "logs" / "pretrain_phase1" / "attempts" /
+    history = [json.loads(line) for line in (signalled.path / "logs" / "pretrain" / "phase1" / "attempts" /
                                              "pretrain.history.jsonl").read_text().splitlines()]
     assert [(h["exit"], h["requeue"]) for h in history] == [(138, True), (0, False)], history
-    resumed = re.search(r"resumed from \S+ at step (\d+)", signalled.log_text("pretrain_phase1"))
-    assert resumed and int(resumed.group(1)) >= 4, signalled.log_text("pretrain_phase1")[-2000:]
+    resumed = re.search(r"resumed from \S+ at step (\d+)", signalled.log_text("phase1"))
+    assert resumed and int(resumed.group(1)) >= 4, signalled.log_text("phase1")[-2000:]
     assert_same_weights(signalled.weights("phase1"), reference.weights("phase1"), "signalled+requeued vs reference")
 
 
@@ -267,15 +280,18 @@ def test_profile_resolves_by_bare_name_from_the_repo_root():
     assert link.is_symlink() and link.resolve() == (REPO / "profiles" / "slurm").resolve()
     # (env-modules instead of the profile's conda: no conda here, and no rule declares envmodules)
     result = subprocess.run(["snakemake", "--profile", "slurm", "--dry-run", "--software-deployment-method",
-                             "env-modules", "--configfile", "sample/config.yaml", "--", "all"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+                             "env-modules", "--configfile", "sample/config.yaml", "--", "all"], cwd=REPO,
+                            env=clean_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Using profile slurm" in result.stderr and "pretrain_phase1" in result.stdout + result.stderr
+    assert "Using profile slurm" in result.stderr
+    phases = re.findall(r"^rule pretrain:\n(?:    .*\n)*?    wildcards: phase=(\w+)$", result.stdout, re.M)
+    assert sorted(phases) == ["phase1", "phase2"], result.stdout[-3000:]
 
 
 # ---------------------------------------------------------------- the launcher (no cluster needed)
 
-SCONTROL_2x4 = ("JobId=812 JobName=3f1c-run Comment=rule_pretrain_phase1 Restarts=0 BatchHost=gpu01 NumNodes=2 "
-                "NumCPUs=64 NumTasks=8 CPUs/Task=1 TRES=cpu=64,mem=500G,node=2,billing=64,gres/gpu=8 "
+SCONTROL_2x4 = ("JobId=812 JobName=3f1c-run Comment=rule_pretrain_wildcards_phase1 Restarts=0 BatchHost=gpu01 "
+                "NumNodes=2 NumCPUs=64 NumTasks=8 CPUs/Task=1 TRES=cpu=64,mem=500G,node=2,billing=64,gres/gpu=8 "
                 "TresPerNode=gres:gpu:a100:4 NodeList=gpu[01-02]")
 
 
@@ -283,7 +299,7 @@ def test_launcher_gives_every_rank_its_own_gpu_and_its_share_of_the_node_cores()
     from workflow.train.distributed import SlurmJob, srun_command
 
     job = SlurmJob.parse(SCONTROL_2x4)
-    assert (job.nodes, job.tasks, job.gpus_per_node, job.rule, job.batch_host) == (2, 8, 4, "pretrain_phase1", "gpu01")
+    assert (job.nodes, job.tasks, job.gpus_per_node, job.rule, job.batch_host) == (2, 8, 4, "pretrain", "gpu01")
     assert srun_command(job, ["python", "t.py"]) == [
         "srun", "--ntasks=8", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=8", "--gpus-per-task=1",
         "--kill-on-bad-exit=0", "--wait=300", "python", "t.py"]
@@ -298,7 +314,7 @@ def test_a_gpu_job_whose_ranks_differ_from_its_gpus_stops_naming_the_profile_key
     with pytest.raises(UserError) as error:
         check_one_rank_per_gpu(job, 1)  # e.g. the plugin wrapped the launcher in `srun -n1`
     message = str(error.value)
-    assert "1 rank(s) on 8 GPU(s)" in message and "pretrain_phase1" in message
+    assert "1 rank(s) on 8 GPU(s)" in message and "rule pretrain)" in message
     assert all(key in message for key in ("tasks_per_node", "gres", "mpi")), message
     uneven = SlurmJob.parse(SCONTROL_2x4.replace("NumTasks=8", "NumTasks=7"))
     with pytest.raises(UserError, match="tasks_per_node"):
@@ -350,7 +366,7 @@ def test_scancel_of_a_running_phase_job_stops_the_run_naming_the_cancel(demo_dat
     output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)  # the plugin polls at most every 180 s
     assert process.returncode not in (0, 124, 137), output[-3000:]
     assert f"SLURM-job '{job_id}' failed, SLURM status is: 'CANCELLED'" in output, output[-3000:]
-    phase1 = [job for job in run.jobs() if job["rule"] == "pretrain_phase1"]
+    phase1 = run.phase_jobs("phase1")
     assert [job["JobID"] for job in phase1] == [job_id], phase1  # never resubmitted
     assert phase1[0]["State"].startswith("CANCELLED"), phase1
     assert not run.active_jobs()
@@ -381,11 +397,11 @@ def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_d
     assert "None assigned" not in output
     runs = job_records(job_id)
     assert [r["State"] for r in runs] == ["NODE_FAIL", "COMPLETED"], runs  # one job id: requeued by Slurm
-    assert [job["JobID"] for job in run.jobs() if job["rule"] == "pretrain_phase1"] == [job_id]
-    log = run.log_text("pretrain_phase1")
+    assert [job["JobID"] for job in run.phase_jobs("phase1")] == [job_id]
+    log = run.log_text("phase1")
     resumed = re.search(r"resumed from \S+ at step (\d+)", log)
     assert resumed and int(resumed.group(1)) >= 4, log[-2000:]
-    attempts = run.path / "logs" / "pretrain_phase1" / "attempts"
+    attempts = run.path / "logs" / "pretrain" / "phase1" / "attempts"
     kept = sorted(p.name for p in attempts.glob("*.log"))
     assert kept == [f"pretrain.job{job_id}.run0.log", f"pretrain.job{job_id}.run1.log"], kept
     first = (attempts / kept[0]).read_text()  # the interrupted run's log survives the requeued run's `2> {log}`
@@ -402,14 +418,14 @@ def test_a_request_no_node_of_its_partition_can_satisfy_is_one_error_line_naming
     nodes = parse_sinfo("cpu* vm 2 21694 (null)\ngpu vm 2 21694 gpu:a100:2(S:0)\n")
     stock = read_profile(REPO / "profiles" / "slurm")
     problems = check(stock, nodes, where="slurm")
-    assert "slurm: set-resources pretrain_phase1: gres asks 4 GPUs per node; partition gpu has at most 2" in problems
-    assert "slurm: set-resources pretrain_phase2: mem_mb asks 256000 MB of memory per node; partition gpu has at " \
+    assert "slurm: set-resources pretrain: gres asks 4 GPUs per node; partition gpu has at most 2" in problems
+    assert "slurm: set-resources pretrain: mem_mb asks 256000 MB of memory per node; partition gpu has at " \
            "most 21694" in problems
     assert "slurm: group jobs: cores asks 32 CPUs per node; the default partition has at most 2" in problems
     small = merge(stock, yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
     assert check(small, nodes) == []
     # A profile that inherits keeps every key it does not name: here the phase keeps its GPUs and partition.
-    assert small["set-resources"]["pretrain_phase1"]["slurm_partition"] == "gpu"
+    assert small["set-resources"]["pretrain"]["slurm_partition"] == "gpu"
     assert check(merge(small, {"set-resources": {"squad_predict": {"slurm_partition": "a100"}}}), nodes) == [
         "profile: set-resources squad_predict: slurm_partition=a100 is not a partition here (sinfo: cpu, gpu)"]
 
@@ -421,7 +437,7 @@ def test_profile_check_on_the_test_cluster_rejects_the_stock_profile_and_accepts
     assert stock.returncode == 1 and not stock.stdout
     lines = stock.stderr.splitlines()
     assert all(line.startswith("error: profiles/slurm/config.v8+.yaml: ") for line in lines), lines
-    assert any("set-resources pretrain_phase1: gres asks 4 GPUs per node" in line for line in lines), lines
+    assert any("set-resources pretrain: gres asks 4 GPUs per node" in line for line in lines), lines
     small = subprocess.run([*check, str(tmp_path / "small")], cwd=REPO, capture_output=True, text=True,
                            env=clean_env())
     assert small.returncode == 0, small.stderr
@@ -473,7 +489,7 @@ def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_dec
     kept = tmp_path / "logs" / "attempts" / "pretrain.job999999999.run0.log"
     assert kept.read_text() == (tmp_path / "logs" / "pretrain.log").read_text()  # the same file, hard-linked
     lines = kept.read_text().splitlines()
-    assert lines[0].startswith("launch: Slurm job 999999999 run 0 (rule pretrain_phase1), 8 rank(s) on 2 node(s), "
+    assert lines[0].startswith("launch: Slurm job 999999999 run 0 (rule pretrain), 8 rank(s) on 2 node(s), "
                                "newest checkpoint step None: sh -c"), lines
     assert lines[1] == "training"
     assert lines[2] == ("launch: Slurm job 999999999 run 0 stopped by the time-limit signal at checkpoint step 8: "
