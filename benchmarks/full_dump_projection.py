@@ -42,7 +42,7 @@ import h5py
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wikipedia_sample import ROOT, SAMPLE_XML, replicate_dump, run_stage, with_novel_words  # noqa: E402
+from wikipedia_sample import ROOT, SAMPLE_XML, replicate_dump, run_stage  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from sklearn import metrics as sk

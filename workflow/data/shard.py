@@ -8,7 +8,6 @@ import argparse
 import heapq
 import logging
 import multiprocessing
-import random
 from array import array
 from contextlib import ExitStack
 from pathlib import Path

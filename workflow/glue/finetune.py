@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import math
-import shutil
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -26,15 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workflow.atomic import atomic_path, write_text
 from workflow.cli import UserError, run
 from workflow.glue.data import GlueTask, task_of
 from workflow.squad.data import load_features
 from workflow.squad.finetune import SquadTask, linear_warmup_decay
 from workflow.train import checkpoint, distributed
-from workflow.train.engine import LoopSettings, accumulation_steps, set_threads, train
+from workflow.train.engine import LoopSettings, accumulation_steps, export_finetuned, set_threads, train
 from workflow.train.lamb import param_groups
-from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights, save_pretrained
+from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights
 from workflow.train.precision import resolve_precision
 
 log = logging.getLogger(__name__)
@@ -202,22 +200,11 @@ def _finetune(env, task: GlueTask, init: Path, features_path: Path, output: Path
     if outcome.stopped:
         return outcome.stopped
 
-    if env.is_main:
-        with atomic_path(output) as temporary:
-            vocab_path = Path(vocab) if vocab else init / "vocab.txt"
-            save_pretrained(model, config, vocab_path if vocab_path.is_file() else None, temporary)
-            config_json = json.loads((temporary / "config.json").read_text())
-            labels = task.labels or ("score",)
-            config_json.update(architectures=["BertForSequenceClassification"], finetuning_task=task.name,
-                               id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
-                               problem_type="regression" if task.labels is None else "single_label_classification")
-            write_text(temporary / "config.json", json.dumps(config_json, indent=2, sort_keys=True) + "\n")
-        if metrics_path is not None:
-            with atomic_path(metrics_path) as temporary:
-                shutil.copyfile(run_dir / "metrics.jsonl", temporary)
-        shutil.rmtree(run_dir, ignore_errors=True)  # scratch: the finished model supersedes the checkpoints
-        log.info("fine-tuned %s model -> %s", task.name, output)
-    distributed.barrier()  # the run directory goes only after every rank is done with it
+    labels = task.labels or ("score",)
+    export_finetuned(env, model, config, init, vocab, output, metrics_path, run_dir, dict(
+        architectures=["BertForSequenceClassification"], finetuning_task=task.name,
+        id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
+        problem_type="regression" if task.labels is None else "single_label_classification"))
     return 0
 
 

@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import math
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workflow.atomic import atomic_path, write_text
 from workflow.cli import UserError, run
 from workflow.squad.data import load_features
 from workflow.train import checkpoint, distributed
-from workflow.train.engine import LoopSettings, accumulation_steps, set_threads, train
+from workflow.train.engine import LoopSettings, accumulation_steps, export_finetuned, set_threads, train
 from workflow.train.lamb import param_groups
-from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights, save_pretrained
+from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights
 from workflow.train.precision import resolve_precision
 
 log = logging.getLogger(__name__)
@@ -212,19 +210,8 @@ def _finetune(env, init: Path, features_path: Path, output: Path, run_dir: Path,
     if outcome.stopped:
         return outcome.stopped
 
-    if env.is_main:
-        with atomic_path(output) as temporary:
-            vocab_path = Path(vocab) if vocab else init / "vocab.txt"
-            save_pretrained(model, config, vocab_path if vocab_path.is_file() else None, temporary)
-            config_json = json.loads((temporary / "config.json").read_text())
-            config_json["architectures"] = ["BertForQuestionAnswering"]
-            write_text(temporary / "config.json", json.dumps(config_json, indent=2, sort_keys=True) + "\n")
-        if metrics_path is not None:
-            with atomic_path(metrics_path) as temporary:
-                shutil.copyfile(run_dir / "metrics.jsonl", temporary)
-        shutil.rmtree(run_dir, ignore_errors=True)  # scratch: the finished model supersedes the checkpoints
-        log.info("fine-tuned model -> %s", output)
-    distributed.barrier()  # the run directory goes only after every rank is done with it
+    export_finetuned(env, model, config, init, vocab, output, metrics_path, run_dir,
+                     {"architectures": ["BertForQuestionAnswering"]})
     return 0
 
 

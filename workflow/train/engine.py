@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import signal
 import sys
 import time
@@ -357,3 +358,26 @@ def _log_metrics(task, window, steps, elapsed, step, scheduler, s, env, path: Pa
         with open(path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         log.info("step %d loss %.4f lr %.3g", step, record.get("loss", float("nan")), record["lr"])
+
+
+def export_finetuned(env, model, config, init: Path, vocab, output, metrics_path, run_dir: Path,
+                     config_json_updates: dict) -> None:
+    """The end of a fine-tune on rank 0: `output` as an HF directory (its config.json updated with
+    `config_json_updates`), the run's metrics file, and the run directory removed (the finished model supersedes the
+    checkpoints); every rank then waits, so the run directory goes only after every rank is done with it."""
+    from workflow.atomic import write_text
+    from workflow.train.model import save_pretrained
+
+    if env.is_main:
+        with atomic_path(output) as temporary:
+            vocab_path = Path(vocab) if vocab else Path(init) / "vocab.txt"
+            save_pretrained(model, config, vocab_path if vocab_path.is_file() else None, temporary)
+            config_json = json.loads((temporary / "config.json").read_text())
+            config_json.update(config_json_updates)
+            write_text(temporary / "config.json", json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+        if metrics_path is not None:
+            with atomic_path(metrics_path) as temporary:
+                shutil.copyfile(run_dir / "metrics.jsonl", temporary)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        log.info("fine-tuned model -> %s", output)
+    distributed.barrier()
