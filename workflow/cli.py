@@ -1,5 +1,6 @@
 """Command-line plumbing shared by every stage: logging to the rule's log and one-line errors."""
 import argparse
+import json
 import logging
 import os
 import signal
@@ -17,6 +18,14 @@ def phase_directory(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(f"expected PHASE=DIRECTORY, got {text!r}")
     phase, directory = text.split("=", 1)
     return phase, directory
+
+
+def config_sections(text: str) -> dict:
+    """argparse type for `--config`: the JSON of the config sections a rule hands over whole."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
 
 
 def _exit_on_sigterm(signum, frame):

@@ -12,7 +12,6 @@ task. The result is an HF directory (BertForSequenceClassification names: `bert.
         --output results/glue/MRPC/model --metrics results/glue/MRPC/finetune_metrics.jsonl --run-dir runs/glue/MRPC
 """
 import argparse
-import json
 import logging
 import math
 import sys
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workflow.cli import UserError, run
+from workflow.cli import UserError, config_sections, run
 from workflow.glue.data import GlueTask, task_of
 from workflow.squad.data import load_features
 from workflow.squad.finetune import SquadTask, linear_warmup_decay
@@ -210,7 +209,8 @@ def _finetune(env, task: GlueTask, init: Path, features_path: Path, output: Path
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="JSON of the config sections seed and glue")
+    parser.add_argument("--config", required=True, type=config_sections,
+                        help="JSON of the config sections seed and glue")
     parser.add_argument("--task", required=True, help="GLUE task name (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, ...)")
     parser.add_argument("--init", required=True, help="HF BERT directory to start from (phase-2 export)")
     parser.add_argument("--features", required=True, help="training features .npz (workflow.glue.data)")
@@ -221,10 +221,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
     args = parser.parse_args(argv)
-    try:
-        config = json.loads(args.config)
-    except json.JSONDecodeError as error:
-        raise UserError(f"--config: not JSON ({error})") from None
+    config = args.config
     task = task_of(args.task)
     code = finetune(task, args.init, args.features, args.output, args.run_dir,
                     FinetuneSettings.from_config(config, task.name), args.vocab, args.metrics, args.device,

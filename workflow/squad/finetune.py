@@ -11,7 +11,6 @@ written (the model supersedes its checkpoints).
         --features data/squad/train_features.npz --output results/squad/model --metrics ... --run-dir runs/squad
 """
 import argparse
-import json
 import logging
 import math
 import sys
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workflow.cli import UserError, run
+from workflow.cli import UserError, config_sections, run
 from workflow.squad.data import load_features
 from workflow.train import checkpoint, distributed
 from workflow.train.engine import LoopSettings, accumulation_steps, export_finetuned, set_threads, train
@@ -217,7 +216,8 @@ def _finetune(env, init: Path, features_path: Path, output: Path, run_dir: Path,
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="JSON of the config sections seed and squad")
+    parser.add_argument("--config", required=True, type=config_sections,
+                        help="JSON of the config sections seed and squad")
     parser.add_argument("--init", required=True, help="HF BERT directory to start from (phase-2 export)")
     parser.add_argument("--features", required=True, help="training features .npz (squad_data --training)")
     parser.add_argument("--output", required=True, help="fine-tuned HF model directory")
@@ -227,10 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
     args = parser.parse_args(argv)
-    try:
-        config = json.loads(args.config)
-    except json.JSONDecodeError as error:
-        raise UserError(f"--config: not JSON ({error})") from None
+    config = args.config
     code = finetune(args.init, args.features, args.output, args.run_dir, FinetuneSettings.from_config(config),
                     args.vocab, args.metrics, args.device, args.threads)
     if code:

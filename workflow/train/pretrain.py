@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
-from workflow.cli import UserError, run
+from workflow.cli import UserError, config_sections, run
 from workflow.train.engine import LoopSettings, accumulation_steps, set_threads, train
 from workflow.train.lamb import make_optimizer, make_scheduler
 from workflow.train.model import (BertConfig, BertForPreTraining, count_parameters, flops_per_sequence, load_pretrained,
@@ -343,7 +343,8 @@ def _pretrain(s: TrainSettings, env) -> dict:
 def parse_args(argv=None) -> TrainSettings:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--phase", required=True, choices=["phase1", "phase2"])
-    p.add_argument("--config", required=True, help="JSON of the config sections seed, model and pretrain")
+    p.add_argument("--config", required=True, type=config_sections,
+                   help="JSON of the config sections seed, model and pretrain")
     p.add_argument("--data-dir", required=True, help="data/hdf5_seqN (training/ and test/ shards)")
     p.add_argument("--vocab", required=True)
     p.add_argument("--run-dir", required=True, help="checkpoints and live metrics (kept across reruns)")
@@ -355,10 +356,7 @@ def parse_args(argv=None) -> TrainSettings:
     p.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     args = p.parse_args(argv)
-    try:
-        config = json.loads(args.config)
-    except json.JSONDecodeError as error:
-        raise UserError(f"--config: not JSON ({error})") from None
+    config = args.config
     out = Path(args.out_dir)
     return TrainSettings.from_config(
         config, args.phase, data_dir=args.data_dir, vocab=args.vocab, run_dir=args.run_dir,
