@@ -274,13 +274,14 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
     assert_same_weights(signalled.weights("phase1"), reference.weights("phase1"), "signalled+requeued vs reference")
 
 
-def test_profile_resolves_by_bare_name_from_the_repo_root():
+def test_profile_resolves_by_bare_name_from_the_repo_root(workflow_copy):
     # `snakemake --profile slurm` as typed in the README: Snakemake looks in the current directory first.
-    link = REPO / "slurm"
-    assert link.is_symlink() and link.resolve() == (REPO / "profiles" / "slurm").resolve()
+    # (In a scratch copy: the checkout may hold a demo's outputs, and then nothing would be planned.)
+    link = workflow_copy / "slurm"
+    assert link.is_symlink() and link.resolve() == (workflow_copy / "profiles" / "slurm").resolve()
     # (env-modules instead of the profile's conda: no conda here, and no rule declares envmodules)
     result = subprocess.run(["snakemake", "--profile", "slurm", "--dry-run", "--software-deployment-method",
-                             "env-modules", "--configfile", "sample/config.yaml", "--", "all"], cwd=REPO,
+                             "env-modules", "--configfile", "sample/config.yaml", "--", "all"], cwd=workflow_copy,
                             env=clean_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Using profile slurm" in result.stderr
