@@ -303,7 +303,7 @@ def test_packing_off_on_the_command_line_writes_the_library_default_nvidia_file_
     assert (tmp_path / "off.hdf5").read_bytes() == (directory / "a.hdf5").read_bytes()
     result = run_stage("workflow.data.encode", *common, "--output", tmp_path / "on.hdf5")
     assert result.returncode == 0, result.stderr
-    assert read_all(tmp_path / "on.hdf5")[1]["packing"] == "lpfhp"  # the command line packs by default
+    assert read_all(tmp_path / "on.hdf5")[1]["packing"] == "gapfill"  # the command line packs by default
 
 
 def nvidia_training_files(input_dir: str) -> list[str]:
@@ -425,7 +425,7 @@ def test_snakemake_hdf5_seq_target_is_byte_identical_with_1_or_2_jobs(shard, tmp
     assert sorted(trees[0]) == ["manifest.json", "test/seq64_test_shard_0.hdf5"] + [
         f"training/seq64_training_shard_{i}.hdf5" for i in range(3)]
     manifest = json.loads((tmp_path / "j1" / "data" / "hdf5_seq64" / "manifest.json").read_text())
-    assert manifest["format"] == "packed" and manifest["settings"]["packing"] == "lpfhp"  # packed by default
+    assert manifest["format"] == "packed" and manifest["settings"]["packing"] == "gapfill"  # packed by default
     assert manifest["settings"]["max_seq_length"] == 64 and manifest["settings"]["dupe_factor"] == 2
     assert manifest["n_instances"]["training"] == sum(e["n_instances"] for e in manifest["shards"][:3])
     assert all(trees[0][entry["path"]] == entry["sha256"] for entry in manifest["shards"])

@@ -5,14 +5,19 @@ The encode stage packs each shard as it writes it (config `encode.packing`, on b
 machine; fresh pages are most of it), where a separate HDF5 -> HDF5 job costs about as much as encoding (I/O + gzip;
 see benchmarks/packing.py). `python -m workflow.data.pack` packs an existing NVIDIA-schema shard the same way.
 
-Histogram packing: the instance lengths of the shard form a histogram; lengths are taken longest first, and each
-goes into an open pack it still fits in (a pack closes when full or when it holds `max_sequences_per_pack`
-sequences): the fullest one (LPFHP, longest-pack-first, the default) or the emptiest one (SPFHP, shortest-pack-
-first). On the demo sample's four shards together, at 512, LPFHP fills 98.5% of the slots and SPFHP 97.3%; on one
-shard of a real run's size (~94k instances at 128) both fill 98.8% at 128, and ~96.9-97.7% at 512, where most
-instances are over half full or full (benchmarks/packing.py). The algorithm works on counts per length, so its
-cost does not grow with the number of instances; instances are then assigned to the packs length by length, in
-file order.
+Histogram packing: the instance lengths of the shard form a histogram, and the packing is planned on the counts
+per length, so its cost grows with the distinct pack layouts (hundreds), not with the instances; instances are then
+assigned to the packs length by length, in file order. Algorithms (`algorithm`):
+- gapfill (default): the longest instance left opens a pack, and the pair of instances left (else the single one)
+  that fills its free space best completes it. Pairs win ties, so the short instances are spent filling gaps rather
+  than left over to share rows of their own, which is where greedy packing loses most at 512 (most instances there
+  are long or full, and the short ones are all the filler there is).
+- lpfhp / spfhp: Krell et al.'s greedy: lengths longest first, each into the open pack it fits with the least free
+  space (longest pack first) or the most.
+On the demo sample 40 times over as one shard of a real run's size, with 3 per row: at 512 gapfill fills 99.6% of
+the slots (lpfhp 97.0%, spfhp 96.8%; no packing can beat 99.8%, `fewest_packs`), at 128 all three fill 98.8% (bound
+99.0%): the instances over half full there outnumber the short ones that could complete them
+(benchmarks/packing.py).
 
 Input: an encoded shard in NVIDIA's schema (workflow.data.encode). Output (root attributes `packing` = the
 algorithm, `max_sequences_per_pack`, and the fill statistics of `packing_stats`), zero-padded, one row per pack of
@@ -47,8 +52,8 @@ from workflow.cli import UserError, run
 log = logging.getLogger(__name__)
 
 ENCODED = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
-ALGORITHMS = ("lpfhp", "spfhp")
-MAX_SEQUENCES_PER_PACK = 3  # Krell et al.: 3 already reaches ~99% fill at 512 on Wikipedia
+ALGORITHMS = ("gapfill", "lpfhp", "spfhp")
+MAX_SEQUENCES_PER_PACK = 3  # the issue's default: gapfill then reaches >= 99% fill at 512
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class PackSettings:
     """Config `encode.packing` (when enabled)."""
 
     max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK
-    algorithm: str = "lpfhp"
+    algorithm: str = "gapfill"
 
     def attributes(self) -> dict:
         """The packed file's root attributes saying how it was packed."""
@@ -71,16 +76,73 @@ def packing_stats(input_mask: np.ndarray, n_packs: int) -> dict:
 
 
 def histogram_packing(histogram: np.ndarray, max_length: int, max_sequences_per_pack: int,
-                      algorithm: str = "lpfhp") -> list[tuple[tuple[int, ...], int]]:
+                      algorithm: str = "gapfill") -> list[tuple[tuple[int, ...], int]]:
     """Histogram packing: [(lengths of one pack, how many such packs)], deterministic.
 
-    `histogram[n]` counts the sequences of length n (1 <= n <= max_length). Every sequence is in exactly one pack.
-    Sequences are placed longest first, each into the fullest open pack it fits in ("lpfhp", best fit) or the
-    emptiest ("spfhp").
+    `histogram[n]` counts the sequences of length n (1 <= n <= max_length). Every sequence is in exactly one pack,
+    of at most `max_sequences_per_pack` sequences and `max_length` tokens. Algorithms: module docstring.
     """
     if algorithm not in ALGORITHMS:
         raise UserError(f"pack algorithm {algorithm!r}: must be one of {', '.join(ALGORITHMS)}")
-    choose = max if algorithm == "spfhp" else min
+    counts = np.zeros(max_length + 1, np.int64)
+    counts[1 : len(histogram)] = np.asarray(histogram[1 : max_length + 1], np.int64)
+    if algorithm == "gapfill":
+        return _gap_fill(counts, max_length, max_sequences_per_pack)
+    return _fit_decreasing(counts, max_length, max_sequences_per_pack, max if algorithm == "spfhp" else min)
+
+
+def _gap_fill(counts: np.ndarray, max_length: int, max_sequences_per_pack: int) -> list[tuple[tuple[int, ...], int]]:
+    """The longest sequence left opens a pack; the pair (else the one) of sequences left that fills its free space
+    best completes it, pairs first, then the next pair in the space still free. Every pack of that layout that the
+    counts still allow is taken at once, so the work grows with the distinct layouts, not with the sequences."""
+    lengths = np.arange(max_length + 1)
+    packs: list[tuple[tuple[int, ...], int]] = []
+    for longest in range(max_length, 0, -1):
+        while counts[longest]:
+            counts[longest] -= 1
+            members, space, free_slots = [longest], max_length - longest, max_sequences_per_pack - 1
+            while free_slots and space:
+                chosen = _best_fill(counts, space, 2 if free_slots >= 2 else 1, lengths)
+                if not chosen:
+                    break
+                for length in chosen:
+                    counts[length] -= 1
+                members += chosen
+                space -= sum(chosen)
+                free_slots -= len(chosen)
+            need = np.bincount(members, minlength=max_length + 1)
+            used = np.flatnonzero(need)
+            more = int((counts[used] // need[used]).min())
+            counts[used] -= more * need[used]
+            packs.append((tuple(members), more + 1))
+    return packs
+
+
+def _best_fill(counts: np.ndarray, space: int, most: int, lengths: np.ndarray) -> tuple[int, ...]:
+    """The 1 or 2 (at most `most`) available lengths with the largest sum <= space; among equal sums a pair
+    (short sequences are used up where they fit rather than left to fill packs of their own), then the more
+    unequal pair. () when nothing fits."""
+    largest_up_to = np.maximum.accumulate(np.where(counts > 0, lengths, 0))  # [x]: largest available length <= x
+    first = np.flatnonzero(counts[1 : space + 1]) + 1
+    if not len(first):
+        return ()
+    if most == 1:
+        return (int(first[-1]),)
+    # The second is the largest available length <= min(space - first, first); equal to first only if two exist.
+    limit = np.minimum(space - first, first)
+    second = largest_up_to[limit]
+    lone = (second == first) & (counts[first] < 2)
+    second[lone] = largest_up_to[first[lone] - 1]
+    total = first + second
+    best = np.flatnonzero(total == total.max())
+    pick = best[np.argmax((second[best] > 0) * len(lengths) + first[best])]
+    return (int(first[pick]), int(second[pick])) if second[pick] else (int(first[pick]),)
+
+
+def _fit_decreasing(counts: np.ndarray, max_length: int, max_sequences_per_pack: int,
+                    choose) -> list[tuple[tuple[int, ...], int]]:
+    """Lengths longest first, each into the open pack it fits with the least free space (choose=min, lpfhp) or the
+    most (choose=max, spfhp)."""
     open_packs: dict[int, list[list]] = {}  # free space -> stack of [count, lengths]
     closed: list[tuple[tuple[int, ...], int]] = []
 
@@ -92,7 +154,7 @@ def histogram_packing(histogram: np.ndarray, max_length: int, max_sequences_per_
             open_packs.setdefault(space, []).append([count, lengths])
 
     for length in range(max_length, 0, -1):
-        remaining = int(histogram[length]) if length < len(histogram) else 0
+        remaining = int(counts[length])
         while remaining:
             fitting = [space for space in open_packs if space >= length]
             if not fitting:
@@ -111,6 +173,28 @@ def histogram_packing(histogram: np.ndarray, max_length: int, max_sequences_per_
             remaining -= used
     closed.extend((lengths, count) for stack in open_packs.values() for count, lengths in stack)
     return closed
+
+
+def fewest_packs(histogram: np.ndarray, max_length: int, max_sequences_per_pack: int) -> int:
+    """A lower bound on the packs any packing of `histogram` needs: one per sequence over half the length, plus what
+    the shorter ones need beyond the free space of those; every threshold t gives a bound, since sequences of
+    length >= t only fit where at least t is free. Also all tokens, and the cap of sequences per pack."""
+    counts = np.zeros(max_length + 1, np.int64)
+    counts[1 : len(histogram)] = np.asarray(histogram[1 : max_length + 1], np.int64)
+    lengths = np.arange(max_length + 1)
+    half = max_length // 2
+    n_long = int(counts[half + 1 :].sum())
+    # tokens of the short sequences of length >= t, and free space >= t in the packs of long ones, for t = 0..half
+    short_tokens = np.cumsum((lengths * counts)[: half + 1][::-1])[::-1]
+    free = np.zeros(max_length + 1, np.int64)
+    free[max_length - lengths[half + 1 :]] = counts[half + 1 :]  # packs of long sequences by free space
+    free_tokens = np.cumsum((lengths * free)[::-1])[::-1][: half + 1]
+    overflow = int(np.max(short_tokens - free_tokens, initial=0))
+    n_short = int(counts[: half + 1].sum())
+    short_overflow = max(0, n_short - (max_sequences_per_pack - 1) * n_long)
+    total = int((lengths * counts).sum())
+    return max(n_long + max(-(-overflow // max_length), -(-short_overflow // max_sequences_per_pack)),
+               -(-total // max_length), -(-(n_long + n_short) // max_sequences_per_pack))
 
 
 def sequence_lengths_of(input_mask: np.ndarray, source: str = "input") -> np.ndarray:
@@ -226,7 +310,7 @@ def read_encoded(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
-               max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK, algorithm: str = "lpfhp",
+               max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK, algorithm: str = PackSettings.algorithm,
                compression: str = "gzip") -> dict:
     """Pack one encoded shard into the HDF5 file `output` (atomically), as encode does; returns its statistics."""
     from workflow.data.encode import write_shard  # encode imports this module
@@ -248,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--encoded", required=True, help="encoded shard (HDF5 from workflow.data.encode)")
     parser.add_argument("--output", required=True, help="packed HDF5 file to write")
     parser.add_argument("--max-sequences-per-pack", type=int, default=MAX_SEQUENCES_PER_PACK)
-    parser.add_argument("--algorithm", choices=ALGORITHMS, default="lpfhp")
+    parser.add_argument("--algorithm", choices=ALGORITHMS, default=PackSettings.algorithm)
     parser.add_argument("--compression", choices=["gzip", "none"], default="gzip")
     args = parser.parse_args(argv)
     pack_shard(args.encoded, args.output, args.max_sequences_per_pack, args.algorithm, args.compression)
