@@ -11,7 +11,6 @@ task. The result is an HF directory (BertForSequenceClassification names: `bert.
         --init results/pretrain/phase2/model --features data/glue/MRPC/train_features.npz \
         --output results/glue/MRPC/model --metrics results/glue/MRPC/finetune_metrics.jsonl --run-dir runs/glue/MRPC
 """
-import argparse
 import logging
 import math
 import sys
@@ -24,12 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workflow.cli import UserError, config_sections, run
+from workflow.cli import UserError, run
 from workflow.glue.data import GlueTask, task_of
 from workflow.squad.data import load_features
 from workflow.squad.finetune import SquadTask, linear_warmup_decay
 from workflow.train import checkpoint, distributed
-from workflow.train.engine import LoopSettings, accumulation_steps, export_finetuned, set_threads, train
+from workflow.train.engine import (LoopSettings, accumulation_steps, export_finetuned, finetune_parser,
+                                   set_threads, train)
 from workflow.train.lamb import param_groups
 from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights
 from workflow.train.precision import resolve_precision
@@ -208,23 +208,13 @@ def _finetune(env, task: GlueTask, init: Path, features_path: Path, output: Path
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, type=config_sections,
-                        help="JSON of the config sections seed and glue")
+    parser = finetune_parser(__doc__.split("\n\n")[0], "seed and glue", "workflow.glue.data",
+                             "step, epoch, loss, accuracy, lr, grad_norm, seq_per_s")
     parser.add_argument("--task", required=True, help="GLUE task name (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, ...)")
-    parser.add_argument("--init", required=True, help="HF BERT directory to start from (phase-2 export)")
-    parser.add_argument("--features", required=True, help="training features .npz (workflow.glue.data)")
-    parser.add_argument("--output", required=True, help="fine-tuned HF model directory")
-    parser.add_argument("--run-dir", required=True, help="checkpoints (resumed automatically)")
-    parser.add_argument("--vocab", default=None, help="vocab.txt copied into the output (default: the init's)")
-    parser.add_argument("--metrics", default=None, help="JSONL of step, epoch, loss, accuracy, lr, grad_norm, seq_per_s")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
     args = parser.parse_args(argv)
-    config = args.config
     task = task_of(args.task)
     code = finetune(task, args.init, args.features, args.output, args.run_dir,
-                    FinetuneSettings.from_config(config, task.name), args.vocab, args.metrics, args.device,
+                    FinetuneSettings.from_config(args.config, task.name), args.vocab, args.metrics, args.device,
                     args.threads)
     if code:
         sys.exit(code)

@@ -10,7 +10,6 @@ written (the model supersedes its checkpoints).
     python -m workflow.squad.finetune --config '{"seed": 12345, "squad": {...}}' --init results/pretrain/phase2/model \
         --features data/squad/train_features.npz --output results/squad/model --metrics ... --run-dir runs/squad
 """
-import argparse
 import logging
 import math
 import sys
@@ -23,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workflow.cli import UserError, config_sections, run
+from workflow.cli import UserError, run
 from workflow.squad.data import load_features
 from workflow.train import checkpoint, distributed
-from workflow.train.engine import LoopSettings, accumulation_steps, export_finetuned, set_threads, train
+from workflow.train.engine import (LoopSettings, accumulation_steps, export_finetuned, finetune_parser,
+                                   set_threads, train)
 from workflow.train.lamb import param_groups
 from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights
 from workflow.train.precision import resolve_precision
@@ -215,20 +215,9 @@ def _finetune(env, init: Path, features_path: Path, output: Path, run_dir: Path,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, type=config_sections,
-                        help="JSON of the config sections seed and squad")
-    parser.add_argument("--init", required=True, help="HF BERT directory to start from (phase-2 export)")
-    parser.add_argument("--features", required=True, help="training features .npz (squad_data --training)")
-    parser.add_argument("--output", required=True, help="fine-tuned HF model directory")
-    parser.add_argument("--run-dir", required=True, help="checkpoints (resumed automatically)")
-    parser.add_argument("--vocab", default=None, help="vocab.txt copied into the output (default: the init's)")
-    parser.add_argument("--metrics", default=None, help="JSONL of step, epoch, loss, lr, grad_norm, seq_per_s")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
-    args = parser.parse_args(argv)
-    config = args.config
-    code = finetune(args.init, args.features, args.output, args.run_dir, FinetuneSettings.from_config(config),
+    args = finetune_parser(__doc__.split("\n\n")[0], "seed and squad", "squad_data --training",
+                           "step, epoch, loss, lr, grad_norm, seq_per_s").parse_args(argv)
+    code = finetune(args.init, args.features, args.output, args.run_dir, FinetuneSettings.from_config(args.config),
                     args.vocab, args.metrics, args.device, args.threads)
     if code:
         sys.exit(code)

@@ -27,6 +27,7 @@ at a barrier, and train() returns the signal's exit code.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -43,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from workflow.atomic import atomic_path
-from workflow.cli import UserError
+from workflow.cli import UserError, config_sections
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.train.precision import autocast, grad_scaler
@@ -358,6 +359,21 @@ def _log_metrics(task, window, steps, elapsed, step, scheduler, s, env, path: Pa
         with open(path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         log.info("step %d loss %.4f lr %.3g", step, record.get("loss", float("nan")), record["lr"])
+
+
+def finetune_parser(description: str, sections: str, features: str, metrics: str) -> argparse.ArgumentParser:
+    """The command line every fine-tuning stage shares (SQuAD, GLUE); each adds its own arguments."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, type=config_sections, help=f"JSON of the config sections {sections}")
+    parser.add_argument("--init", required=True, help="HF BERT directory to start from (phase-2 export)")
+    parser.add_argument("--features", required=True, help=f"training features .npz ({features})")
+    parser.add_argument("--output", required=True, help="fine-tuned HF model directory")
+    parser.add_argument("--run-dir", required=True, help="checkpoints (resumed automatically)")
+    parser.add_argument("--vocab", default=None, help="vocab.txt copied into the output (default: the init's)")
+    parser.add_argument("--metrics", default=None, help=f"JSONL of {metrics}")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
+    return parser
 
 
 def export_finetuned(env, model, config, init: Path, vocab, output, metrics_path, run_dir: Path,
