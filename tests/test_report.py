@@ -22,7 +22,8 @@ def _phase(directory, steps, batch=32, telemetry=False):
                                      "seq_per_s": 80.0 if step <= 10 else 160.0,
                                      "tokens_per_s": 128 * (80.0 if step <= 10 else 160.0)}) + "\n")
     (directory / "summary.json").write_text(json.dumps({
-        "steps": steps, "seq_per_s": 150.5, "tokens_per_s": 19264.0, "train_time_s": 12.0,
+        "steps": steps, "seq_per_s": 150.5, "tokens_per_s": 19264.0, "real_tokens_per_s": 18880.5, "packed": True,
+        "train_time_s": 12.0,
         "global_batch_size": batch, "test_mlm_accuracy": 0.25, "test_nsp_accuracy": 0.6, "device": "cpu"}))
     if telemetry:
         lines = ["time,gpu,power_w,temperature_c,sm_clock_mhz,memory_clock_mhz,utilization_gpu_pct,"
@@ -60,6 +61,7 @@ def test_summary_table_holds_the_key_numbers_of_each_stage(run, tmp_path, repo_e
     assert table[("phase1", "final_loss")] == "4" and table[("phase2", "final_loss")] == "8"  # last lines
     assert table[("phase1", "final_mlm_accuracy")] == "0.6"
     assert table[("phase2", "seq_per_s")] == "150.5" and table[("phase1", "test_mlm_accuracy")] == "0.25"
+    assert table[("phase1", "real_tokens_per_s")] == "18880.5" and table[("phase1", "packed")] == "True"
     assert table[("squad", "exact_match")] == "12.5" and table[("squad", "f1")] == "34.5678"
     assert table[("squad", "finetune_final_loss")] == "0.166667"
 

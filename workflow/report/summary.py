@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 # (metric in summary.csv, key in the phase's summary.json)
 PHASE_TOTALS = [
     ("steps", "steps"), ("train_time_s", "train_time_s"), ("seq_per_s", "seq_per_s"),
-    ("tokens_per_s", "tokens_per_s"), ("test_mlm_accuracy", "test_mlm_accuracy"),
+    ("tokens_per_s", "tokens_per_s"), ("real_tokens_per_s", "real_tokens_per_s"), ("packed", "packed"),
+    ("test_mlm_accuracy", "test_mlm_accuracy"),
     ("test_nsp_accuracy", "test_nsp_accuracy"), ("test_mlm_loss", "test_mlm_loss"), ("parameters", "parameters"),
     ("world_size", "world_size"), ("device", "device"), ("precision", "precision"),
 ]
