@@ -252,7 +252,8 @@ def dense_and_sparse(model, batch):
                                     "position_ids", "cls_positions") if k in batch}
     valid = batch["masked_lm_labels"] >= 0
     results = []
-    for labels, extra in ((batch["masked_lm_labels"], {}), (batch["masked_lm_labels"][valid], {"masked_lm_valid": valid})):
+    every = batch["masked_lm_labels"]
+    for labels, extra in ((every, {}), (every[valid], {"masked_lm_valid": valid})):
         model.zero_grad(set_to_none=True)
         mlm, nsp = model(**inputs, **extra)
         loss = pretraining_loss(mlm, nsp, labels, batch["next_sentence_labels"])

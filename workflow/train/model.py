@@ -24,8 +24,10 @@ Packed batches (rows holding several sequences, workflow.data.pack): pass `cls_p
 [CLS] slot), `position_ids` [B, L] restarting at 0 per sequence, and as `attention_mask` each token's sequence
 number 1..S (0 = padding; a sequence's tokens are contiguous). A token then attends only to its own sequence:
 through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEVICE_TYPES (CUDA), with the real
-tokens gathered to [T, H] for every layer and variable-length flash attention (nested jagged SDPA). The pooler and
-NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot). Without
+tokens gathered to [T, H] for every layer and variable-length flash attention (nested jagged SDPA); with
+masked_lm_valid, BertForPreTraining takes the MLM and [CLS] inputs straight from those [T, H] (no re-padded rows). The
+pooler and NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot).
+Without
 packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; checking costs one device sync per
 forward on CUDA); padding queries still attend to real keys, as in HF.
 """
