@@ -402,6 +402,8 @@ class BertForPreTraining(nn.Module):
                        cls_positions, masked_lm_valid):
         """The pretraining forward with the MLM head ([M, H] -> [M, V]) at the real prediction slots only (empty
         slots are ~12% at seq 128, ~25% at 512), gathered straight from the encoder's rows or real tokens."""
+        if masked_lm_positions is None:
+            raise ValueError("masked_lm_valid selects among masked_lm_positions: pass both")
         batch, length = input_ids.shape
         rows = torch.arange(batch, device=input_ids.device).unsqueeze(1) * length
         # M depends on the data: the selection syncs once with the host on CUDA (as NVIDIA's DLE does), placed before
@@ -512,7 +514,7 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def flops_per_sequence(config: BertConfig, seq_length: int, max_predictions: int) -> float:
+def flops_per_sequence(config: BertConfig, seq_length: int, max_predictions: float) -> float:
     """Training FLOPs of one sequence (forward + backward = 3x forward), matmuls only.
 
     Per layer and token: 24·h² (QKV, output, 2 FFN with i = 4h: 2·(4h² + 2·h·i)) + 4·L·h (scores and context);
