@@ -27,9 +27,8 @@ through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEV
 tokens gathered to [T, H] for every layer and variable-length flash attention (nested jagged SDPA); with
 masked_lm_valid, BertForPreTraining takes the MLM and [CLS] inputs straight from those [T, H] (no re-padded rows). The
 pooler and NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot).
-Without
-packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; checking costs one device sync per
-forward on CUDA); padding queries still attend to real keys, as in HF.
+Without packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; checking costs one device
+sync per forward on CUDA); padding queries still attend to real keys, as in HF.
 """
 from __future__ import annotations
 
