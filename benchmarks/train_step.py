@@ -1,31 +1,41 @@
 """Benchmark: snakebert's BERT training step vs Hugging Face (sdpa), and packed vs padded rows, side by side.
 
     python benchmarks/train_step.py                 # CPU: the three comparisons below
+    python benchmarks/train_step.py --step-only --seq 512 --predictions 80 --micro-batch 4   # CPU: 1. at seq 512
     python benchmarks/train_step.py --gpu           # CUDA: BERT-large phase 1 and 2, bf16, packed and padded:
                                                     # seq/s, real tokens/s, MFU (written for an H100/H200; not
                                                     # run on the development machine, which has no GPU)
 
 CPU, fp32, one small BERT, the same weights on every side; steps alternate between the sides so machine noise
 hits them alike (medians printed):
-1. Full training step vs HF BertForPreTraining: forward, MLM + NSP loss, backward, LAMB
-   (workflow.train.lamb.Lamb, the same param groups). Ours computes the MLM head at the masked positions only; HF
-   computes it at every position (its design), so this includes that saving.
+1. Full training step, three sides, on one micro-batch of Wikipedia-like instances (padded rows, the short ones
+   with empty prediction slots; the generator of 3.): forward, MLM + NSP loss, backward, LAMB
+   (workflow.train.lamb.Lamb, the same param groups).
+   - snakebert: the pretraining task's forward (workflow.train.pretrain.forward): MLM head at the real prediction
+     slots only ([M, H] -> [M, V]);
+   - snakebert, every slot: the same model with the MLM head at all B x P slots, empty ones ignored by label -1
+     (the path before the slot selection);
+   - huggingface BertForPreTraining (sdpa): MLM head at every position (its design), so the ratio to it includes
+     that saving.
 2. Encoder only at equal work: BertModel forward + backward (loss = sum of the sequence output) vs HF's sdpa
-   BertModel, same full rows (no padding, no mask), no optimizer.
+   BertModel, same full-length rows (no mask), no optimizer.
 3. Packed vs padded: the same instances (real lengths drawn like encode's output on Wikipedia: fill ~0.86 at 128,
    ~0.55 at 512), packed by workflow.data.pack (LPFHP, <= 3 per row) and as padded rows, forward + MLM/NSP loss
-   + backward; real tokens per second of each, fill beside (expect the ratio ~ fill packed / fill padded).
+   + backward (MLM head at the real slots, as in training); real tokens per second of each, fill beside (expect
+   the ratio ~ fill packed / fill padded).
 
 GPU MFU = seq/s x FLOPs per sequence / peak, peak = 790 TFLOP/s (measured dense bf16 matmul on an H200).
 FLOPs per sequence (workflow.train.model.flops_per_sequence, matmuls only, training = 3 x forward):
     3 x [ n_layers x L x (2 (4h^2 + 2 h i) + 4 L h)  +  P (2 h^2 + 2 h V)  +  2 h^2 ]
-with L the sequence length, h hidden, i intermediate, V vocab, P masked positions per sequence
+with L the sequence length, h hidden, i intermediate, V vocab, P masked positions per sequence (the GPU benchmark
+counts the real work: L the mean real length, P the mean number of real prediction slots)
 (BERT-large, V 30528: 240.6 GFLOP per phase-1 sequence, 1020.5 GFLOP per phase-2 sequence; NVIDIA's published
 580 seq/s on an A100 (312 TFLOP/s bf16) is 44.7% MFU by this formula, in line with the quoted ~43%).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -41,31 +51,35 @@ from workflow.data.pack import pack_arrays  # noqa: E402
 from workflow.train.lamb import Lamb, param_groups  # noqa: E402
 from workflow.train.pretraining_data import make_batch as data_batch  # noqa: E402
 from workflow.train.model import BertConfig, BertForPreTraining, flops_per_sequence, pretraining_loss  # noqa: E402
+from workflow.train.pretrain import forward as pretraining_forward  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12
 
 
 def make_batch(config: BertConfig, batch: int, seq: int, predictions: int, device, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(5, config.vocab_size, (batch, seq), generator=g)
-    attention_mask = torch.ones(batch, seq, dtype=torch.long)
-    token_type_ids = torch.zeros(batch, seq, dtype=torch.long)
-    token_type_ids[:, seq // 2:] = 1
-    positions = torch.stack([torch.randperm(seq - 2, generator=g)[:predictions] + 1 for _ in range(batch)])
-    positions, _ = positions.sort(dim=1)
-    labels = torch.randint(5, config.vocab_size, (batch, predictions), generator=g)
-    full_labels = torch.full((batch, seq), -100, dtype=torch.long)
-    full_labels.scatter_(1, positions, labels)
-    out = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-               masked_lm_positions=positions, masked_lm_labels=labels, full_labels=full_labels,
-               next_sentence_labels=torch.randint(0, 2, (batch,), generator=g))
-    return {k: v.to(device) for k, v in out.items()}
+    """One micro-batch of `instances` (padded rows, empty prediction slots in the short ones), with HF's MLM
+    labels [B, L] (-100 where nothing is predicted) as `full_labels`."""
+    b = data_batch(instances(config, seq, predictions, batch, seed), np.arange(batch))
+    labels = b["masked_lm_labels"]
+    full_labels = torch.full_like(b["input_ids"], -100)
+    full_labels.scatter_(1, b["masked_lm_positions"], torch.where(labels >= 0, labels, -100))  # empty slots: 0 = [CLS]
+    return {k: v.to(device) for k, v in {**b, "full_labels": full_labels}.items()}
 
 
-def ours_step(model, optimizer, b, autocast):
+def mlm_forward(model, b, real_slots: bool = True):
+    """(mlm_logits, nsp_logits, mlm_labels): the pretraining task's forward (MLM head at the real prediction slots
+    only), or with `real_slots` False the MLM head at every slot [B, P, V] (empty ones ignored by label -1)."""
+    if real_slots:
+        return pretraining_forward(model, b)
+    mlm, nsp = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["masked_lm_positions"],
+                     b.get("position_ids"), b.get("cls_positions"))
+    return mlm, nsp, b["masked_lm_labels"]
+
+
+def ours_step(model, optimizer, b, autocast, real_slots: bool = True):
     with autocast():
-        mlm, nsp = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["masked_lm_positions"])
-        loss = pretraining_loss(mlm, nsp, b["masked_lm_labels"], b["next_sentence_labels"])["loss"]
+        mlm, nsp, labels = mlm_forward(model, b, real_slots)
+        loss = pretraining_loss(mlm, nsp, labels, b["next_sentence_labels"])["loss"]
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -97,33 +111,45 @@ def cpu_comparison(args) -> None:
                         num_attention_heads=args.heads, intermediate_size=4 * args.hidden)
     torch.manual_seed(0)
     ours = BertForPreTraining(config).train()
+    every_slot = copy.deepcopy(ours)
     hf = HFBert(HFConfig(**config.to_dict(), attn_implementation="sdpa")).train()
     assert hf.config._attn_implementation == "sdpa"
     hf.load_state_dict(ours.state_dict(), strict=False)
-    ours_opt = Lamb(param_groups(ours), lr=1e-3)
-    hf_opt = Lamb(param_groups(hf), lr=1e-3)
+    ours_opt, every_slot_opt, hf_opt = (Lamb(param_groups(model), lr=1e-3) for model in (ours, every_slot, hf))
     batch = make_batch(config, args.micro_batch, args.seq, args.predictions, "cpu")
     no_autocast = torch.autocast("cpu", enabled=False)
 
     def noop():
         return None
 
-    times = {"snakebert": [], "huggingface": []}
+    sides = {"snakebert": lambda: ours_step(ours, ours_opt, batch, lambda: no_autocast),
+             "snakebert, every slot": lambda: ours_step(every_slot, every_slot_opt, batch, lambda: no_autocast,
+                                                         real_slots=False),
+             "huggingface": lambda: hf_step(hf, hf_opt, batch, lambda: no_autocast)}
+    times = {name: [] for name in sides}
     for step in range(args.warmup + args.steps):
-        t_ours = timed(lambda: ours_step(ours, ours_opt, batch, lambda: no_autocast), noop)
-        t_hf = timed(lambda: hf_step(hf, hf_opt, batch, lambda: no_autocast), noop)
-        if step >= args.warmup:
-            times["snakebert"].append(t_ours)
-            times["huggingface"].append(t_hf)
+        for name, side in sides.items():
+            duration = timed(side, noop)
+            if step >= args.warmup:
+                times[name].append(duration)
+    slots = batch["masked_lm_labels"].numel()
+    real = int((batch["masked_lm_labels"] >= 0).sum())
     print(f"CPU, {args.threads} threads, fp32, LAMB: hidden {args.hidden}, layers {args.layers}, heads {args.heads}, "
-          f"vocab {args.vocab}, seq {args.seq}, micro-batch {args.micro_batch}, {args.predictions} masked positions")
+          f"vocab {args.vocab}, seq {args.seq}, micro-batch {args.micro_batch}, {args.predictions} prediction slots "
+          f"per row: {real} of {slots} real ({1 - real / slots:.1%} empty), "
+          f"fill {batch['attention_mask'].float().mean():.3f}")
+    work = {"snakebert": f"MLM head at the {real} real slots", "snakebert, every slot": f"at all {slots} slots",
+            "huggingface": f"at all {batch['input_ids'].numel()} positions"}
     rates = {}
     for name, values in times.items():
         median = statistics.median(values)
         rates[name] = 1 / median
-        print(f"  {name:12s} {rates[name]:7.3f} steps/s  ({args.micro_batch * rates[name]:7.1f} seq/s, "
-              f"median of {len(values)} steps)")
-    print(f"  ratio snakebert / huggingface: {rates['snakebert'] / rates['huggingface']:.2f}x (target >= 1.3x)")
+        print(f"  {name:22s} {rates[name]:7.3f} steps/s  ({args.micro_batch * rates[name]:7.1f} seq/s, "
+              f"{median * 1e3:7.1f} ms/step, median of {len(values)} steps; {work[name]})")
+    print(f"  ratio real slots / every slot: {rates['snakebert'] / rates['snakebert, every slot']:.3f}x; "
+          f"snakebert / huggingface: {rates['snakebert'] / rates['huggingface']:.2f}x (target >= 1.3x)")
+    if args.step_only:
+        return
 
     # 2. Encoder forward + backward at equal work.
     ours_encoder, hf_encoder = ours.bert, hf.bert
@@ -183,9 +209,8 @@ def train_pass(model, batches: list[dict], autocast, sync) -> float:
     def run():
         for b in batches:
             with autocast():
-                mlm, nsp = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["masked_lm_positions"],
-                                 b.get("position_ids"), b.get("cls_positions"))
-                loss = pretraining_loss(mlm, nsp, b["masked_lm_labels"], b["next_sentence_labels"])["loss"]
+                mlm, nsp, labels = mlm_forward(model, b)
+                loss = pretraining_loss(mlm, nsp, labels, b["next_sentence_labels"])["loss"]
             loss.backward()
         model.zero_grad(set_to_none=True)
     return timed(run, sync)
@@ -219,7 +244,8 @@ def packed_vs_padded(model, seq, predictions, args) -> None:
 
 def gpu_benchmark(args) -> None:
     """BERT-large phase 1 (128) and 2 (512), bf16: full training steps on padded and on packed rows of the same
-    instances; seq/s, real tokens/s and MFU (FLOPs of the real tokens: flops_per_sequence at the mean real length)."""
+    instances; seq/s, real tokens/s and MFU (FLOPs of the real tokens: flops_per_sequence at the mean real length
+    and the mean number of real prediction slots, where the MLM head runs)."""
     if not torch.cuda.is_available():
         print("no CUDA device: GPU benchmark skipped")
         return
@@ -239,7 +265,8 @@ def gpu_benchmark(args) -> None:
             return torch.autocast("cuda", dtype=torch.bfloat16)
 
         mean_length = real / n
-        flops = flops_per_sequence(config, round(mean_length), predictions)
+        mean_predictions = sum(int((b["masked_lm_labels"] >= 0).sum()) for b in padded) / n
+        flops = flops_per_sequence(config, round(mean_length), mean_predictions)
         for name, batches, fill in (("padded", padded, fill_padded), ("packed", packed, fill_packed)):
             for b in batches[:args.warmup]:
                 train_pass(step_model, [b], bf16, torch.cuda.synchronize)
@@ -249,7 +276,7 @@ def gpu_benchmark(args) -> None:
             print(f"GPU {torch.cuda.get_device_name()}: BERT-large {phase} bf16 seq {seq}, {name} rows (fill "
                   f"{fill:.3f}), {len(batches)} micro-batches of {micro} rows{', compiled' if args.compile else ''}: "
                   f"{seq_per_s:.1f} seq/s, {real / duration:,.0f} real tokens/s, MFU "
-                  f"{seq_per_s * flops / PEAK_BF16_FLOPS:.1%} of 790 TFLOP/s (real-token FLOPs), peak memory "
+                  f"{seq_per_s * flops / PEAK_BF16_FLOPS:.1%} of 790 TFLOP/s (FLOPs of the real tokens and slots), peak memory "
                   f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         del model, step_model, optimizer, padded, packed
         torch.cuda.empty_cache()
@@ -260,6 +287,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpu", action="store_true", help="run the CUDA benchmark instead of the CPU comparison")
     p.add_argument("--packing-only", action="store_true", help="CPU: only comparison 3 (packed vs padded)")
+    p.add_argument("--step-only", action="store_true", help="CPU: only comparison 1 (full training step)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)

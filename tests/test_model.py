@@ -234,3 +234,89 @@ def test_batches_without_padding_attend_without_a_mask():
     expected = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0],
                              [0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
     assert torch.equal(row_attention(two, packed=True).mask[0, 0], expected)
+
+
+# ---------------------------------------------------------------- MLM head at the real prediction slots only
+
+def assert_gradients_close(gradients, expected, rtol):
+    """Every parameter's gradient within `rtol` of its norm (1e-9 absolute: the key biases' gradients are
+    rounding noise, as softmax ignores them)."""
+    assert gradients.keys() == expected.keys()
+    for name, gradient in expected.items():
+        assert (gradients[name] - gradient).norm() <= rtol * gradient.norm() + 1e-9, name
+
+
+def dense_and_sparse(model, batch):
+    """(logits, loss, gradients) of the MLM head at every slot [B, P, V] and at the real slots only [M, V]."""
+    inputs = {k: batch[k] for k in ("input_ids", "token_type_ids", "attention_mask", "masked_lm_positions",
+                                    "position_ids", "cls_positions") if k in batch}
+    valid = batch["masked_lm_labels"] >= 0
+    results = []
+    every = batch["masked_lm_labels"]
+    for labels, extra in ((every, {}), (every[valid], {"masked_lm_valid": valid})):
+        model.zero_grad(set_to_none=True)
+        mlm, nsp = model(**inputs, **extra)
+        loss = pretraining_loss(mlm, nsp, labels, batch["next_sentence_labels"])
+        loss["loss"].backward()
+        results.append(((mlm, nsp), loss, {name: p.grad.clone() for name, p in model.named_parameters()}))
+    return results
+
+
+@pytest.mark.filterwarnings(NESTED_WARNING)
+@pytest.mark.parametrize("rows, varlen_devices", [("nvidia", ()), ("packed", ()), ("packed", ("cpu",))],
+                         ids=["unpadded_rows", "packed_block_diagonal", "packed_varlen"])
+def test_the_mlm_head_at_real_slots_only_gives_the_loss_counts_and_gradients_of_every_slot(rows, varlen_devices,
+                                                                                            monkeypatch):
+    from workflow.train.pretraining_data import make_batch
+
+    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", varlen_devices)
+    torch.manual_seed(0)
+    model = randomise(BertForPreTraining(tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
+    arrays = encoded_instances(n=12, seed=6)
+    if rows == "nvidia":
+        batch = make_batch(arrays, np.arange(12))
+    else:
+        packed = pack_arrays(arrays, max_sequences_per_pack=3, masked_lm_prob=1.0)
+        # Some sequences left out (as at a micro-batch's edge): their tokens, [CLS] slots included, become padding.
+        live = packed["instance_index"] >= 0
+        live[0, 0] = live[-1, -1] = False
+        batch = make_batch(packed, np.arange(len(packed["input_ids"])), live)
+        assert (batch["attention_mask"][0] == 0).any() and batch["attention_mask"][0, batch["cls_positions"][0, 0]] == 0
+    valid = batch["masked_lm_labels"] >= 0
+    assert 0 < valid.sum() < valid.numel()  # empty slots exist, so the two paths do differ in work
+    ((dense_logits, dense_nsp), dense, dense_grads), ((sparse_logits, sparse_nsp), sparse, sparse_grads) = \
+        dense_and_sparse(model.train(), batch)
+    assert sparse_logits.shape == (valid.sum(), 64)
+    assert torch.allclose(sparse_logits, dense_logits[valid], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(sparse_nsp, dense_nsp, rtol=1e-6, atol=1e-6)  # every [CLS] slot, empty ones included
+    for name in ("loss", "mlm_loss", "nsp_loss"):
+        assert torch.allclose(sparse[name], dense[name], rtol=1e-6, atol=0), name
+    for name in ("mlm_count", "nsp_count", "mlm_correct", "nsp_correct"):
+        assert sparse[name] == dense[name], name
+    assert sparse["mlm_count"] == valid.sum()
+    # Sums over M rows instead of B x P (zero rows included) round differently: equal within 1e-6 of the norm.
+    assert_gradients_close(sparse_grads, dense_grads, 1e-6)
+
+
+def test_the_mlm_head_at_real_slots_only_trains_the_same_under_torch_compile():
+    """pretrain.compile: the data-dependent slot selection breaks the graph there and still gives eager's loss and
+    gradients (CPU inductor, packed rows as the pretraining data is by default)."""
+    from workflow.train.pretraining_data import make_batch
+
+    torch.manual_seed(0)
+    model = randomise(BertForPreTraining(tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
+    packed = pack_arrays(encoded_instances(n=12, seed=6), max_sequences_per_pack=3, masked_lm_prob=1.0)
+    batch = make_batch(packed, np.arange(len(packed["input_ids"])))
+    valid = batch["masked_lm_labels"] >= 0
+    results = []
+    for step_model in (model, torch.compile(model)):
+        model.zero_grad(set_to_none=True)
+        mlm, nsp = step_model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
+                              batch["masked_lm_positions"], batch["position_ids"], batch["cls_positions"],
+                              masked_lm_valid=valid)
+        loss = pretraining_loss(mlm, nsp, batch["masked_lm_labels"][valid], batch["next_sentence_labels"])["loss"]
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    assert torch.allclose(compiled_loss, eager_loss, rtol=1e-5, atol=0)
+    assert_gradients_close(compiled_grads, eager_grads, 1e-5)

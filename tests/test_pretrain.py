@@ -273,6 +273,49 @@ def test_a_packed_step_has_the_loss_and_gradients_of_the_same_sequences_unpacked
         assert torch.allclose(packed_grads[name], plain_grads[name], atol=1e-5, rtol=1e-4), name
 
 
+
+@pytest.mark.parametrize("packed", [False, True], ids=["nvidia_schema", "packed"])
+def test_the_task_loss_at_real_prediction_slots_equals_the_loss_over_every_slot(tmp_path, packed):
+    """PretrainingTask.loss runs the MLM head at the labelled slots only; the old head at every slot (empty ones
+    ignored through label -1) gives the same loss, statistics and gradients."""
+    import torch.nn.functional as F
+
+    from workflow.train.model import BertForPreTraining
+    from workflow.train.pretrain import PretrainingTask
+
+    write_synthetic_shards(tmp_path, n_training_shards=1, sequences_per_shard=40, seed=4, short_seq_prob=0.7,
+                           max_sequences_per_pack=3 if packed else None)
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.from_json(bert_config(tmp_path / "config.json", dropout=0.0)))
+    task = PretrainingTask(PretrainingSequences(list_shards(tmp_path, "training"), seed=3), 32)
+    batch = task.read(5, 16)
+    if packed:  # the read starts inside a packed row: its first sequence, [CLS] included, is padding here
+        assert batch["attention_mask"][0, batch["cls_positions"][0, 0]] == 0
+    valid = batch["masked_lm_labels"] >= 0
+    assert 0 < valid.sum() < valid.numel()
+    totals = {key: value.float() for key, value in task.count(batch).items()}
+
+    def every_slot(model, batch, totals):
+        mlm, nsp = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
+                         batch["masked_lm_positions"], batch.get("position_ids"), batch.get("cls_positions"))
+        labels, nsp_labels = batch["masked_lm_labels"].flatten(), batch["next_sentence_labels"].flatten()
+        mlm, nsp = mlm.flatten(0, -2), nsp.flatten(0, -2)
+        return {"loss": F.cross_entropy(mlm, labels, ignore_index=-1, reduction="sum") / totals["masked"]
+                + F.cross_entropy(nsp, nsp_labels, ignore_index=-1, reduction="sum") / totals["sequences"],
+                "mlm_correct": ((mlm.argmax(-1) == labels) & (labels >= 0)).sum(), "mlm_count": (labels >= 0).sum()}
+
+    results = []
+    for loss in (task.loss, every_slot):
+        model.zero_grad(set_to_none=True)
+        out = loss(model, batch, totals)
+        out["loss"].backward()
+        results.append((out, {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (sparse, sparse_grads), (dense, dense_grads) = results
+    assert torch.allclose(sparse["loss"], dense["loss"], rtol=1e-6, atol=0)
+    assert sparse["mlm_count"] == dense["mlm_count"] == valid.sum() and sparse["mlm_correct"] == dense["mlm_correct"]
+    for name, gradient in dense_grads.items():
+        assert (sparse_grads[name] - gradient).norm() <= 1e-6 * gradient.norm() + 1e-9, name
+
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
     for step in (1, 2, 3, 4):
         ckpt.save_checkpoint(tmp_path, step, {"step": step, "weights": torch.full((3,), float(step))}, keep=3)

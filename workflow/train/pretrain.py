@@ -162,9 +162,8 @@ class PretrainingTask:
         return {"masked": (batch["masked_lm_labels"] >= 0).sum(), "sequences": (batch["next_sentence_labels"] >= 0).sum()}
 
     def loss(self, model, batch: dict, totals: dict) -> dict:
-        mlm_logits, nsp_logits = forward(model, batch)
-        labels = batch["masked_lm_labels"].flatten()
-        mlm_logits = mlm_logits.float().flatten(0, -2)
+        mlm_logits, nsp_logits, labels = forward(model, batch)
+        mlm_logits = mlm_logits.float()
         nsp_labels = batch["next_sentence_labels"].flatten()
         nsp_logits = nsp_logits.float().flatten(0, -2)
         mlm_loss = F.cross_entropy(mlm_logits, labels, ignore_index=-1, reduction="sum") / totals["masked"]
@@ -186,13 +185,20 @@ class PretrainingTask:
 
 
 def forward(model, batch: dict):
-    """(mlm_logits, nsp_logits) of a batch, packed (position_ids, cls_positions given) or not."""
-    return model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["masked_lm_positions"],
-                 batch.get("position_ids"), batch.get("cls_positions"))
+    """(mlm_logits [M, V], nsp_logits, mlm_labels [M]) of a batch, packed (position_ids, cls_positions given) or
+    not: the MLM head runs at the M labelled prediction slots only (row-major order), never at empty ones."""
+    valid = batch["masked_lm_labels"] >= 0
+    # Like the model's own slot selection, a host sync on CUDA: both happen before any of this forward is queued.
+    labels = batch["masked_lm_labels"][valid]
+    mlm_logits, nsp_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
+                                   batch["masked_lm_positions"], batch.get("position_ids"), batch.get("cls_positions"),
+                                   masked_lm_valid=valid)
+    return mlm_logits, nsp_logits, labels
 
 
 def pretraining_forward(model, batch: dict) -> dict:
-    return pretraining_loss(*forward(model, batch), batch["masked_lm_labels"], batch["next_sentence_labels"])
+    mlm_logits, nsp_logits, labels = forward(model, batch)
+    return pretraining_loss(mlm_logits, nsp_logits, labels, batch["next_sentence_labels"])
 
 
 @torch.no_grad()
