@@ -35,7 +35,10 @@ counts the real work: L the mean real length, P the mean number of real predicti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import platform
+import resource
 import statistics
 import sys
 import time
@@ -47,10 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from workflow.data.pack import pack_arrays  # noqa: E402
+from workflow.data.pack import PackSettings, pack_arrays  # noqa: E402
+import workflow.train.model as model_module  # noqa: E402
 from workflow.train.lamb import Lamb, param_groups  # noqa: E402
 from workflow.train.pretraining_data import make_batch as data_batch  # noqa: E402
 from workflow.train.model import BertConfig, BertForPreTraining, flops_per_sequence, pretraining_loss  # noqa: E402
+from workflow.train.precision import autocast as precision_autocast  # noqa: E402
 from workflow.train.pretrain import forward as pretraining_forward  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12
@@ -58,12 +63,31 @@ PEAK_BF16_FLOPS = 790e12
 
 def make_batch(config: BertConfig, batch: int, seq: int, predictions: int, device, seed: int = 0) -> dict:
     """One micro-batch of `instances` (padded rows, empty prediction slots in the short ones), with HF's MLM
-    labels [B, L] (-100 where nothing is predicted) as `full_labels`."""
-    b = data_batch(instances(config, seq, predictions, batch, seed), np.arange(batch))
+    labels as `full_labels`."""
+    b = with_hf_labels(data_batch(instances(config, seq, predictions, batch, seed), np.arange(batch)))
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def with_hf_labels(b: dict) -> dict:
+    """Padded batch `b` plus HF's MLM labels [B, L] as `full_labels` (-100 where nothing is predicted)."""
     labels = b["masked_lm_labels"]
     full_labels = torch.full_like(b["input_ids"], -100)
     full_labels.scatter_(1, b["masked_lm_positions"], torch.where(labels >= 0, labels, -100))  # empty slots: 0 = [CLS]
-    return {k: v.to(device) for k, v in {**b, "full_labels": full_labels}.items()}
+    return {**b, "full_labels": full_labels}
+
+
+def hf_twin(ours) -> torch.nn.Module:
+    """Hugging Face BertForPreTraining (sdpa attention) holding `ours`' weights, in training mode."""
+    from transformers import BertConfig as HFConfig
+    from transformers import BertForPreTraining as HFBert
+
+    hf = HFBert(HFConfig(**ours.config.to_dict(), attn_implementation="sdpa")).train()
+    assert hf.config._attn_implementation == "sdpa"
+    result = hf.load_state_dict(ours.state_dict(), strict=False)
+    # Only HF's tied decoder aliases are absent from ours (they are the word embeddings and cls.predictions.bias).
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"cls.predictions.decoder.weight",
+                                                                      "cls.predictions.decoder.bias"}, result
+    return hf
 
 
 def mlm_forward(model, b, real_slots: bool = True):
@@ -103,18 +127,13 @@ def timed(fn, sync) -> float:
 
 
 def cpu_comparison(args) -> None:
-    from transformers import BertConfig as HFConfig
-    from transformers import BertForPreTraining as HFBert
-
     torch.set_num_threads(args.threads)
     config = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                         num_attention_heads=args.heads, intermediate_size=4 * args.hidden)
     torch.manual_seed(0)
     ours = BertForPreTraining(config).train()
     every_slot = copy.deepcopy(ours)
-    hf = HFBert(HFConfig(**config.to_dict(), attn_implementation="sdpa")).train()
-    assert hf.config._attn_implementation == "sdpa"
-    hf.load_state_dict(ours.state_dict(), strict=False)
+    hf = hf_twin(ours)
     ours_opt, every_slot_opt, hf_opt = (Lamb(param_groups(model), lr=1e-3) for model in (ours, every_slot, hf))
     batch = make_batch(config, args.micro_batch, args.seq, args.predictions, "cpu")
     no_autocast = torch.autocast("cpu", enabled=False)
@@ -217,9 +236,11 @@ def train_pass(model, batches: list[dict], autocast, sync) -> float:
 
 
 def padded_and_packed(config, seq, predictions, n, rows_per_batch, device):
-    """(padded batches, packed batches, real tokens, fill padded, fill packed) of the same `n` instances."""
+    """(padded batches, packed batches, real tokens, fill padded, fill packed) of the same `n` instances, packed as
+    the pack stage does by default (PackSettings)."""
     arrays = instances(config, seq, predictions, n)
-    packed = pack_arrays(arrays, 3, masked_lm_prob=0.15)
+    settings = PackSettings()
+    packed = pack_arrays(arrays, settings.max_sequences_per_pack, masked_lm_prob=0.15, algorithm=settings.algorithm)
     real = int(arrays["input_mask"].sum())
     return (row_batches(arrays, rows_per_batch, device), row_batches(packed, rows_per_batch, device), real,
             real / arrays["input_mask"].size, real / packed["input_mask"].size)
@@ -242,45 +263,130 @@ def packed_vs_padded(model, seq, predictions, args) -> None:
           f"(fill ratio {fill_packed / fill_padded:.2f})")
 
 
+class Device:
+    """Every device-specific call of the --gpu mode, in one place: CUDA's, or their CPU stand-ins, so the rest of the
+    mode runs (and is tested) on a machine without a GPU."""
+
+    def __init__(self, kind: str):
+        self.type = kind
+        self.is_cuda = kind == "cuda"
+        self.torch = torch.device(kind)
+
+    def available(self) -> bool:
+        return torch.cuda.is_available() if self.is_cuda else True
+
+    def prepare(self, threads: int) -> None:
+        if self.is_cuda:
+            torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast, as on any Ampere+ run
+        else:
+            torch.set_num_threads(threads)
+
+    def name(self) -> str:
+        if self.is_cuda:
+            return f"GPU {torch.cuda.get_device_name()}"
+        return f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
+
+    def sync(self) -> None:
+        """Wait for the queued kernels (CUDA runs asynchronously; CPU ops are done when they return)."""
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak_memory(self) -> None:
+        """Free the cache and restart the peak (CUDA); a process's peak RSS cannot be restarted (CPU)."""
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory(self) -> str:
+        if self.is_cuda:
+            return f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated"
+        return f"process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB"
+
+    def mfu(self, flops_per_second: float) -> str:
+        """Model FLOPs utilisation of PEAK_BF16_FLOPS, a GPU figure: n/a on CPU."""
+        return f"{flops_per_second / PEAK_BF16_FLOPS:.1%}" if self.is_cuda else "n/a"
+
+    @contextlib.contextmanager
+    def packed_path(self):
+        """Packed rows on the unpadded varlen path the model takes on CUDA (model.VARLEN_DEVICE_TYPES), forced on
+        CPU too so that a CPU run exercises the code a GPU run times."""
+        saved = model_module.VARLEN_DEVICE_TYPES
+        model_module.VARLEN_DEVICE_TYPES = tuple({*saved, self.type})
+        try:
+            yield "unpadded varlen"
+        finally:
+            model_module.VARLEN_DEVICE_TYPES = saved
+
+
+def timed_steps(step, batches: list[dict], warmup: int, device: Device) -> float:
+    """Seconds of `step` over every batch, after `warmup` untimed steps on the first batches (one sync at each end:
+    nothing in between waits for the device but the model's own data-dependent shapes)."""
+    for b in batches[:warmup]:
+        step(b)
+    return timed(lambda: [step(b) for b in batches], device.sync)
+
+
 def gpu_benchmark(args) -> None:
-    """BERT-large phase 1 (128) and 2 (512), bf16: full training steps on padded and on packed rows of the same
-    instances; seq/s, real tokens/s and MFU (FLOPs of the real tokens: flops_per_sequence at the mean real length
-    and the mean number of real prediction slots, where the MLM head runs)."""
-    if not torch.cuda.is_available():
+    """Phase 1 (128) and 2 (512), bf16, full training steps (one LAMB step per micro-batch) on the same instances:
+    HF sdpa on padded rows, ours on padded rows, ours on packed rows; seq/s, real tokens/s and MFU (FLOPs of the real
+    tokens: flops_per_sequence at the mean real length and the mean number of real prediction slots), and our
+    speedups over HF."""
+    device = Device(args.device)
+    if not device.available():
         print("no CUDA device: GPU benchmark skipped")
         return
-    device = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = True
+    device.prepare(args.threads)
+
+    def bf16():
+        return precision_autocast(device.torch, "bf16")
+
     for phase, seq, predictions, micro in (("phase1", 128, 20, args.gpu_micro_batch1),
                                            ("phase2", 512, 80, args.gpu_micro_batch2)):
-        config = BertConfig.preset("bert-large", vocab_size=30528)
-        torch.manual_seed(0)
-        model = BertForPreTraining(config).to(device).train()
-        step_model = torch.compile(model) if args.compile else model
-        optimizer = Lamb(param_groups(model), lr=1e-3)
+        config = BertConfig.preset(args.preset, vocab_size=30528)
         n = micro * args.steps
-        padded, packed, real, fill_padded, fill_packed = padded_and_packed(config, seq, predictions, n, micro, device)
-
-        def bf16():
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-
-        mean_length = real / n
+        padded, packed, real, fill_padded, fill_packed = padded_and_packed(config, seq, predictions, n, micro,
+                                                                           device.torch)
         mean_predictions = sum(int((b["masked_lm_labels"] >= 0).sum()) for b in padded) / n
-        flops = flops_per_sequence(config, round(mean_length), mean_predictions)
-        for name, batches, fill in (("padded", padded, fill_padded), ("packed", packed, fill_packed)):
-            for b in batches[:args.warmup]:
-                train_pass(step_model, [b], bf16, torch.cuda.synchronize)
-            duration = train_pass(step_model, batches, bf16, torch.cuda.synchronize) + sum(
-                timed(optimizer.step, torch.cuda.synchronize) for _ in batches)
-            seq_per_s = n / duration
-            print(f"GPU {torch.cuda.get_device_name()}: BERT-large {phase} bf16 seq {seq}, {name} rows (fill "
-                  f"{fill:.3f}), {len(batches)} micro-batches of {micro} rows{', compiled' if args.compile else ''}: "
-                  f"{seq_per_s:.1f} seq/s, {real / duration:,.0f} real tokens/s, MFU "
-                  f"{seq_per_s * flops / PEAK_BF16_FLOPS:.1%} of 790 TFLOP/s (FLOPs of the real tokens and slots), peak memory "
-                  f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-        del model, step_model, optimizer, padded, packed
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        flops = flops_per_sequence(config, round(real / n), mean_predictions)
+        print(f"{device.name()}: {args.preset} {phase}, bf16 autocast, seq {seq}, {n} instances ({real / n:.1f} real "
+              f"tokens, {mean_predictions:.1f} predictions each), micro-batches of {micro} rows, step = forward + "
+              f"MLM/NSP loss + backward + LAMB, {args.warmup} warmup steps; MFU of {PEAK_BF16_FLOPS / 1e12:.0f} "
+              f"TFLOP/s at {flops / 1e9:.1f} GFLOP per sequence (real tokens and slots)")
+        seq_per_s = {}
+
+        def report(side, batches, fill, seconds):
+            seq_per_s[side] = n / seconds
+            print(f"  {phase} | {side:<11} | fill {fill:.4f} | {len(batches):3d} micro-batches | "
+                  f"{seq_per_s[side]:10.1f} seq/s | {real / seconds:12,.0f} real tokens/s | "
+                  f"MFU {device.mfu(seq_per_s[side] * flops)} | {device.peak_memory()}")
+
+        torch.manual_seed(0)
+        ours = BertForPreTraining(config).train()
+        # The baseline first, alone on the device, then freed: each side's peak memory is its own.
+        hf = hf_twin(ours).to(device.torch)
+        hf_optimizer = Lamb(param_groups(hf), lr=1e-3)
+        hf_batches = [with_hf_labels(b) for b in padded]
+        report("HF padded", padded, fill_padded, timed_steps(lambda b: hf_step(hf, hf_optimizer, b, bf16),
+                                                             hf_batches, args.warmup, device))
+        del hf, hf_optimizer, hf_batches
+        device.reset_peak_memory()
+
+        ours = ours.to(device.torch)
+        step_model = torch.compile(ours) if args.compile else ours
+        optimizer = Lamb(param_groups(ours), lr=1e-3)
+
+        def our_step(b):
+            ours_step(step_model, optimizer, b, bf16)
+
+        report("ours padded", padded, fill_padded, timed_steps(our_step, padded, args.warmup, device))
+        device.reset_peak_memory()
+        with device.packed_path() as path:
+            report("ours packed", packed, fill_packed, timed_steps(our_step, packed, args.warmup, device))
+        print(f"  {phase}: ours over HF (seq/s, = real tokens/s: same instances): padded "
+              f"{seq_per_s['ours padded'] / seq_per_s['HF padded']:.2f}x, packed ({path}) "
+              f"{seq_per_s['ours packed'] / seq_per_s['HF padded']:.2f}x{'; ours compiled' if args.compile else ''}")
+        del ours, step_model, optimizer, padded, packed
+        device.reset_peak_memory()
 
 
 def main(argv=None) -> None:
@@ -299,9 +405,13 @@ def main(argv=None) -> None:
     p.add_argument("--instances", type=int, default=64, help="instances of the packed vs padded comparison")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--gpu-micro-batch1", type=int, default=256)
-    p.add_argument("--gpu-micro-batch2", type=int, default=32)
-    p.add_argument("--compile", action="store_true", help="torch.compile our model (GPU)")
+    p.add_argument("--gpu-micro-batch1", type=int, default=256, help="--gpu: rows per micro-batch, phase 1")
+    p.add_argument("--gpu-micro-batch2", type=int, default=32, help="--gpu: rows per micro-batch, phase 2")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="--gpu: where it runs; cpu rehearses the GPU run's code (packed rows on the varlen path)")
+    p.add_argument("--preset", choices=("bert-large", "bert-base", "tiny"), default="bert-large",
+                   help="--gpu: model size (vocab 30528)")
+    p.add_argument("--compile", action="store_true", help="--gpu: torch.compile our model")
     args = p.parse_args(argv)
     if args.gpu:
         gpu_benchmark(args)
