@@ -154,11 +154,13 @@ class VarlenAttention:
     on CUDA, with dropout (torch 2.13's torch.nn.attention.varlen.varlen_attn has none), and sequence by sequence
     elsewhere."""
 
-    def __init__(self, offsets, max_seqlen: int):
-        self.offsets, self.max_seqlen = offsets, max_seqlen
+    def __init__(self, offsets, min_seqlen: int, max_seqlen: int):
+        self.offsets, self.min_seqlen, self.max_seqlen = offsets, min_seqlen, max_seqlen
 
     def _nested(self, x):
-        return torch.nested.nested_tensor_from_jagged(x, self.offsets, max_seqlen=self.max_seqlen).transpose(1, 2)
+        # Both extremes given: CUDA's SDPA asks for them, and would read each from the device (a host sync per call).
+        return torch.nested.nested_tensor_from_jagged(x, self.offsets, min_seqlen=self.min_seqlen,
+                                                      max_seqlen=self.max_seqlen).transpose(1, 2)
 
     def __call__(self, q, k, v, dropout_p):
         context = F.scaled_dot_product_attention(self._nested(q), self._nested(k), self._nested(v),
@@ -186,7 +188,9 @@ def unpad(attention_mask) -> tuple[torch.Tensor, VarlenAttention]:
     first = torch.ones_like(sequence, dtype=torch.bool)
     first[1:] = sequence[1:] != sequence[:-1]
     offsets = torch.cat([first.nonzero().squeeze(1), tokens.new_tensor([len(tokens)])])
-    return tokens, VarlenAttention(offsets, int((offsets[1:] - offsets[:-1]).max()))
+    lengths = offsets[1:] - offsets[:-1]
+    shortest, longest = torch.stack([lengths.min(), lengths.max()]).tolist()  # one host sync for both
+    return tokens, VarlenAttention(offsets, shortest, longest)
 
 
 def gather_positions(x, positions):
