@@ -23,8 +23,8 @@ SCRIPT = REPO / "benchmarks" / "train_step.py"
 STEPS, MICRO = 2, {"phase1": 8, "phase2": 4}
 PHASES = {"phase1": (128, 20), "phase2": (512, 80)}
 SIDES = ("HF padded", "ours padded", "ours packed")
-SIDE_LINE = re.compile(r"^  (phase[12]) \| (.+?) +\| fill ([0-9.]+) \| +(\d+) micro-batches \| +(\S+) seq/s \| +([0-9,]+) "
-                       r"real tokens/s \| MFU (\S+) \|", re.M)
+SIDE_LINE = re.compile(r"^  (phase[12]) \| (.+?) +\| fill ([0-9.]+) \| +(\d+) micro-batches \| +(\S+) seq/s \| "
+                       r"+([0-9,]+) real tokens/s \| MFU (\S+) \|", re.M)
 
 
 def expected_fills(phase):
