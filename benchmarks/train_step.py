@@ -366,10 +366,11 @@ def gpu_benchmark(args) -> None:
                                                                            device.torch)
         mean_predictions = sum(int((b["masked_lm_labels"] >= 0).sum()) for b in padded) / n
         flops = flops_per_sequence(config, round(real / n), mean_predictions)
+        warmup = f"{args.warmup} warmup steps" + (" (ours compiled: a full pass)" if args.compile else "")
         print(f"{device.name()}: {args.preset} {phase}, bf16 autocast, seq {seq}, {n} instances ({real / n:.1f} real "
               f"tokens, {mean_predictions:.1f} predictions each), micro-batches of {micro} rows, step = forward + "
-              f"MLM/NSP loss + backward + LAMB, {args.warmup} warmup steps; MFU of {PEAK_BF16_FLOPS / 1e12:.0f} "
-              f"TFLOP/s at {flops / 1e9:.1f} GFLOP per sequence (real tokens and slots)")
+              f"MLM/NSP loss + backward + LAMB, {warmup}; MFU of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s at "
+              f"{flops / 1e9:.1f} GFLOP per sequence (real tokens and slots)")
         seq_per_s = {}
 
         def report(side, batches, fill, seconds):
