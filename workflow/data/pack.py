@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 ENCODED = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 ALGORITHMS = ("lpfhp", "spfhp")
 MAX_SEQUENCES_PER_PACK = 3  # Krell et al.: 3 already reaches ~99% fill at 512 on Wikipedia
+PACKED = ("input_ids", "segment_ids", "input_mask", "position_ids", "cls_positions", "sequence_lengths",
+          "next_sentence_labels", "instance_index", "masked_lm_positions", "masked_lm_ids")  # the order files get them
+PACK_CHUNK_CELLS = 1 << 18  # packed cells built at a time: their scratch rows stay in cache
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,11 @@ class PackSettings:
         return {"packing": self.algorithm, "max_sequences_per_pack": self.max_sequences_per_pack}
 
 
-def packing_stats(input_mask: np.ndarray, n_packs: int) -> dict:
+def packing_stats(lengths: np.ndarray, max_length: int, n_packs: int) -> dict:
     """Instances, packs, real tokens and the fill (real tokens / slots) packed and unpacked."""
-    n_real = int(np.count_nonzero(input_mask))
-    return {"n_instances": len(input_mask), "n_packs": n_packs, "n_real_tokens": n_real,
-            "fill": n_real / max(1, n_packs * input_mask.shape[1]), "fill_unpacked": n_real / max(1, input_mask.size)}
+    n_real = int(lengths.sum())
+    return {"n_instances": len(lengths), "n_packs": n_packs, "n_real_tokens": n_real,
+            "fill": n_real / max(1, n_packs * max_length), "fill_unpacked": n_real / max(1, len(lengths) * max_length)}
 
 
 def histogram_packing(histogram: np.ndarray, max_length: int, max_sequences_per_pack: int,
@@ -123,6 +126,25 @@ def sequence_lengths_of(input_mask: np.ndarray, source: str = "input") -> np.nda
     return real.sum(axis=1)
 
 
+def as_written_by_encode(arrays: dict[str, np.ndarray], source: str = "input") -> tuple[dict[str, np.ndarray],
+                                                                                       np.ndarray]:
+    """(arrays, instance lengths) of NVIDIA-schema `arrays` read from elsewhere, in the form encode writes them:
+    zeros beyond each instance's tokens and after its predictions, which lead their row. pack_arrays copies whole
+    rows, so what a file holds in those cells must not reach a pack."""
+    lengths = sequence_lengths_of(arrays["input_mask"], source)
+    real = arrays["input_mask"].astype(bool, copy=False)
+    valid = arrays["masked_lm_positions"] > 0
+    arrays = {**arrays, "input_ids": np.where(real, arrays["input_ids"], 0).astype(np.int32, copy=False),
+              "segment_ids": np.where(real, arrays["segment_ids"], 0).astype(np.int8, copy=False)}
+    if (valid[:, 1:] > valid[:, :-1]).any():  # a prediction after an empty slot: move them to the front
+        first = np.argsort(~valid, axis=1, kind="stable")
+        valid = np.take_along_axis(valid, first, axis=1)
+        arrays.update({name: np.take_along_axis(arrays[name], first, axis=1)
+                       for name in ("masked_lm_positions", "masked_lm_ids")})
+    arrays["masked_lm_ids"] = np.where(valid, arrays["masked_lm_ids"], 0).astype(np.int32, copy=False)
+    return arrays, lengths
+
+
 def prediction_width(max_length: int, max_predictions_per_seq: int, masked_lm_prob: float,
                      max_sequences_per_pack: int) -> int:
     """Prediction slots of a packed row (see the module docstring)."""
@@ -130,24 +152,17 @@ def prediction_width(max_length: int, max_predictions_per_seq: int, masked_lm_pr
                    np.floor(masked_lm_prob * max_length) + max_sequences_per_pack))
 
 
-def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
-                masked_lm_prob: float = 0.15, algorithm: str = "lpfhp", source: str = "input") -> dict[str, np.ndarray]:
-    """The packed arrays (module docstring) of the NVIDIA-schema `arrays` of one shard."""
-    if max_sequences_per_pack < 1:
-        raise UserError(f"pack max_sequences_per_pack {max_sequences_per_pack}: must be at least 1")
-    n, length = arrays["input_ids"].shape
-    if length > np.iinfo(np.int16).max:
-        raise UserError(f"{source}: sequence length {length} does not fit int16 position ids")
-    n_predictions = arrays["masked_lm_positions"].shape[1]
-    slots = max_sequences_per_pack
-    width = prediction_width(length, n_predictions, masked_lm_prob, slots)
-    lengths = sequence_lengths_of(arrays["input_mask"], source)
-
-    strategies = histogram_packing(np.bincount(lengths, minlength=length + 1), length, slots, algorithm)
+def pack_members(lengths: np.ndarray, max_length: int, max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
+                 algorithm: str = "lpfhp") -> np.ndarray:
+    """[R, S] rows of the instances of each pack in slot order (-1 = empty slot), packs in file order (module
+    docstring): each strategy of histogram_packing takes the next `count` instances (in file order) of every length
+    it holds, slot by slot."""
+    n, slots = len(lengths), max_sequences_per_pack
+    histogram = np.bincount(lengths, minlength=max_length + 1)
+    strategies = histogram_packing(histogram, max_length, slots, algorithm)
     n_packs = sum(count for _, count in strategies)
-    # Packs in strategy order: each strategy takes the next `count` instances (in file order) of every length it holds.
-    by_length = np.argsort(lengths, kind="stable")
-    cursor = np.searchsorted(lengths[by_length], np.arange(length + 1))
+    by_length = np.argsort(lengths.astype(np.uint16), kind="stable")  # 16-bit keys: a radix sort
+    cursor = (np.cumsum(histogram) - histogram).tolist()
     members = np.full((n_packs, slots), -1, np.int64)
     row = 0
     for pack_lengths, count in strategies:
@@ -155,51 +170,108 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
             members[row : row + count, slot] = by_length[cursor[size] : cursor[size] + count]
             cursor[size] += count
         row += count
-    # In the file, packs go by their first instance's row, so the file keeps the encode stage's shuffled order.
-    order = np.argsort(np.where(members >= 0, members, n).min(axis=1), kind="stable")
-    # The packs of one strategy share one layout and are built side by side (block copies into a slice of rows),
-    # then put in file order with one take per array.
-    out = {name: np.zeros((n_packs, length), dtype) for name, dtype in
-           (("input_ids", np.int32), ("segment_ids", np.int8), ("input_mask", np.int8), ("position_ids", np.int16))}
-    positions = np.arange(length, dtype=np.int16)
-    row = 0
-    for pack_lengths, count in strategies:
-        rows, start = slice(row, row + count), 0
-        for slot, size in enumerate(pack_lengths):
-            chosen, span = members[rows, slot], slice(start, start + size)
-            out["input_ids"][rows, span] = arrays["input_ids"][chosen, :size]
-            out["segment_ids"][rows, span] = arrays["segment_ids"][chosen, :size]
-            out["input_mask"][rows, span] = slot + 1
-            out["position_ids"][rows, span] = positions[:size]
-            start += size
-        row += count
-    out = {name: array[order] for name, array in out.items()}
-    members = members[order]
+    # File order: by first instance row. Every instance is in one pack, so a counting sort of those rows does it.
+    pack_of_first = np.full(n, -1, np.int64)
+    pack_of_first[np.where(members >= 0, members, n).min(axis=1)] = np.arange(n_packs)
+    return members[pack_of_first[pack_of_first >= 0]]
 
+
+def _add_windows(out: np.ndarray, packs: np.ndarray, starts: np.ndarray, values: np.ndarray) -> None:
+    """out[pack, start : start + w] += values (row by row), where a window may run on past its row into the next one,
+    or past the last row into the slack of out's buffer (_with_slack). Windows of rows of one parity never overlap
+    (w <= row width), so each parity is one gather-add-scatter; running over adds zeros to the next row."""
+    windows = np.lib.stride_tricks.sliding_window_view(out.base, values.shape[1], writeable=True)
+    for parity in (0, 1):
+        chosen = packs % 2 == parity
+        windows[packs[chosen] * out.shape[1] + starts[chosen]] += values[chosen]
+
+
+def _with_slack(shape: tuple[int, int], dtype, zeros: bool = False) -> np.ndarray:
+    """An array of `shape` whose buffer runs on one row of zeros (see _add_windows)."""
+    size = shape[0] * shape[1]
+    flat = np.zeros(size + shape[1], dtype) if zeros else np.empty(size + shape[1], dtype)
+    flat[size:] = 0
+    return flat[:size].reshape(shape)
+
+
+def _cumulative_before(values: np.ndarray) -> np.ndarray:
+    """[R, S]: the sum of each row's values before each column (an exclusive cumsum over few columns)."""
+    before = np.zeros_like(values)
+    for column in range(1, values.shape[1]):
+        np.add(before[:, column - 1], values[:, column - 1], out=before[:, column])
+    return before
+
+
+def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
+                masked_lm_prob: float = 0.15, algorithm: str = "lpfhp", source: str = "input",
+                lengths: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The packed arrays (module docstring) of the NVIDIA-schema `arrays` of one shard.
+
+    `lengths`, the real tokens of each instance, says the arrays are as encode builds them (as_written_by_encode);
+    without it they are checked and brought to that form first."""
+    if max_sequences_per_pack < 1:
+        raise UserError(f"pack max_sequences_per_pack {max_sequences_per_pack}: must be at least 1")
+    n, length = arrays["input_ids"].shape
+    if length > np.iinfo(np.int16).max:
+        raise UserError(f"{source}: sequence length {length} does not fit int16 position ids")
+    if lengths is None:
+        arrays, lengths = as_written_by_encode(arrays, source)
+    n_predictions = arrays["masked_lm_positions"].shape[1]
+    slots = max_sequences_per_pack
+    width = prediction_width(length, n_predictions, masked_lm_prob, slots)
+    members = pack_members(lengths, length, slots, algorithm)
+    n_packs = len(members)
     present = members >= 0
     member = np.where(present, members, 0)
     member_lengths = np.where(present, lengths[member], 0)
-    starts = np.cumsum(member_lengths, axis=1) - member_lengths
-    out.update(cls_positions=np.where(present, starts, 0).astype(np.int32),
-               sequence_lengths=member_lengths.astype(np.int32),
-               next_sentence_labels=np.where(present, arrays["next_sentence_labels"][member], -1).astype(np.int8),
-               instance_index=members.astype(np.int32))
-
-    # Predictions, in row-major order of the (pack, slot) instances: an instance's valid predictions lead its row,
-    # and a pack's lead the packed row, so one boolean selection fills them.
-    pack_of, slot_of = np.nonzero(present)
-    instance = members[pack_of, slot_of]
-    positions = arrays["masked_lm_positions"][instance]
-    valid = positions > 0  # encode puts a row's predictions first, then zeros
-    per_pack = np.bincount(pack_of, weights=valid.sum(axis=1), minlength=n_packs).astype(np.int64)
+    starts = _cumulative_before(member_lengths)
+    valid = arrays["masked_lm_positions"] > 0
+    n_valid = np.where(valid[:, -1], n_predictions, np.argmin(valid, axis=1))  # predictions lead their row
+    predicted = np.where(present, n_valid[member], 0)
+    per_pack = predicted.sum(axis=1)
     if n_packs and per_pack.max() > width:
         raise UserError(f"{source}: a pack needs {int(per_pack.max())} prediction slots, more than {width} "
                         f"(masked_lm_prob {masked_lm_prob}); the shard was not encoded with these settings")
-    packed_valid = np.arange(width)[None, :] < per_pack[:, None]
-    shifted = positions + starts[pack_of, slot_of][:, None]
-    for name, values in (("masked_lm_positions", shifted), ("masked_lm_ids", arrays["masked_lm_ids"][instance])):
-        out[name] = np.zeros((n_packs, width), np.int32)
-        out[name][packed_valid] = values[valid]
+    prediction_starts = _cumulative_before(predicted)
+    shown = min(n_predictions, width)  # a pack's predictions fit in `width`, so an instance's are in its first columns
+
+    # Slot 0 of every pack is a row gather (an instance's row, and the mask and position ids of its length, from a
+    # table); each later slot adds its rows, zero past their length, as windows at its start: the zeros land on
+    # slots not yet written or on padding. Windows are as wide as the longest of their group (lengths by powers of 2).
+    mask_table = (np.arange(length) < np.arange(length + 1)[:, None]).view(np.int8)  # [length + 1, length]
+    position_table = np.where(mask_table, np.arange(length, dtype=np.int16), np.int16(0))
+    first, first_length = members[:, 0], member_lengths[:, 0]
+    out = {name: _with_slack((n_packs, length), dtype) for name, dtype in
+           (("input_ids", np.int32), ("segment_ids", np.int8), ("input_mask", np.int8), ("position_ids", np.int16))}
+    for name, table, rows in (("input_ids", arrays["input_ids"], first), ("segment_ids", arrays["segment_ids"], first),
+                              ("input_mask", mask_table, first_length), ("position_ids", position_table, first_length)):
+        np.take(table, rows, axis=0, out=out[name], mode="clip")
+    predictions = {name: _with_slack((n_packs, width), np.int32, zeros=True)
+                   for name in ("masked_lm_positions", "masked_lm_ids")}
+    for name, array in predictions.items():
+        array[:, :shown] = arrays[name][first, :shown]
+    for slot in range(1, slots):
+        packs = np.flatnonzero(present[:, slot])
+        chosen, size, start = members[packs, slot], member_lengths[packs, slot], starts[packs, slot]
+        bucket = np.minimum(2 ** np.ceil(np.log2(size)).astype(np.int64), length)
+        for window in np.unique(bucket):
+            group = bucket == window
+            rows, sizes = chosen[group], size[group]
+            for name, values in (("input_ids", arrays["input_ids"][rows, :window]),
+                                 ("segment_ids", arrays["segment_ids"][rows, :window]),
+                                 ("input_mask", mask_table[sizes, :window] * np.int8(slot + 1)),
+                                 ("position_ids", position_table[sizes, :window])):
+                _add_windows(out[name], packs[group], start[group], values)
+        window = max(1, int(predicted[packs, slot].max(initial=0)))
+        instance_positions = arrays["masked_lm_positions"][chosen, :window]
+        for name, values in (("masked_lm_positions",
+                              np.where(instance_positions > 0, instance_positions + start[:, None], 0)),
+                             ("masked_lm_ids", arrays["masked_lm_ids"][chosen, :window])):
+            _add_windows(predictions[name], packs, prediction_starts[packs, slot], values)
+    out.update(cls_positions=np.where(present, starts, 0).astype(np.int32),
+               sequence_lengths=member_lengths.astype(np.int32),
+               next_sentence_labels=np.where(present, arrays["next_sentence_labels"][member], -1).astype(np.int8),
+               instance_index=members.astype(np.int32), **predictions)
     return out
 
 
@@ -232,9 +304,10 @@ def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
     from workflow.data.encode import write_shard  # encode imports this module
 
     arrays, attributes = read_encoded(encoded)
+    arrays, lengths = as_written_by_encode(arrays, str(encoded))
     masked_lm_prob = float(attributes.get("masked_lm_prob", 0.15))
-    packed = pack_arrays(arrays, max_sequences_per_pack, masked_lm_prob, algorithm, source=str(encoded))
-    stats = packing_stats(arrays["input_mask"], packed["input_ids"].shape[0])
+    packed = pack_arrays(arrays, max_sequences_per_pack, masked_lm_prob, algorithm, str(encoded), lengths)
+    stats = packing_stats(lengths, arrays["input_ids"].shape[1], packed["input_ids"].shape[0])
     attributes.update(stats, **PackSettings(max_sequences_per_pack, algorithm).attributes())
     write_shard(output, attributes, {name: (packed[name].shape, packed[name].dtype) for name in sorted(packed)},
                 [packed], compression)
