@@ -305,7 +305,7 @@ def encode_shard(
         started = time.process_time()
         lengths = plan[:, 1] - plan[:, 0] + plan[:, 3] - plan[:, 2] + 3  # [CLS] A [SEP] B [SEP]
         packed = pack_arrays(arrays, packing.max_sequences_per_pack, settings.masked_lm_prob, packing.algorithm,
-                             str(tokenized), lengths)
+                             str(tokenized), lengths, in_place=True)
         stats = packing_stats(lengths, length, len(packed["input_ids"]))
         packing_time = time.process_time() - started
         write_shard(output, {**attributes, **stats, **packing.attributes()},

@@ -170,28 +170,24 @@ def pack_members(lengths: np.ndarray, max_length: int, max_sequences_per_pack: i
             members[row : row + count, slot] = by_length[cursor[size] : cursor[size] + count]
             cursor[size] += count
         row += count
-    # File order: by first instance row. Every instance is in one pack, so a counting sort of those rows does it.
-    pack_of_first = np.full(n, -1, np.int64)
-    pack_of_first[np.where(members >= 0, members, n).min(axis=1)] = np.arange(n_packs)
-    return members[pack_of_first[pack_of_first >= 0]]
+    # File order: by first instance row (unique: every instance is in one pack). Column by column: few columns.
+    first = members[:, 0].copy()
+    for slot in range(1, slots):
+        np.minimum(first, np.where(members[:, slot] >= 0, members[:, slot], n), out=first)
+    return members[np.argsort(first)]
 
 
-def _add_windows(out: np.ndarray, packs: np.ndarray, starts: np.ndarray, values: np.ndarray) -> None:
-    """out[pack, start : start + w] += values (row by row), where a window may run on past its row into the next one,
-    or past the last row into the slack of out's buffer (_with_slack). Windows of rows of one parity never overlap
-    (w <= row width), so each parity is one gather-add-scatter; running over adds zeros to the next row."""
-    windows = np.lib.stride_tricks.sliding_window_view(out.base, values.shape[1], writeable=True)
-    for parity in (0, 1):
-        chosen = packs % 2 == parity
-        windows[packs[chosen] * out.shape[1] + starts[chosen]] += values[chosen]
+def _add_windows(buffer: np.ndarray, row_width: int, packs: np.ndarray, starts: np.ndarray, values: np.ndarray) -> None:
+    """Add `values` [k, w] to the windows at (packs[i], starts[i]) of the rows of `row_width` cells that `buffer`
+    (flat) holds. A window may run on past its row into the next one, or past the last row into one more row of
+    buffer: there it adds the zeros that end `values` rows. `packs` must not hold two neighbouring rows, so that
+    no windows overlap: then the gather-add-scatter of numpy's `+=` does each window alone."""
+    windows = np.lib.stride_tricks.sliding_window_view(buffer, values.shape[1], writeable=True)
+    windows[packs * row_width + starts] += values
 
 
-def _with_slack(shape: tuple[int, int], dtype, zeros: bool = False) -> np.ndarray:
-    """An array of `shape` whose buffer runs on one row of zeros (see _add_windows)."""
-    size = shape[0] * shape[1]
-    flat = np.zeros(size + shape[1], dtype) if zeros else np.empty(size + shape[1], dtype)
-    flat[size:] = 0
-    return flat[:size].reshape(shape)
+def _rows_of(buffer: np.ndarray, n_rows: int, row_width: int) -> np.ndarray:
+    return buffer[: n_rows * row_width].reshape(n_rows, row_width)
 
 
 def _cumulative_before(values: np.ndarray) -> np.ndarray:
@@ -204,11 +200,12 @@ def _cumulative_before(values: np.ndarray) -> np.ndarray:
 
 def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
                 masked_lm_prob: float = 0.15, algorithm: str = "lpfhp", source: str = "input",
-                lengths: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                lengths: np.ndarray | None = None, in_place: bool = False) -> dict[str, np.ndarray]:
     """The packed arrays (module docstring) of the NVIDIA-schema `arrays` of one shard.
 
     `lengths`, the real tokens of each instance, says the arrays are as encode builds them (as_written_by_encode);
-    without it they are checked and brought to that form first."""
+    without it they are checked and brought to that form first. `in_place` writes the packed token rows into the
+    memory of `arrays` (fresh memory costs more than the copy itself), which then no longer hold the instances."""
     if max_sequences_per_pack < 1:
         raise UserError(f"pack max_sequences_per_pack {max_sequences_per_pack}: must be at least 1")
     n, length = arrays["input_ids"].shape
@@ -228,51 +225,67 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     valid = arrays["masked_lm_positions"] > 0
     n_valid = np.where(valid[:, -1], n_predictions, np.argmin(valid, axis=1))  # predictions lead their row
     predicted = np.where(present, n_valid[member], 0)
-    per_pack = predicted.sum(axis=1)
+    prediction_starts = _cumulative_before(predicted)
+    per_pack = prediction_starts[:, -1] + predicted[:, -1]
     if n_packs and per_pack.max() > width:
         raise UserError(f"{source}: a pack needs {int(per_pack.max())} prediction slots, more than {width} "
                         f"(masked_lm_prob {masked_lm_prob}); the shard was not encoded with these settings")
-    prediction_starts = _cumulative_before(predicted)
     shown = min(n_predictions, width)  # a pack's predictions fit in `width`, so an instance's are in its first columns
-
-    # Slot 0 of every pack is a row gather (an instance's row, and the mask and position ids of its length, from a
-    # table); each later slot adds its rows, zero past their length, as windows at its start: the zeros land on
-    # slots not yet written or on padding. Windows are as wide as the longest of their group (lengths by powers of 2).
     mask_table = (np.arange(length) < np.arange(length + 1)[:, None]).view(np.int8)  # [length + 1, length]
     position_table = np.where(mask_table, np.arange(length, dtype=np.int16), np.int16(0))
-    first, first_length = members[:, 0], member_lengths[:, 0]
-    out = {name: _with_slack((n_packs, length), dtype) for name, dtype in
-           (("input_ids", np.int32), ("segment_ids", np.int8), ("input_mask", np.int8), ("position_ids", np.int16))}
-    for name, table, rows in (("input_ids", arrays["input_ids"], first), ("segment_ids", arrays["segment_ids"], first),
-                              ("input_mask", mask_table, first_length), ("position_ids", position_table, first_length)):
-        np.take(table, rows, axis=0, out=out[name], mode="clip")
-    predictions = {name: _with_slack((n_packs, width), np.int32, zeros=True)
-                   for name in ("masked_lm_positions", "masked_lm_ids")}
-    for name, array in predictions.items():
-        array[:, :shown] = arrays[name][first, :shown]
+
+    # Slot 0 of every pack is its instance's row, and the mask and position ids of its length from a table. Each
+    # later slot is added as windows at its start: its instance's row (zero past its length), as wide as the longest
+    # of a group (lengths rounded up to eighths of a row), whose zeros land on slots not yet written or on padding.
+    # Their values are read first, before `in_place` overwrites any instance.
+    later = []
+    step = max(1, length // 8)
     for slot in range(1, slots):
         packs = np.flatnonzero(present[:, slot])
-        chosen, size, start = members[packs, slot], member_lengths[packs, slot], starts[packs, slot]
-        bucket = np.minimum(2 ** np.ceil(np.log2(size)).astype(np.int64), length)
-        for window in np.unique(bucket):
-            group = bucket == window
-            rows, sizes = chosen[group], size[group]
-            for name, values in (("input_ids", arrays["input_ids"][rows, :window]),
-                                 ("segment_ids", arrays["segment_ids"][rows, :window]),
-                                 ("input_mask", mask_table[sizes, :window] * np.int8(slot + 1)),
-                                 ("position_ids", position_table[sizes, :window])):
-                _add_windows(out[name], packs[group], start[group], values)
-        window = max(1, int(predicted[packs, slot].max(initial=0)))
-        instance_positions = arrays["masked_lm_positions"][chosen, :window]
-        for name, values in (("masked_lm_positions",
-                              np.where(instance_positions > 0, instance_positions + start[:, None], 0)),
-                             ("masked_lm_ids", arrays["masked_lm_ids"][chosen, :window])):
-            _add_windows(predictions[name], packs, prediction_starts[packs, slot], values)
+        group = np.minimum(-(-member_lengths[packs, slot] // step) * step, length)
+        for parity, window in sorted(set(zip((packs % 2).tolist(), group.tolist()))):
+            chosen = packs[(packs % 2 == parity) & (group == window)]
+            rows, sizes, start = members[chosen, slot], member_lengths[chosen, slot], starts[chosen, slot]
+            predicted_width = max(1, int(predicted[chosen, slot].max()))
+            instance_positions = arrays["masked_lm_positions"][rows, :predicted_width]
+            later.append((chosen, start, prediction_starts[chosen, slot], {
+                "input_ids": arrays["input_ids"][rows, :window], "segment_ids": arrays["segment_ids"][rows, :window],
+                "input_mask": mask_table[sizes, :window] * np.int8(slot + 1),
+                "position_ids": position_table[sizes, :window],
+                "masked_lm_positions": np.where(instance_positions > 0, instance_positions + start[:, None], 0),
+                "masked_lm_ids": arrays["masked_lm_ids"][rows, :predicted_width]}))
+
+    first, first_length = members[:, 0], member_lengths[:, 0]
+    chunk = max(1, PACK_CHUNK_CELLS // length)
+    buffers, out = {}, {}
+    for name, dtype, row_width in (("input_ids", np.int32, length), ("segment_ids", np.int8, length),
+                                   ("input_mask", np.int8, length), ("position_ids", np.int16, length),
+                                   ("masked_lm_positions", np.int32, width), ("masked_lm_ids", np.int32, width)):
+        instances = arrays.get(name)
+        reuse = (in_place and instances is not None and instances.flags.c_contiguous and instances.dtype == dtype
+                 and row_width <= instances.shape[1])  # then, with windows, packs < instances: room to run on
+        buffers[name] = instances.reshape(-1) if reuse else np.zeros((n_packs + 1) * row_width, dtype)
+        out[name] = rows = _rows_of(buffers[name], n_packs, row_width)
+        if name in ("input_mask", "position_ids"):
+            np.take(mask_table if name == "input_mask" else position_table, first_length, axis=0, out=rows,
+                    mode="clip")
+        elif reuse:  # pack p reads instance rows >= p: chunk by chunk, each chunk's reads before its writes
+            for begin in range(0, n_packs, chunk):
+                rows[begin : begin + chunk] = instances[first[begin : begin + chunk], :row_width]
+        elif row_width == instances.shape[1]:
+            np.take(instances, first, axis=0, out=rows, mode="clip")
+        else:
+            rows[:, :shown] = instances[first, :shown]
+    for packs, token_starts, predictions_start, values in later:
+        for name, value in values.items():
+            row_width = width if name.startswith("masked_lm") else length
+            at = predictions_start if name.startswith("masked_lm") else token_starts
+            _add_windows(buffers[name], row_width, packs, at, value)
     out.update(cls_positions=np.where(present, starts, 0).astype(np.int32),
                sequence_lengths=member_lengths.astype(np.int32),
                next_sentence_labels=np.where(present, arrays["next_sentence_labels"][member], -1).astype(np.int8),
-               instance_index=members.astype(np.int32), **predictions)
-    return out
+               instance_index=members.astype(np.int32))
+    return {name: out[name] for name in PACKED}
 
 
 def read_encoded(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
