@@ -132,16 +132,20 @@ def as_written_by_encode(arrays: dict[str, np.ndarray], source: str = "input") -
     zeros beyond each instance's tokens and after its predictions, which lead their row. pack_arrays copies whole
     rows, so what a file holds in those cells must not reach a pack."""
     lengths = sequence_lengths_of(arrays["input_mask"], source)
-    real = arrays["input_mask"].astype(bool, copy=False)
+    arrays = dict(arrays)
+    padding = ~arrays["input_mask"].astype(bool, copy=False)
+    for name in ("input_ids", "segment_ids"):
+        if arrays[name][padding].any():  # rare: encode writes zeros there
+            arrays[name] = np.where(padding, 0, arrays[name])
     valid = arrays["masked_lm_positions"] > 0
-    arrays = {**arrays, "input_ids": np.where(real, arrays["input_ids"], 0).astype(np.int32, copy=False),
-              "segment_ids": np.where(real, arrays["segment_ids"], 0).astype(np.int8, copy=False)}
     if (valid[:, 1:] > valid[:, :-1]).any():  # a prediction after an empty slot: move them to the front
         first = np.argsort(~valid, axis=1, kind="stable")
         valid = np.take_along_axis(valid, first, axis=1)
         arrays.update({name: np.take_along_axis(arrays[name], first, axis=1)
                        for name in ("masked_lm_positions", "masked_lm_ids")})
-    arrays["masked_lm_ids"] = np.where(valid, arrays["masked_lm_ids"], 0).astype(np.int32, copy=False)
+    for name in ("masked_lm_positions", "masked_lm_ids"):
+        if arrays[name][~valid].any():
+            arrays[name] = np.where(valid, arrays[name], 0)
     return arrays, lengths
 
 
@@ -272,10 +276,11 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
         elif reuse:  # pack p reads instance rows >= p: chunk by chunk, each chunk's reads before its writes
             for begin in range(0, n_packs, chunk):
                 rows[begin : begin + chunk] = instances[first[begin : begin + chunk], :row_width]
-        elif row_width == instances.shape[1]:
+        elif row_width == instances.shape[1] and instances.dtype == dtype:
             np.take(instances, first, axis=0, out=rows, mode="clip")
-        else:
-            rows[:, :shown] = instances[first, :shown]
+        else:  # predictions: the first `shown`
+            columns = min(row_width, instances.shape[1])
+            rows[:, :columns] = instances[first, :columns]
     for packs, token_starts, predictions_start, values in later:
         for name, value in values.items():
             row_width = width if name.startswith("masked_lm") else length
