@@ -51,7 +51,7 @@ ALGORITHMS = ("lpfhp", "spfhp")
 MAX_SEQUENCES_PER_PACK = 3  # Krell et al.: 3 already reaches ~99% fill at 512 on Wikipedia
 PACKED = ("input_ids", "segment_ids", "input_mask", "position_ids", "cls_positions", "sequence_lengths",
           "next_sentence_labels", "instance_index", "masked_lm_positions", "masked_lm_ids")  # the order files get them
-PACK_CHUNK_CELLS = 1 << 18  # packed cells built at a time: their scratch rows stay in cache
+PACK_CHUNK_CELLS = 1 << 18  # cells moved at a time when packing in place: the block stays in cache
 
 
 @dataclass(frozen=True)
@@ -174,11 +174,14 @@ def pack_members(lengths: np.ndarray, max_length: int, max_sequences_per_pack: i
             members[row : row + count, slot] = by_length[cursor[size] : cursor[size] + count]
             cursor[size] += count
         row += count
-    # File order: by first instance row (unique: every instance is in one pack). Column by column: few columns.
+    # File order: by first instance row (column by column: few columns). Every instance is in one pack, so those rows
+    # are unique and a counting sort orders them.
     first = members[:, 0].copy()
     for slot in range(1, slots):
         np.minimum(first, np.where(members[:, slot] >= 0, members[:, slot], n), out=first)
-    return members[np.argsort(first)]
+    pack_of_first = np.full(n, -1, np.int64)
+    pack_of_first[first] = np.arange(n_packs)
+    return members[pack_of_first[pack_of_first >= 0]]
 
 
 def _add_windows(buffer: np.ndarray, row_width: int, packs: np.ndarray, starts: np.ndarray, values: np.ndarray) -> None:
@@ -274,8 +277,11 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
             np.take(mask_table if name == "input_mask" else position_table, first_length, axis=0, out=rows,
                     mode="clip")
         elif reuse:  # pack p reads instance rows >= p: chunk by chunk, each chunk's reads before its writes
+            gathered = np.empty((chunk, instances.shape[1]), dtype)
             for begin in range(0, n_packs, chunk):
-                rows[begin : begin + chunk] = instances[first[begin : begin + chunk], :row_width]
+                block = np.take(instances, first[begin : begin + chunk], axis=0, out=gathered[: n_packs - begin],
+                                mode="clip")
+                rows[begin : begin + len(block)] = block[:, :row_width]
         elif row_width == instances.shape[1] and instances.dtype == dtype:
             np.take(instances, first, axis=0, out=rows, mode="clip")
         else:  # predictions: the first `shown`
