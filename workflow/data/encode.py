@@ -10,8 +10,10 @@ The file schema is NVIDIA's, so its loader reads it as is:
     masked_lm_positions [N,P] int32, masked_lm_ids [N,P] int32, next_sentence_labels [N] int8 (1 = random B),
 
 zero-padded. With packing (the stage's default; workflow.data.pack), the shard's instances are packed before they
-are written, several to a row, in the packed schema of workflow.data.pack. The work is vectorised numpy: instances are planned for all documents at once (one step = one
-instance per document), then built and masked in batches of rows, so memory stays bounded by the batch.
+are written, several to a row, in the packed schema of workflow.data.pack. The work is vectorised numpy: instances
+are planned for all documents at once (one step = one instance per document), then built and masked in batches of
+rows, so memory stays bounded by the batch; with packing, by the shard: the batches are built into the shard's
+arrays, and the packs then take the place of the instances in that memory (their lengths come from the plan).
 """
 import argparse
 import hashlib

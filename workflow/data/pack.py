@@ -1,9 +1,10 @@
 """Sequence packing: the instances of one encoded shard in fewer, fuller rows (Krell et al. 2021, arXiv 2107.02027).
 
-The encode stage packs each shard as it writes it (config `encode.packing`, on by default): in memory, measured at
-0.13-0.5 CPU s per 44k instances at 512 (~10-40% of that encode job's CPU on 8 MB of real text, noisy shared
-machine; fresh pages are most of it), where a separate HDF5 -> HDF5 job costs about as much as encoding (I/O + gzip;
-see benchmarks/packing.py). `python -m workflow.data.pack` packs an existing NVIDIA-schema shard the same way.
+The encode stage packs each shard as it writes it (config `encode.packing`, on by default): in memory, in the
+instances' own, measured at ~0.04 CPU s per shard of a real run's size (94k instances at 128, 34k at 512), ~4% of
+the unpacked encode job's CPU (noisy shared machine; fresh pages cost more than the copies, hence in place), where
+a separate HDF5 -> HDF5 job costs about as much as encoding (I/O + gzip; see benchmarks/packing.py).
+`python -m workflow.data.pack` packs an existing NVIDIA-schema shard the same way.
 
 Histogram packing: the instance lengths of the shard form a histogram; lengths are taken longest first, and each
 goes into an open pack it still fits in (a pack closes when full or when it holds `max_sequences_per_pack`
@@ -194,6 +195,7 @@ def _add_windows(buffer: np.ndarray, row_width: int, packs: np.ndarray, starts: 
 
 
 def _rows_of(buffer: np.ndarray, n_rows: int, row_width: int) -> np.ndarray:
+    """The first `n_rows` rows of `row_width` cells of the flat `buffer`, as a [n_rows, row_width] view."""
     return buffer[: n_rows * row_width].reshape(n_rows, row_width)
 
 
@@ -243,8 +245,8 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
 
     # Slot 0 of every pack is its instance's row, and the mask and position ids of its length from a table. Each
     # later slot is added as windows at its start: its instance's row (zero past its length), as wide as the longest
-    # of a group (lengths rounded up to eighths of a row), whose zeros land on slots not yet written or on padding.
-    # Their values are read first, before `in_place` overwrites any instance.
+    # of a group (lengths rounded up to eighths of a row; packs of one parity, see _add_windows), whose zeros land on
+    # slots not yet written or on padding. Their values are read first, before `in_place` overwrites any instance.
     later = []
     step = max(1, length // 8)
     for slot in range(1, slots):
@@ -270,7 +272,7 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
                                    ("masked_lm_positions", np.int32, width), ("masked_lm_ids", np.int32, width)):
         instances = arrays.get(name)
         reuse = (in_place and instances is not None and instances.flags.c_contiguous and instances.dtype == dtype
-                 and row_width <= instances.shape[1])  # then, with windows, packs < instances: room to run on
+                 and row_width <= instances.shape[1])  # windows mean packs < instances: a row to run on into
         buffers[name] = instances.reshape(-1) if reuse else np.zeros((n_packs + 1) * row_width, dtype)
         out[name] = rows = _rows_of(buffers[name], n_packs, row_width)
         if name in ("input_mask", "position_ids"):
