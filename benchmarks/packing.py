@@ -9,8 +9,9 @@
    runs each, packed and unpacked runs alternating): CPU seconds of the whole encode job unpacked (plan, build,
    gzip write) and packed (the same, packing and writing the packed format instead), and of the packing inside the
    packed job (pack_arrays as encode calls it: lengths from the plan, packs built in the instances' memory) as a
-   share of the unpacked job; then, as shares of that job too, pack_arrays of the unpacked file's arrays (checks
-   included) and the pack stage as a separate job (HDF5 read, packing, gzip write).
+   share of the unpacked job; the gzip write of the same instances unpacked and packed (the packed format has more
+   datasets); then, as shares of the unpacked job too, pack_arrays of the unpacked file's arrays (checks included)
+   and the pack stage as a separate job (HDF5 read, packing, gzip write).
 2. Model (CPU, fp32, tiny preset, same weights): the same instances trained on (forward, MLM + NSP loss,
    backward) as padded rows and as packed rows, on one thread; printed: real tokens per CPU second of each (CPU
    time, not wall time: the machine is shared) and the fill ratios beside.
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import workflow.data.encode as encode_module  # noqa: E402
 import workflow.train.model as model_module  # noqa: E402
-from workflow.data.encode import EncodeSettings, encode_shard  # noqa: E402
+from workflow.data.encode import EncodeSettings, encode_shard, write_shard  # noqa: E402
 from workflow.data.pack import PackSettings, histogram_packing, pack_arrays, pack_shard, read_encoded  # noqa: E402
 from workflow.data.tokenize import load_tokenized  # noqa: E402
 from workflow.data.vocab import read_vocab  # noqa: E402
@@ -139,7 +140,10 @@ def data_side(tokenized: list[Path], big: Path, repeat: int, vocab: Path, length
     jobs = encode_jobs(big, vocab, settings, directory)
     output = directory / f"unpacked_{length}_big.hdf5"
     arrays, _ = read_encoded(output)
-    _, compute_cpu, _ = timed(pack_arrays, arrays, SEQUENCES_PER_PACK)
+    packed, compute_cpu, _ = timed(pack_arrays, arrays, SEQUENCES_PER_PACK)
+    writes = {side: timed(write_shard, directory / f"written_{side}.hdf5", {},
+                          {name: (array.shape, array.dtype) for name, array in written.items()}, [written], "gzip")[1]
+              for side, written in (("unpacked", arrays), ("packed", packed))}
     stats, stage_cpu, _ = timed(pack_shard, output, directory / f"packed_{length}_big.hdf5", SEQUENCES_PER_PACK)
     lengths = arrays["input_mask"].astype(bool).sum(axis=1)
     unpacked = jobs["unpacked"]
@@ -147,8 +151,9 @@ def data_side(tokenized: list[Path], big: Path, repeat: int, vocab: Path, length
           f"fill {stats['fill_unpacked']:.4f} -> {stats['fill']:.4f} (SPFHP {fill_of(lengths, length, 'spfhp'):.4f}, "
           f"best possible {best_possible_fill(lengths, length):.4f})")
     print(f"  encode job CPU s, fastest of 3: unpacked {unpacked:.3f}, packed {jobs['packed']:.3f} "
-          f"({jobs['packed'] / unpacked - 1:+.1%}: packing, and writing the packed format); packing inside the "
-          f"packed job {jobs['packing']:.3f} = {jobs['packing'] / unpacked:.1%} of the unpacked job")
+          f"({jobs['packed'] / unpacked - 1:+.1%}: holding the shard, packing, writing the packed format); packing "
+          f"inside the packed job {jobs['packing']:.3f} = {jobs['packing'] / unpacked:.1%} of the unpacked job; "
+          f"gzip write of the instances unpacked {writes['unpacked']:.3f}, packed {writes['packed']:.3f}")
     print(f"  as shares of the unpacked job: pack_arrays of the unpacked file's arrays (checks included) "
           f"{compute_cpu:.3f} = {compute_cpu / unpacked:.1%}, the pack stage as a separate job (HDF5 read, packing, "
           f"gzip write) {stage_cpu:.3f} = {stage_cpu / unpacked:.1%}")
