@@ -251,9 +251,9 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     step = max(1, length // 8)
     for slot in range(1, slots):
         packs = np.flatnonzero(present[:, slot])
-        group = np.minimum(-(-member_lengths[packs, slot] // step) * step, length)
-        for parity, window in sorted(set(zip((packs % 2).tolist(), group.tolist()))):
-            chosen = packs[(packs % 2 == parity) & (group == window)]
+        window_and_parity = np.minimum(-(-member_lengths[packs, slot] // step) * step, length) * 2 + packs % 2
+        for key in np.unique(window_and_parity).tolist():
+            chosen, window = packs[window_and_parity == key], key // 2
             rows, sizes, start = members[chosen, slot], member_lengths[chosen, slot], starts[chosen, slot]
             predicted_width = max(1, int(predicted[chosen, slot].max()))
             instance_positions = arrays["masked_lm_positions"][rows, :predicted_width]
@@ -265,7 +265,6 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
                 "masked_lm_ids": arrays["masked_lm_ids"][rows, :predicted_width]}))
 
     first, first_length = members[:, 0], member_lengths[:, 0]
-    chunk = max(1, PACK_CHUNK_CELLS // length)
     buffers, out = {}, {}
     for name, dtype, row_width in (("input_ids", np.int32, length), ("segment_ids", np.int8, length),
                                    ("input_mask", np.int8, length), ("position_ids", np.int16, length),
@@ -279,6 +278,7 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
             np.take(mask_table if name == "input_mask" else position_table, first_length, axis=0, out=rows,
                     mode="clip")
         elif reuse:  # pack p reads instance rows >= p: chunk by chunk, each chunk's reads before its writes
+            chunk = max(1, PACK_CHUNK_CELLS // instances.shape[1])
             gathered = np.empty((chunk, instances.shape[1]), dtype)
             for begin in range(0, n_packs, chunk):
                 block = np.take(instances, first[begin : begin + chunk], axis=0, out=gathered[: n_packs - begin],
