@@ -3,12 +3,16 @@
     python benchmarks/packing.py [--tokenized data/tokenized/training] [--vocab data/vocab.txt] [--instances 128]
 
 1. Data: every tokenized shard is encoded and packed (workflow.data.encode, workflow.data.pack, in this process);
-   printed: real tokens / slots unpacked and packed (LPFHP per shard, as the stage runs; LPFHP and SPFHP on the
-   histogram of all shards together; the best any packing with 3 sequences per row could do on that histogram).
-   Then one shard of a real run's size (the sample's shards, --repeat times over) is encoded and packed, timed
-   (fastest of 3 runs each): CPU seconds (wall beside) of encode (plan, build, gzip write), of packing in memory
-   (pack_arrays), and of the pack stage as a separate job (HDF5 read, packing, gzip write), each as a share of
-   encode.
+   printed: real tokens / slots unpacked and packed (the default, gapfill, per shard, as the stage runs; every
+   algorithm on the histogram of all shards together, and the fill of `fewest_packs`, a bound no packing with 3
+   sequences per row can beat on that histogram).
+   Then one shard of a real run's size (the sample's shards, --repeat times over) is encoded, timed (fastest of 3
+   runs each, packed and unpacked runs alternating): CPU seconds of the whole encode job unpacked (plan, build,
+   gzip write) and packed (the same, packing and writing the packed format instead), and of the packing inside the
+   packed job (pack_arrays as encode calls it: lengths from the plan, packs built in the instances' memory) as a
+   share of the unpacked job; the gzip write of the same instances unpacked and packed (the packed format has more
+   datasets); then, as shares of the unpacked job too, pack_arrays of the unpacked file's arrays (checks included)
+   and the pack stage as a separate job (HDF5 read, packing, gzip write).
 2. Model (CPU, fp32, tiny preset, same weights): the same instances trained on (forward, MLM + NSP loss,
    backward) as padded rows and as packed rows, on one thread; printed: real tokens per CPU second of each (CPU
    time, not wall time: the machine is shared) and the fill ratios beside.
@@ -24,6 +28,7 @@ import argparse
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +36,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import workflow.data.encode as encode_module  # noqa: E402
 import workflow.train.model as model_module  # noqa: E402
-from workflow.data.encode import EncodeSettings, encode_shard  # noqa: E402
-from workflow.data.pack import histogram_packing, pack_arrays, pack_shard, read_encoded  # noqa: E402
+from workflow.data.encode import EncodeSettings, encode_shard, write_shard  # noqa: E402
+from workflow.data.pack import (ALGORITHMS, PackSettings, fewest_packs, histogram_packing, pack_arrays,  # noqa: E402
+                                 pack_shard, read_encoded)
 from workflow.data.tokenize import load_tokenized  # noqa: E402
 from workflow.data.vocab import read_vocab  # noqa: E402
-from workflow.train.model import BertConfig, BertForPreTraining, pretraining_loss  # noqa: E402
+from workflow.train.model import BertConfig, BertForPreTraining  # noqa: E402
+from workflow.train.pretrain import pretraining_forward  # noqa: E402
+from workflow.train.pretraining_data import make_batch  # noqa: E402
 
 PREDICTIONS = {128: 20, 512: 80}
 SEQUENCES_PER_PACK = 3
@@ -52,15 +61,46 @@ def timed(function, *args, repeat: int = 3, **kwargs):
     return result, best_cpu, best_wall
 
 
-def fill_of(lengths: np.ndarray, length: int, algorithm: str) -> float:
-    strategies = histogram_packing(np.bincount(lengths, minlength=length + 1), length, SEQUENCES_PER_PACK, algorithm)
-    return lengths.sum() / (sum(count for _, count in strategies) * length)
+@contextmanager
+def cpu_spent_in(module, name: str):
+    """The CPU seconds of each call of `module.name` (as the module itself calls it) while the block runs."""
+    original, spent = getattr(module, name), []
+
+    def timed_call(*args, **kwargs):
+        started = time.process_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent.append(time.process_time() - started)
+
+    setattr(module, name, timed_call)
+    try:
+        yield spent
+    finally:
+        setattr(module, name, original)
 
 
-def best_possible_fill(lengths: np.ndarray, length: int) -> float:
-    """Fill of the fewest rows any packing needs: all tokens, one row per sequence over L/2, 3 per row."""
-    rows = max(-(-lengths.sum() // length), int((lengths > length // 2).sum()), -(-len(lengths) // SEQUENCES_PER_PACK))
-    return lengths.sum() / (rows * length)
+def encode_jobs(big: Path, vocab: Path, settings: EncodeSettings, directory: Path, repeat: int = 3) -> dict:
+    """CPU s of the fastest of `repeat` encode jobs unpacked and packed (alternating, so machine noise hits both
+    alike), and of the fastest packing (pack_arrays) inside the packed ones."""
+    best = {"unpacked": float("inf"), "packed": float("inf")}
+    with cpu_spent_in(encode_module, "pack_arrays") as packing:
+        for _ in range(repeat):
+            for side, pack_settings in (("unpacked", None), ("packed", PackSettings(SEQUENCES_PER_PACK))):
+                started = time.process_time()
+                encode_shard(big, vocab, directory / f"{side}_{settings.max_seq_length}_big.hdf5", settings, 12345,
+                             "training", 0, packing=pack_settings)
+                best[side] = min(best[side], time.process_time() - started)
+    return {**best, "packing": min(packing)}
+
+
+def fills(lengths: np.ndarray, length: int) -> str:
+    """Real tokens / slots of every algorithm on these lengths, and of the fewest packs any packing needs."""
+    histogram = np.bincount(lengths, minlength=length + 1)
+    rows = {algorithm: sum(count for _, count in histogram_packing(histogram, length, SEQUENCES_PER_PACK, algorithm))
+            for algorithm in ALGORITHMS}
+    rows["bound (fewest_packs)"] = fewest_packs(histogram, length, SEQUENCES_PER_PACK)
+    return ", ".join(f"{name} {lengths.sum() / (n * length):.4f}" for name, n in rows.items())
 
 
 def repeated_shard(tokenized: list[Path], times: int, output: Path) -> Path:
@@ -84,7 +124,7 @@ def data_side(tokenized: list[Path], big: Path, repeat: int, vocab: Path, length
     """Encode then pack every shard, print the fills; time encode and pack on the big shard; return the arrays."""
     settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=PREDICTIONS[length])
     encoded, lengths = [], []
-    print(f"\nseq {length}: shard  instances  fill unpacked  fill packed (LPFHP, per shard)")
+    print(f"\nseq {length}: shard  instances  fill unpacked  fill packed (gapfill, per shard)")
     for index, path in enumerate(tokenized):
         output = directory / f"encoded_{length}_{index}.hdf5"
         encode_shard(path, vocab, output, settings, 12345, "training", index)
@@ -95,39 +135,34 @@ def data_side(tokenized: list[Path], big: Path, repeat: int, vocab: Path, length
         lengths.append(arrays["input_mask"].astype(bool).sum(axis=1))
     lengths = np.concatenate(lengths)
     print(f"  all shards' histogram ({len(lengths)} instances): "
-          f"unpacked {lengths.sum() / (len(lengths) * length):.4f}, "
-          f"LPFHP {fill_of(lengths, length, 'lpfhp'):.4f}, SPFHP {fill_of(lengths, length, 'spfhp'):.4f}, "
-          f"best possible {best_possible_fill(lengths, length):.4f}")
+          f"unpacked {lengths.sum() / (len(lengths) * length):.4f}, {fills(lengths, length)}")
 
-    output = directory / f"encoded_{length}_big.hdf5"
-    n, encode_cpu, encode_wall = timed(encode_shard, big, vocab, output, settings, 12345, "training", 0)
+    jobs = encode_jobs(big, vocab, settings, directory)
+    output = directory / f"unpacked_{length}_big.hdf5"
     arrays, _ = read_encoded(output)
-    _, compute_cpu, compute_wall = timed(pack_arrays, arrays, SEQUENCES_PER_PACK)
-    stats, stage_cpu, stage_wall = timed(pack_shard, output, directory / f"packed_{length}_big.hdf5",
-                                         SEQUENCES_PER_PACK)
+    packed, compute_cpu, _ = timed(pack_arrays, arrays, SEQUENCES_PER_PACK)
+    writes = {side: timed(write_shard, directory / f"written_{side}.hdf5", {},
+                          {name: (array.shape, array.dtype) for name, array in written.items()}, [written], "gzip")[1]
+              for side, written in (("unpacked", arrays), ("packed", packed))}
+    stats, stage_cpu, _ = timed(pack_shard, output, directory / f"packed_{length}_big.hdf5", SEQUENCES_PER_PACK)
     lengths = arrays["input_mask"].astype(bool).sum(axis=1)
-    print(f"  one shard of {n} instances (the sample's shards {repeat} times over): "
-          f"fill {stats['fill_unpacked']:.4f} -> {stats['fill']:.4f} (SPFHP {fill_of(lengths, length, 'spfhp'):.4f}, "
-          f"best possible {best_possible_fill(lengths, length):.4f})")
-    print(f"  CPU s (wall s): encode {encode_cpu:.3f} ({encode_wall:.3f}), packing in memory "
-          f"{compute_cpu:.3f} ({compute_wall:.3f}) = {compute_cpu / encode_cpu:.1%} of encode, pack stage with "
-          f"HDF5 read + gzip write {stage_cpu:.3f} ({stage_wall:.3f}) = {stage_cpu / encode_cpu:.1%} of encode")
+    unpacked = jobs["unpacked"]
+    print(f"  one shard of {len(lengths)} instances (the sample's shards {repeat} times over): "
+          f"fill {stats['fill_unpacked']:.4f} -> {stats['fill']:.4f} ({fills(lengths, length)})")
+    print(f"  encode job CPU s, fastest of 3: unpacked {unpacked:.3f}, packed {jobs['packed']:.3f} "
+          f"({jobs['packed'] / unpacked - 1:+.1%}: holding the shard, packing, writing the packed format); packing "
+          f"inside the packed job {jobs['packing']:.3f} = {jobs['packing'] / unpacked:.1%} of the unpacked job; "
+          f"gzip write of the instances unpacked {writes['unpacked']:.3f}, packed {writes['packed']:.3f}")
+    print(f"  as shares of the unpacked job: pack_arrays of the unpacked file's arrays (checks included) "
+          f"{compute_cpu:.3f} = {compute_cpu / unpacked:.1%}, the pack stage as a separate job (HDF5 read, packing, "
+          f"gzip write) {stage_cpu:.3f} = {stage_cpu / unpacked:.1%}")
     return encoded
 
 
 def batches(arrays: dict, rows: int) -> list[dict]:
-    """Model inputs and labels in batches of `rows` rows (packed arrays carry position ids and [CLS] slots)."""
-    out = []
-    for start in range(0, len(arrays["input_ids"]), rows):
-        part = {name: torch.from_numpy(array[start : start + rows].astype(np.int64)) for name, array in arrays.items()}
-        batch = {"input_ids": part["input_ids"], "token_type_ids": part["segment_ids"],
-                 "attention_mask": part["input_mask"], "masked_lm_positions": part["masked_lm_positions"],
-                 "masked_lm_labels": torch.where(part["masked_lm_positions"] > 0, part["masked_lm_ids"], -1),
-                 "next_sentence_labels": part["next_sentence_labels"]}
-        if "cls_positions" in part:
-            batch.update(position_ids=part["position_ids"], cls_positions=part["cls_positions"])
-        out.append(batch)
-    return out
+    """Model inputs and labels in batches of `rows` rows, as the trainer builds them."""
+    n = len(arrays["input_ids"])
+    return [make_batch(arrays, np.arange(start, min(start + rows, n))) for start in range(0, n, rows)]
 
 
 def train_pass(model, data: list[dict], varlen: bool) -> float:
@@ -135,9 +170,7 @@ def train_pass(model, data: list[dict], varlen: bool) -> float:
     model_module.VARLEN_DEVICE_TYPES = ("cpu",) if varlen else ()
     start = time.process_time()
     for batch in data:
-        inputs = {k: v for k, v in batch.items() if k not in ("masked_lm_labels", "next_sentence_labels")}
-        mlm, nsp = model(**inputs)
-        pretraining_loss(mlm, nsp, batch["masked_lm_labels"], batch["next_sentence_labels"])["loss"].backward()
+        pretraining_forward(model, batch)["loss"].backward()  # the training task's own forward and loss
     return time.process_time() - start
 
 

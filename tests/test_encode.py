@@ -264,16 +264,16 @@ def read_all(path) -> tuple[dict, dict]:
 def test_packed_encode_writes_the_packs_of_its_own_instances_and_says_so(shard, encoded, tmp_path):
     directory, settings = encoded
     vocab, tokenized, _ = shard
-    packing = PackSettings(max_sequences_per_pack=3, algorithm="lpfhp")
+    packing = PackSettings(max_sequences_per_pack=3, algorithm="gapfill")
     encode_shard(tokenized, vocab, tmp_path / "p.hdf5", settings, seed=12345, split="training", shard_index=0,
                  packing=packing)
     unpacked, unpacked_attributes = read_all(directory / "a.hdf5")
     packed, attributes = read_all(tmp_path / "p.hdf5")
-    expected = pack_arrays(unpacked, 3, settings.masked_lm_prob, "lpfhp")
+    expected = pack_arrays(unpacked, 3, settings.masked_lm_prob, "gapfill")
     assert sorted(packed) == sorted(expected)
     for name in expected:
         np.testing.assert_array_equal(packed[name], expected[name], err_msg=name)
-    assert attributes["packing"] == "lpfhp" and attributes["max_sequences_per_pack"] == 3
+    assert attributes["packing"] == "gapfill" and attributes["max_sequences_per_pack"] == 3
     assert attributes["n_instances"] == unpacked_attributes["n_instances"] == len(unpacked["input_ids"])
     assert attributes["n_packs"] == len(packed["input_ids"]) < len(unpacked["input_ids"])
     assert attributes["fill"] == unpacked["input_mask"].sum() / packed["input_ids"].size
@@ -290,6 +290,24 @@ def test_packed_encode_writes_the_packs_of_its_own_instances_and_says_so(shard, 
     shutil.copyfile(directory / "a.hdf5", source / "test" / "shard_0.hdf5")
     with pytest.raises(UserError, match=r"test/shard_0.hdf5: unpacked, but training/shard_0.hdf5 is packed"):
         build_hdf5_dir(source, {"training": 1, "test": 1}, tmp_path / "again")
+
+
+@pytest.mark.parametrize("max_sequences_per_pack, algorithm", [(1, "lpfhp"), (5, "spfhp")])
+def test_packed_encode_with_any_cap_and_algorithm_writes_the_packs_of_its_unpacked_file(shard, encoded, tmp_path,
+                                                                                        max_sequences_per_pack,
+                                                                                        algorithm):
+    directory, settings = encoded
+    vocab, tokenized, _ = shard
+    encode_shard(tokenized, vocab, tmp_path / "p.hdf5", settings, seed=12345, split="training", shard_index=0,
+                 packing=PackSettings(max_sequences_per_pack, algorithm))
+    unpacked, _ = read_all(directory / "a.hdf5")
+    packed, _ = read_all(tmp_path / "p.hdf5")
+    expected = pack_arrays(unpacked, max_sequences_per_pack, settings.masked_lm_prob, algorithm)
+    assert sorted(packed) == sorted(expected)
+    for name in expected:
+        np.testing.assert_array_equal(packed[name], expected[name], err_msg=name)
+    held = (packed["instance_index"] >= 0).sum(axis=1)
+    assert held.max() <= max_sequences_per_pack and (held.max() > 1) == (max_sequences_per_pack > 1)
 
 
 def test_packing_off_on_the_command_line_writes_the_library_default_nvidia_file_byte_for_byte(shard, encoded,

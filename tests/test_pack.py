@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import REPO
 from tests.test_encode import tokenized_shard
 from workflow.data.encode import EncodeSettings, encode_shard
-from workflow.data.pack import ALGORITHMS, fewest_packs, histogram_packing, pack_shard, read_encoded
+from workflow.data.pack import ALGORITHMS, fewest_packs, histogram_packing, pack_arrays, pack_shard, read_encoded
 
 PREDICTIONS = {128: 20, 512: 80}
 
@@ -86,6 +86,41 @@ def test_one_sequence_per_pack_reproduces_the_encoded_rows(encoded, tmp_path):
     assert np.array_equal(packed["input_mask"], original["input_mask"])
     width = min(packed["masked_lm_positions"].shape[1], original["masked_lm_positions"].shape[1])
     assert np.array_equal(packed["masked_lm_positions"][:, :width], original["masked_lm_positions"][:, :width])
+
+
+def assert_same_arrays(actual: dict, expected: dict) -> None:
+    assert list(actual) == list(expected)
+    for name in expected:
+        assert actual[name].dtype == expected[name].dtype, name
+        np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
+
+
+@pytest.mark.parametrize("length", [128, 512])
+@pytest.mark.parametrize("max_sequences_per_pack", [1, 3, 5])
+def test_packing_in_the_instances_memory_gives_the_same_packs(encoded, length, max_sequences_per_pack):
+    original, _ = read_encoded(encoded[length])
+    lengths = original["input_mask"].sum(axis=1)
+    expected = pack_arrays(original, max_sequences_per_pack)
+    scratch = {name: array.copy() for name, array in original.items()}
+    assert_same_arrays(pack_arrays(scratch, max_sequences_per_pack, lengths=lengths, in_place=True), expected)
+
+
+@pytest.mark.parametrize("max_sequences_per_pack", [2, 3])
+def test_what_a_file_holds_past_its_tokens_and_predictions_does_not_reach_the_packs(encoded, max_sequences_per_pack):
+    original, _ = read_encoded(encoded[128])
+    rng = np.random.default_rng(0)
+    padding = original["input_mask"] == 0
+    dirty = {**original, "input_ids": np.where(padding, rng.integers(1, 200, padding.shape), original["input_ids"]),
+             "segment_ids": np.where(padding, 1, original["segment_ids"]).astype(np.int8)}
+    # Every 3rd row's predictions after some empty slots (in order), with junk ids and negative positions in those.
+    positions, ids = original["masked_lm_positions"].copy(), original["masked_lm_ids"].copy()
+    for row in range(0, len(positions), 3):
+        shift = rng.integers(0, (positions[row] == 0).sum() + 1)  # into the empty slots at the end
+        positions[row], ids[row] = np.roll(positions[row], shift), np.roll(ids[row], shift)
+    empty = positions == 0
+    dirty["masked_lm_positions"] = np.where(empty, -1, positions)
+    dirty["masked_lm_ids"] = np.where(empty, rng.integers(1, 200, empty.shape), ids)
+    assert_same_arrays(pack_arrays(dirty, max_sequences_per_pack), pack_arrays(original, max_sequences_per_pack))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

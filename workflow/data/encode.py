@@ -10,8 +10,10 @@ The file schema is NVIDIA's, so its loader reads it as is:
     masked_lm_positions [N,P] int32, masked_lm_ids [N,P] int32, next_sentence_labels [N] int8 (1 = random B),
 
 zero-padded. With packing (the stage's default; workflow.data.pack), the shard's instances are packed before they
-are written, several to a row, in the packed schema of workflow.data.pack. The work is vectorised numpy: instances are planned for all documents at once (one step = one
-instance per document), then built and masked in batches of rows, so memory stays bounded by the batch.
+are written, several to a row, in the packed schema of workflow.data.pack. The work is vectorised numpy: instances
+are planned for all documents at once (one step = one instance per document), then built and masked in batches of
+rows, so memory stays bounded by the batch; with packing, by the shard: the batches are built into the shard's
+arrays, and the packs then take the place of the instances in that memory (their lengths come from the plan).
 """
 import argparse
 import hashlib
@@ -138,14 +140,31 @@ def _truncate_pair(a_start, a_end, b_start, b_end, max_num_tokens, rng):
     return a_start + front_a, a_end - (trim_a - front_a), b_start + front_b, b_end - (trim_b - front_b)
 
 
+def instance_shapes(n: int, settings: EncodeSettings) -> dict[str, tuple[tuple[int, ...], type]]:
+    """{name: (shape, dtype)} of the NVIDIA-schema arrays of `n` instances."""
+    length, n_predictions = settings.max_seq_length, settings.max_predictions_per_seq
+    return {
+        "input_ids": ((n, length), np.int32),
+        "input_mask": ((n, length), np.int8),
+        "segment_ids": ((n, length), np.int8),
+        "masked_lm_positions": ((n, n_predictions), np.int32),
+        "masked_lm_ids": ((n, n_predictions), np.int32),
+        "next_sentence_labels": ((n,), np.int8),
+    }
+
+
 def build_batch(
-    ids: np.ndarray, plan: np.ndarray, settings: EncodeSettings, vocab: Vocab, rng: np.random.Generator
+    ids: np.ndarray, plan: np.ndarray, settings: EncodeSettings, vocab: Vocab, rng: np.random.Generator,
+    out: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The NVIDIA-schema arrays of the instances in `plan` rows: [CLS] A [SEP] B [SEP], masked, zero-padded.
+    """The NVIDIA-schema arrays of the instances in `plan` rows: [CLS] A [SEP] B [SEP], masked, zero-padded;
+    written into `out` (arrays of len(plan) rows, e.g. row ranges of a whole shard's) when given.
 
     `ids` are the shard's token ids followed by one 0, the value padding cells gather.
     """
     length, n_predictions = settings.max_seq_length, settings.max_predictions_per_seq
+    if out is None:
+        out = {name: np.empty(shape, dtype) for name, (shape, dtype) in instance_shapes(len(plan), settings).items()}
     rows = np.arange(len(plan))
     a_start, a_end, b_start, b_end, is_random = plan.T
     len_a, len_b = a_end - a_start, b_end - b_start
@@ -154,14 +173,16 @@ def build_batch(
     # Source of each cell in `ids`: A's tokens, then B's, then the trailing 0; [CLS]/[SEP] are overwritten below.
     source = col + np.where(col <= len_a[:, None], (a_start - 1)[:, None], (b_start - len_a - 2)[:, None])
     source = np.where(col < (n_tokens - 1)[:, None], source, len(ids) - 1)
-    input_ids = ids[source].astype(np.int32)
+    input_ids = out["input_ids"]
+    input_ids[...] = ids[source]
     flat_ids = input_ids.reshape(-1)
     row_start = rows * length
     flat_ids[row_start] = vocab.cls
     flat_ids[row_start + len_a + 1] = vocab.sep
     flat_ids[row_start + n_tokens - 1] = vocab.sep
-    is_real = col < n_tokens[:, None]
-    segment_ids = (col >= (len_a + 2)[:, None]) & is_real
+    is_real = np.less(col, n_tokens[:, None], out=out["input_mask"].view(bool))
+    segment_ids = np.greater_equal(col, (len_a + 2)[:, None], out=out["segment_ids"].view(bool))
+    segment_ids &= is_real
     candidate = is_real & (col != (len_a + 1)[:, None]) & (col != (n_tokens - 1)[:, None])
     candidate[:, 0] = False
 
@@ -177,20 +198,15 @@ def build_batch(
     valid = picked < length
     positions = np.where(valid, picked, 0)
     cell = row_start[:, None] + positions
-    masked_lm_ids = np.where(valid, flat_ids[cell], 0).astype(np.int32)
+    out["masked_lm_ids"][...] = np.where(valid, flat_ids[cell], 0)
     # 80% [MASK], 10% a random vocab token, 10% unchanged.
     draw = rng.random(positions.shape, dtype=np.float32)
     flat_ids[cell[valid & (draw < 0.8)]] = vocab.mask
     to_random = cell[valid & (draw >= 0.9)]
     flat_ids[to_random] = rng.integers(0, vocab.size, len(to_random))
-    return {
-        "input_ids": input_ids,
-        "input_mask": is_real.view(np.int8),
-        "segment_ids": segment_ids.view(np.int8),
-        "masked_lm_positions": positions.astype(np.int32),
-        "masked_lm_ids": masked_lm_ids,
-        "next_sentence_labels": is_random.astype(np.int8),
-    }
+    out["masked_lm_positions"][...] = positions
+    out["next_sentence_labels"][...] = is_random
+    return out
 
 
 def _choose_tokens(candidate: np.ndarray, n_to_predict: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -270,7 +286,7 @@ def encode_shard(
         raise UserError(f"{tokenized}: token id {int(ids.max())} is outside {vocab_path} ({vocab.size} tokens)")
     plan_rng, mask_rng = shard_rng(seed, split, shard_index)
     plan = plan_instances(sentence_offsets, document_offsets, settings, plan_rng)
-    n, length, n_predictions = len(plan), settings.max_seq_length, settings.max_predictions_per_seq
+    n, length = len(plan), settings.max_seq_length
     batch_rows = max(CHUNK_ROWS, BATCH_CELLS // length // CHUNK_ROWS * CHUNK_ROWS)
     attributes = {
         **asdict(settings),
@@ -280,25 +296,19 @@ def encode_shard(
         "n_instances": n,
         "vocab_sha256": hashlib.sha256(Path(vocab_path).read_bytes()).hexdigest(),
     }
-    shapes = {
-        "input_ids": ((n, length), np.int32),
-        "input_mask": ((n, length), np.int8),
-        "segment_ids": ((n, length), np.int8),
-        "masked_lm_positions": ((n, n_predictions), np.int32),
-        "masked_lm_ids": ((n, n_predictions), np.int32),
-        "next_sentence_labels": ((n,), np.int8),
-    }
-    batches = (build_batch(padded_ids, plan[start : start + batch_rows], settings, vocab, mask_rng)
-               for start in tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5))
+    shapes = instance_shapes(n, settings)
+    starts = tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5)
     if packing is not None:
-        # Packing needs every instance's length: the shard's instances are held in memory (as big as the file).
-        parts = list(batches)
-        arrays = {name: np.concatenate([part[name] for part in parts]) if parts else np.zeros(shape, dtype)
-                  for name, (shape, dtype) in shapes.items()}
+        # Packing needs every instance's length (known from the plan): the shard's instances are built in memory.
+        arrays = {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
+        for start in starts:
+            rows = slice(start, start + batch_rows)
+            build_batch(padded_ids, plan[rows], settings, vocab, mask_rng, {k: v[rows] for k, v in arrays.items()})
         started = time.process_time()
+        lengths = plan[:, 1] - plan[:, 0] + plan[:, 3] - plan[:, 2] + 3  # [CLS] A [SEP] B [SEP]
         packed = pack_arrays(arrays, packing.max_sequences_per_pack, settings.masked_lm_prob, packing.algorithm,
-                             source=str(tokenized))
-        stats = packing_stats(arrays["input_mask"], packed["input_ids"].shape[0])
+                             str(tokenized), lengths, in_place=True)
+        stats = packing_stats(lengths, length, len(packed["input_ids"]))
         packing_time = time.process_time() - started
         write_shard(output, {**attributes, **stats, **packing.attributes()},
                     {name: (packed[name].shape, packed[name].dtype) for name in sorted(packed)}, [packed],
@@ -307,6 +317,7 @@ def encode_shard(
                  output, n, stats["n_packs"], length, stats["fill"], stats["fill_unpacked"],
                  packing_time)
         return n
+    batches = (build_batch(padded_ids, plan[start : start + batch_rows], settings, vocab, mask_rng) for start in starts)
     write_shard(output, attributes, shapes, batches, compression)
     log.info("%s: %d instances of length %d", output, n, length)
     return n

@@ -1,9 +1,10 @@
 """Sequence packing: the instances of one encoded shard in fewer, fuller rows (Krell et al. 2021, arXiv 2107.02027).
 
-The encode stage packs each shard as it writes it (config `encode.packing`, on by default): in memory, measured at
-0.13-0.5 CPU s per 44k instances at 512 (~10-40% of that encode job's CPU on 8 MB of real text, noisy shared
-machine; fresh pages are most of it), where a separate HDF5 -> HDF5 job costs about as much as encoding (I/O + gzip;
-see benchmarks/packing.py). `python -m workflow.data.pack` packs an existing NVIDIA-schema shard the same way.
+The encode stage packs each shard as it writes it (config `encode.packing`, on by default): in memory, in the
+instances' own, measured at ~0.04 CPU s per shard of a real run's size (94k instances at 128, 34k at 512), ~4% of
+the unpacked encode job's CPU (noisy shared machine; fresh pages cost more than the copies, hence in place), where
+a separate HDF5 -> HDF5 job costs about as much as encoding (I/O + gzip; see benchmarks/packing.py).
+`python -m workflow.data.pack` packs an existing NVIDIA-schema shard the same way.
 
 Histogram packing: the instance lengths of the shard form a histogram, and the packing is planned on the counts
 per length, so its cost grows with the distinct pack layouts (hundreds), not with the instances; instances are then
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 ENCODED = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 ALGORITHMS = ("gapfill", "lpfhp", "spfhp")
 MAX_SEQUENCES_PER_PACK = 3  # the issue's default: gapfill then reaches >= 99% fill at 512
+PACKED = ("input_ids", "segment_ids", "input_mask", "position_ids", "cls_positions", "sequence_lengths",
+          "next_sentence_labels", "instance_index", "masked_lm_positions", "masked_lm_ids")  # the order files get them
+PACK_CHUNK_CELLS = 1 << 18  # cells moved at a time when packing in place: the block stays in cache
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,11 @@ class PackSettings:
         return {"packing": self.algorithm, "max_sequences_per_pack": self.max_sequences_per_pack}
 
 
-def packing_stats(input_mask: np.ndarray, n_packs: int) -> dict:
+def packing_stats(lengths: np.ndarray, max_length: int, n_packs: int) -> dict:
     """Instances, packs, real tokens and the fill (real tokens / slots) packed and unpacked."""
-    n_real = int(np.count_nonzero(input_mask))
-    return {"n_instances": len(input_mask), "n_packs": n_packs, "n_real_tokens": n_real,
-            "fill": n_real / max(1, n_packs * input_mask.shape[1]), "fill_unpacked": n_real / max(1, input_mask.size)}
+    n_real = int(lengths.sum())
+    return {"n_instances": len(lengths), "n_packs": n_packs, "n_real_tokens": n_real,
+            "fill": n_real / max(1, n_packs * max_length), "fill_unpacked": n_real / max(1, len(lengths) * max_length)}
 
 
 def histogram_packing(histogram: np.ndarray, max_length: int, max_sequences_per_pack: int,
@@ -207,6 +211,29 @@ def sequence_lengths_of(input_mask: np.ndarray, source: str = "input") -> np.nda
     return real.sum(axis=1)
 
 
+def as_written_by_encode(arrays: dict[str, np.ndarray], source: str = "input") -> tuple[dict[str, np.ndarray],
+                                                                                       np.ndarray]:
+    """(arrays, instance lengths) of NVIDIA-schema `arrays` read from elsewhere, in the form encode writes them:
+    zeros beyond each instance's tokens and after its predictions, which lead their row. pack_arrays copies whole
+    rows, so what a file holds in those cells must not reach a pack."""
+    lengths = sequence_lengths_of(arrays["input_mask"], source)
+    arrays = dict(arrays)
+    padding = ~arrays["input_mask"].astype(bool, copy=False)
+    for name in ("input_ids", "segment_ids"):
+        if arrays[name][padding].any():  # rare: encode writes zeros there
+            arrays[name] = np.where(padding, 0, arrays[name])
+    valid = arrays["masked_lm_positions"] > 0
+    if (valid[:, 1:] > valid[:, :-1]).any():  # a prediction after an empty slot: move them to the front
+        first = np.argsort(~valid, axis=1, kind="stable")
+        valid = np.take_along_axis(valid, first, axis=1)
+        arrays.update({name: np.take_along_axis(arrays[name], first, axis=1)
+                       for name in ("masked_lm_positions", "masked_lm_ids")})
+    for name in ("masked_lm_positions", "masked_lm_ids"):
+        if arrays[name][~valid].any():
+            arrays[name] = np.where(valid, arrays[name], 0)
+    return arrays, lengths
+
+
 def prediction_width(max_length: int, max_predictions_per_seq: int, masked_lm_prob: float,
                      max_sequences_per_pack: int) -> int:
     """Prediction slots of a packed row (see the module docstring)."""
@@ -214,24 +241,17 @@ def prediction_width(max_length: int, max_predictions_per_seq: int, masked_lm_pr
                    np.floor(masked_lm_prob * max_length) + max_sequences_per_pack))
 
 
-def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
-                masked_lm_prob: float = 0.15, algorithm: str = "lpfhp", source: str = "input") -> dict[str, np.ndarray]:
-    """The packed arrays (module docstring) of the NVIDIA-schema `arrays` of one shard."""
-    if max_sequences_per_pack < 1:
-        raise UserError(f"pack max_sequences_per_pack {max_sequences_per_pack}: must be at least 1")
-    n, length = arrays["input_ids"].shape
-    if length > np.iinfo(np.int16).max:
-        raise UserError(f"{source}: sequence length {length} does not fit int16 position ids")
-    n_predictions = arrays["masked_lm_positions"].shape[1]
-    slots = max_sequences_per_pack
-    width = prediction_width(length, n_predictions, masked_lm_prob, slots)
-    lengths = sequence_lengths_of(arrays["input_mask"], source)
-
-    strategies = histogram_packing(np.bincount(lengths, minlength=length + 1), length, slots, algorithm)
+def pack_members(lengths: np.ndarray, max_length: int, max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
+                 algorithm: str = PackSettings.algorithm) -> np.ndarray:
+    """[R, S] rows of the instances of each pack in slot order (-1 = empty slot), packs in file order (module
+    docstring): each strategy of histogram_packing takes the next `count` instances (in file order) of every length
+    it holds, slot by slot."""
+    n, slots = len(lengths), max_sequences_per_pack
+    histogram = np.bincount(lengths, minlength=max_length + 1)
+    strategies = histogram_packing(histogram, max_length, slots, algorithm)
     n_packs = sum(count for _, count in strategies)
-    # Packs in strategy order: each strategy takes the next `count` instances (in file order) of every length it holds.
-    by_length = np.argsort(lengths, kind="stable")
-    cursor = np.searchsorted(lengths[by_length], np.arange(length + 1))
+    by_length = np.argsort(lengths.astype(np.uint16), kind="stable")  # 16-bit keys: a radix sort
+    cursor = (np.cumsum(histogram) - histogram).tolist()
     members = np.full((n_packs, slots), -1, np.int64)
     row = 0
     for pack_lengths, count in strategies:
@@ -239,52 +259,130 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
             members[row : row + count, slot] = by_length[cursor[size] : cursor[size] + count]
             cursor[size] += count
         row += count
-    # In the file, packs go by their first instance's row, so the file keeps the encode stage's shuffled order.
-    order = np.argsort(np.where(members >= 0, members, n).min(axis=1), kind="stable")
-    # The packs of one strategy share one layout and are built side by side (block copies into a slice of rows),
-    # then put in file order with one take per array.
-    out = {name: np.zeros((n_packs, length), dtype) for name, dtype in
-           (("input_ids", np.int32), ("segment_ids", np.int8), ("input_mask", np.int8), ("position_ids", np.int16))}
-    positions = np.arange(length, dtype=np.int16)
-    row = 0
-    for pack_lengths, count in strategies:
-        rows, start = slice(row, row + count), 0
-        for slot, size in enumerate(pack_lengths):
-            chosen, span = members[rows, slot], slice(start, start + size)
-            out["input_ids"][rows, span] = arrays["input_ids"][chosen, :size]
-            out["segment_ids"][rows, span] = arrays["segment_ids"][chosen, :size]
-            out["input_mask"][rows, span] = slot + 1
-            out["position_ids"][rows, span] = positions[:size]
-            start += size
-        row += count
-    out = {name: array[order] for name, array in out.items()}
-    members = members[order]
+    # File order: by first instance row (column by column: few columns). Every instance is in one pack, so those rows
+    # are unique and a counting sort orders them.
+    first = members[:, 0].copy()
+    for slot in range(1, slots):
+        np.minimum(first, np.where(members[:, slot] >= 0, members[:, slot], n), out=first)
+    pack_of_first = np.full(n, -1, np.int64)
+    pack_of_first[first] = np.arange(n_packs)
+    return members[pack_of_first[pack_of_first >= 0]]
 
+
+def _add_windows(buffer: np.ndarray, row_width: int, packs: np.ndarray, starts: np.ndarray, values: np.ndarray) -> None:
+    """Add `values` [k, w] to the windows at (packs[i], starts[i]) of the rows of `row_width` cells that `buffer`
+    (flat) holds. A window may run on past its row into the next one, or past the last row into one more row of
+    buffer: there it adds the zeros that end `values` rows. `packs` must not hold two neighbouring rows, so that
+    no windows overlap: then the gather-add-scatter of numpy's `+=` does each window alone."""
+    windows = np.lib.stride_tricks.sliding_window_view(buffer, values.shape[1], writeable=True)
+    windows[packs * row_width + starts] += values
+
+
+def _rows_of(buffer: np.ndarray, n_rows: int, row_width: int) -> np.ndarray:
+    """The first `n_rows` rows of `row_width` cells of the flat `buffer`, as a [n_rows, row_width] view."""
+    return buffer[: n_rows * row_width].reshape(n_rows, row_width)
+
+
+def _cumulative_before(values: np.ndarray) -> np.ndarray:
+    """[R, S]: the sum of each row's values before each column (an exclusive cumsum over few columns)."""
+    before = np.zeros_like(values)
+    for column in range(1, values.shape[1]):
+        np.add(before[:, column - 1], values[:, column - 1], out=before[:, column])
+    return before
+
+
+def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
+                masked_lm_prob: float = 0.15, algorithm: str = PackSettings.algorithm, source: str = "input",
+                lengths: np.ndarray | None = None, in_place: bool = False) -> dict[str, np.ndarray]:
+    """The packed arrays (module docstring) of the NVIDIA-schema `arrays` of one shard.
+
+    `lengths`, the real tokens of each instance, says the arrays are as encode builds them (as_written_by_encode);
+    without it they are checked and brought to that form first. `in_place` writes the packed token rows into the
+    memory of `arrays` (fresh memory costs more than the copy itself), which then no longer hold the instances."""
+    if max_sequences_per_pack < 1:
+        raise UserError(f"pack max_sequences_per_pack {max_sequences_per_pack}: must be at least 1")
+    n, length = arrays["input_ids"].shape
+    if length > np.iinfo(np.int16).max:
+        raise UserError(f"{source}: sequence length {length} does not fit int16 position ids")
+    if lengths is None:
+        arrays, lengths = as_written_by_encode(arrays, source)
+    n_predictions = arrays["masked_lm_positions"].shape[1]
+    slots = max_sequences_per_pack
+    width = prediction_width(length, n_predictions, masked_lm_prob, slots)
+    members = pack_members(lengths, length, slots, algorithm)
+    n_packs = len(members)
     present = members >= 0
     member = np.where(present, members, 0)
     member_lengths = np.where(present, lengths[member], 0)
-    starts = np.cumsum(member_lengths, axis=1) - member_lengths
+    starts = _cumulative_before(member_lengths)
+    valid = arrays["masked_lm_positions"] > 0
+    n_valid = np.where(valid[:, -1], n_predictions, np.argmin(valid, axis=1))  # predictions lead their row
+    predicted = np.where(present, n_valid[member], 0)
+    prediction_starts = _cumulative_before(predicted)
+    per_pack = prediction_starts[:, -1] + predicted[:, -1]
+    if n_packs and per_pack.max() > width:
+        raise UserError(f"{source}: a pack needs {int(per_pack.max())} prediction slots, more than {width} "
+                        f"(masked_lm_prob {masked_lm_prob}); the shard was not encoded with these settings")
+    shown = min(n_predictions, width)  # a pack's predictions fit in `width`, so an instance's are in its first columns
+    mask_table = (np.arange(length) < np.arange(length + 1)[:, None]).view(np.int8)  # [length + 1, length]
+    position_table = np.where(mask_table, np.arange(length, dtype=np.int16), np.int16(0))
+
+    # Slot 0 of every pack is its instance's row, and the mask and position ids of its length from a table. Each
+    # later slot is added as windows at its start: its instance's row (zero past its length), as wide as the longest
+    # of a group (lengths rounded up to eighths of a row; packs of one parity, see _add_windows), whose zeros land on
+    # slots not yet written or on padding. Their values are read first, before `in_place` overwrites any instance.
+    later = []
+    step = max(1, length // 8)
+    for slot in range(1, slots):
+        packs = np.flatnonzero(present[:, slot])
+        window_and_parity = np.minimum(-(-member_lengths[packs, slot] // step) * step, length) * 2 + packs % 2
+        for key in np.unique(window_and_parity).tolist():
+            chosen, window = packs[window_and_parity == key], key // 2
+            rows, sizes, start = members[chosen, slot], member_lengths[chosen, slot], starts[chosen, slot]
+            predicted_width = max(1, int(predicted[chosen, slot].max()))
+            instance_positions = arrays["masked_lm_positions"][rows, :predicted_width]
+            later.append((chosen, start, prediction_starts[chosen, slot], {
+                "input_ids": arrays["input_ids"][rows, :window], "segment_ids": arrays["segment_ids"][rows, :window],
+                "input_mask": mask_table[sizes, :window] * np.int8(slot + 1),
+                "position_ids": position_table[sizes, :window],
+                "masked_lm_positions": np.where(instance_positions > 0, instance_positions + start[:, None], 0),
+                "masked_lm_ids": arrays["masked_lm_ids"][rows, :predicted_width]}))
+
+    first, first_length = members[:, 0], member_lengths[:, 0]
+    buffers, out = {}, {}
+    for name, dtype, row_width in (("input_ids", np.int32, length), ("segment_ids", np.int8, length),
+                                   ("input_mask", np.int8, length), ("position_ids", np.int16, length),
+                                   ("masked_lm_positions", np.int32, width), ("masked_lm_ids", np.int32, width)):
+        instances = arrays.get(name)
+        reuse = (in_place and instances is not None and instances.flags.c_contiguous and instances.dtype == dtype
+                 and row_width <= instances.shape[1])  # windows mean packs < instances: a row to run on into
+        buffers[name] = instances.reshape(-1) if reuse else np.zeros((n_packs + 1) * row_width, dtype)
+        out[name] = rows = _rows_of(buffers[name], n_packs, row_width)
+        if name in ("input_mask", "position_ids"):
+            np.take(mask_table if name == "input_mask" else position_table, first_length, axis=0, out=rows,
+                    mode="clip")
+        elif reuse:  # pack p reads instance rows >= p: chunk by chunk, each chunk's reads before its writes
+            chunk = max(1, PACK_CHUNK_CELLS // instances.shape[1])
+            gathered = np.empty((chunk, instances.shape[1]), dtype)
+            for begin in range(0, n_packs, chunk):
+                block = np.take(instances, first[begin : begin + chunk], axis=0, out=gathered[: n_packs - begin],
+                                mode="clip")
+                rows[begin : begin + len(block)] = block[:, :row_width]
+        elif row_width == instances.shape[1] and instances.dtype == dtype:
+            np.take(instances, first, axis=0, out=rows, mode="clip")
+        else:  # predictions: the first `shown`
+            columns = min(row_width, instances.shape[1])
+            rows[:, :columns] = instances[first, :columns]
+    for packs, token_starts, predictions_start, values in later:
+        for name, value in values.items():
+            row_width = width if name.startswith("masked_lm") else length
+            at = predictions_start if name.startswith("masked_lm") else token_starts
+            _add_windows(buffers[name], row_width, packs, at, value)
     out.update(cls_positions=np.where(present, starts, 0).astype(np.int32),
                sequence_lengths=member_lengths.astype(np.int32),
                next_sentence_labels=np.where(present, arrays["next_sentence_labels"][member], -1).astype(np.int8),
                instance_index=members.astype(np.int32))
-
-    # Predictions, in row-major order of the (pack, slot) instances: an instance's valid predictions lead its row,
-    # and a pack's lead the packed row, so one boolean selection fills them.
-    pack_of, slot_of = np.nonzero(present)
-    instance = members[pack_of, slot_of]
-    positions = arrays["masked_lm_positions"][instance]
-    valid = positions > 0  # encode puts a row's predictions first, then zeros
-    per_pack = np.bincount(pack_of, weights=valid.sum(axis=1), minlength=n_packs).astype(np.int64)
-    if n_packs and per_pack.max() > width:
-        raise UserError(f"{source}: a pack needs {int(per_pack.max())} prediction slots, more than {width} "
-                        f"(masked_lm_prob {masked_lm_prob}); the shard was not encoded with these settings")
-    packed_valid = np.arange(width)[None, :] < per_pack[:, None]
-    shifted = positions + starts[pack_of, slot_of][:, None]
-    for name, values in (("masked_lm_positions", shifted), ("masked_lm_ids", arrays["masked_lm_ids"][instance])):
-        out[name] = np.zeros((n_packs, width), np.int32)
-        out[name][packed_valid] = values[valid]
-    return out
+    return {name: out[name] for name in PACKED}
 
 
 def read_encoded(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
@@ -316,9 +414,10 @@ def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
     from workflow.data.encode import write_shard  # encode imports this module
 
     arrays, attributes = read_encoded(encoded)
+    arrays, lengths = as_written_by_encode(arrays, str(encoded))
     masked_lm_prob = float(attributes.get("masked_lm_prob", 0.15))
-    packed = pack_arrays(arrays, max_sequences_per_pack, masked_lm_prob, algorithm, source=str(encoded))
-    stats = packing_stats(arrays["input_mask"], packed["input_ids"].shape[0])
+    packed = pack_arrays(arrays, max_sequences_per_pack, masked_lm_prob, algorithm, str(encoded), lengths)
+    stats = packing_stats(lengths, arrays["input_ids"].shape[1], packed["input_ids"].shape[0])
     attributes.update(stats, **PackSettings(max_sequences_per_pack, algorithm).attributes())
     write_shard(output, attributes, {name: (packed[name].shape, packed[name].dtype) for name in sorted(packed)},
                 [packed], compression)
