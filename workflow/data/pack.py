@@ -106,7 +106,7 @@ def _gap_fill(counts: np.ndarray, max_length: int, max_sequences_per_pack: int) 
             counts[longest] -= 1
             members, space, free_slots = [longest], max_length - longest, max_sequences_per_pack - 1
             while free_slots and space:
-                chosen = _best_fill(counts, space, 2 if free_slots >= 2 else 1, lengths)
+                chosen = _best_fill(counts[: space + 1], 2 if free_slots >= 2 else 1, lengths[: space + 1])
                 if not chosen:
                     break
                 for length in chosen:
@@ -114,32 +114,32 @@ def _gap_fill(counts: np.ndarray, max_length: int, max_sequences_per_pack: int) 
                 members += chosen
                 space -= sum(chosen)
                 free_slots -= len(chosen)
-            need = np.bincount(members, minlength=max_length + 1)
-            used = np.flatnonzero(need)
-            more = int((counts[used] // need[used]).min())
-            counts[used] -= more * need[used]
+            need = {length: members.count(length) for length in members}
+            more = min(int(counts[length]) // times for length, times in need.items())
+            for length, times in need.items():
+                counts[length] -= more * times
             packs.append((tuple(members), more + 1))
     return packs
 
 
-def _best_fill(counts: np.ndarray, space: int, most: int, lengths: np.ndarray) -> tuple[int, ...]:
-    """The 1 or 2 (at most `most`) available lengths with the largest sum <= space; among equal sums a pair
-    (short sequences are used up where they fit rather than left to fill packs of their own), then the more
-    unequal pair. () when nothing fits."""
-    largest_up_to = np.maximum.accumulate(np.where(counts > 0, lengths, 0))  # [x]: largest available length <= x
-    first = np.flatnonzero(counts[1 : space + 1]) + 1
-    if not len(first):
+def _best_fill(counts: np.ndarray, most: int, lengths: np.ndarray) -> tuple[int, ...]:
+    """The 1 or 2 (at most `most`) available lengths (counts[n] > 0) with the largest sum <= the last length; among
+    equal sums a pair (short sequences are used up where they fit rather than left to fill packs of their own),
+    then the more unequal pair. () when nothing fits."""
+    available = counts > 0
+    first = available.nonzero()[0]
+    if not first.size:
         return ()
     if most == 1:
         return (int(first[-1]),)
+    space = len(counts) - 1
+    largest_up_to = np.maximum.accumulate(np.where(available, lengths, 0))  # [x]: largest available length <= x
     # The second is the largest available length <= min(space - first, first); equal to first only if two exist.
-    limit = np.minimum(space - first, first)
-    second = largest_up_to[limit]
+    second = largest_up_to[np.minimum(space - first, first)]
     lone = (second == first) & (counts[first] < 2)
-    second[lone] = largest_up_to[first[lone] - 1]
-    total = first + second
-    best = np.flatnonzero(total == total.max())
-    pick = best[np.argmax((second[best] > 0) * len(lengths) + first[best])]
+    if lone.any():
+        second[lone] = largest_up_to[first[lone] - 1]
+    pick = np.argmax(((first + second) * 2 + (second > 0)) * len(counts) + first)
     return (int(first[pick]), int(second[pick])) if second[pick] else (int(first[pick]),)
 
 
