@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 SPLIT_CODES = {"training": 0, "test": 1}  # part of the seed, so each shard has its own random stream
 CHUNK_ROWS = 64  # HDF5 chunk = 64 whole rows: a random row read decompresses little (see benchmarks/)
+CHUNK_WIDTH = 128  # narrower datasets (predictions, per-pack slots, labels) get proportionally more rows per chunk
 BATCH_CELLS = 1 << 20  # tokens built per batch: bounds memory whatever the sequence length
 WORD_BLOCK = 96  # whole-word masking: word ranks examined per block (~ the words a full instance needs)
 
@@ -346,12 +347,14 @@ def write_shard(output, attributes: dict, shapes: dict, batches, compression: st
 
 
 def _layout(shape: tuple[int, ...], compression: str) -> dict:
-    """Row-shaped chunks (CHUNK_ROWS whole rows) so a random row read decompresses one small chunk; gzip level 1
-    with byte shuffle (the zero high bytes of int32 ids then cost nothing). Not lzf: its output bytes vary from
-    run to run for the same data, which would break byte-identical outputs."""
+    """Row-shaped chunks of CHUNK_ROWS whole rows, or more for narrow datasets (at least CHUNK_ROWS x CHUNK_WIDTH
+    cells: a chunk of a few hundred bytes costs more in overhead than in compression), so a random row read
+    decompresses one small chunk; gzip level 1 with byte shuffle (the zero high bytes of int32 ids then cost
+    nothing). Not lzf: its output bytes vary from run to run for the same data, which would break byte-identical
+    outputs."""
     if compression == "none" or shape[0] == 0:
         return {}
-    rows = CHUNK_ROWS if len(shape) > 1 else CHUNK_ROWS * 256  # 1-D labels: fewer, still small, chunks
+    rows = CHUNK_ROWS * max(1, CHUNK_WIDTH // int(np.prod(shape[1:])))
     return {"chunks": (min(rows, shape[0]),) + shape[1:], "compression": "gzip", "compression_opts": 1, "shuffle": True}
 
 
