@@ -134,6 +134,7 @@ def _jobs(workdir: Path, since: str) -> list[dict]:
     return [r for r in rows if Path(r["WorkDir"]).resolve() == workdir.resolve()]
 
 
+@pytest.mark.xdist_group("slurm")  # beside the cluster tests, never during one
 def test_scaling_on_slurm_measures_1_and_2_ranks_and_derives_speedup_and_efficiency(tmp_path, cluster):
     workdir = copy_workflow(tmp_path / "study")
     (workdir / "study.yaml").write_text(yaml.safe_dump(STUDY))
