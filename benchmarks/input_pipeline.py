@@ -63,8 +63,8 @@ def main(argv=None) -> None:
         text = real_text(args.megabytes, work / "text.txt")
         train_vocab([text], work / "vocab.txt", size=30522, lowercase=True)
         tokenize_shard(text, work / "vocab.txt", work / "tokenized.npz")
-        print(f"one loader core (1 process, 1 torch thread), {args.megabytes} MB of real text, packed shards (LPFHP, "
-              f"<= 3 per row, gzip):")
+        print(f"one loader core (1 process, 1 torch thread), {args.megabytes} MB of real text, packed shards "
+              f"({PackSettings().algorithm}, <= 3 per row, gzip):")
         for length, micro in ((128, args.micro_batch), (512, args.micro_batch_512)):
             directory = work / f"hdf5_seq{length}"
             (directory / "training").mkdir(parents=True)

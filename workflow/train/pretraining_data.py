@@ -184,6 +184,7 @@ class PretrainingSequences:
             raise UserError(f"{Path(shards[0].path).parent}: the training shards hold no sequences")
         self._cached = cached_shards
         self._arrays: dict[int, dict] = {}   # shard index -> arrays, oldest first
+        self._orders: dict[tuple[int, int], tuple] = {}  # (epoch, shard) -> its row order, oldest first
         self._pending: dict[int, object] = {}
         self._pool, self._pool_pid = None, None
 
@@ -198,8 +199,18 @@ class PretrainingSequences:
         """The shards (indices into `shards`) in the order epoch `epoch` visits them."""
         return [int(i) for i in np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))]
 
-    def _rows(self, epoch: int, shard: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch, shard]).permutation(self.shards[shard].rows)
+    def _order(self, epoch: int, shard: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """(rows in the order epoch `epoch` visits them, their sequence counts, the running total of those; None
+        unpacked), computed once per shard and epoch: a read of a few sequences must not cost O(rows)."""
+        key = (epoch, shard)
+        if key not in self._orders:
+            info = self.shards[shard]
+            rows = np.random.default_rng([self.seed, epoch, shard]).permutation(info.rows)
+            per_row = np.asarray(info.sequences_per_row)[rows] if info.packed else None
+            self._orders[key] = rows, per_row, None if per_row is None else np.cumsum(per_row)
+            while len(self._orders) > self._cached:
+                self._orders.pop(next(iter(self._orders)))
+        return self._orders[key]
 
     def _load(self, shard: int) -> dict:
         if shard not in self._arrays:
@@ -215,13 +226,10 @@ class PretrainingSequences:
 
     def _take(self, epoch: int, shard: int, offset: int, count: int) -> dict:
         """Sequences [offset, offset + count) of one shard's order in `epoch`, as arrays (+ "live" when packed)."""
-        arrays, order = self._load(shard), self._rows(epoch, shard)
-        info = self.shards[shard]
-        if not info.packed:
+        arrays, (order, per_row, ends) = self._load(shard), self._order(epoch, shard)
+        if per_row is None:
             rows = order[offset:offset + count]
             return {name: values[rows] for name, values in arrays.items()}
-        per_row = np.asarray(info.sequences_per_row)[order]
-        ends = np.cumsum(per_row)
         first, last = np.searchsorted(ends, [offset, offset + count - 1], side="right")
         rows = order[first:last + 1]
         # Global index (within the shard's order) of each slot's sequence; live if it falls in the range.
