@@ -382,12 +382,16 @@ def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_d
     copy_data(demo_data, run)
     node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[0]
     # Long enough to still be running when the other jobs on the shared node have gone.
-    process = run.start("results/pretrain/phase1/model", config={"pretrain": {"phase1": {"total_steps": 20}}})
+    process = run.start("results/pretrain/phase1/model", config={"pretrain": {"phase1": {"total_steps": 80}}})
     job_id = run.wait_for_phase1_checkpoint(process)
-    # Taking the node down kills every job on it: wait until ours is the only one (the cluster may be shared).
+    # Taking the node down kills every job running on it: wait until ours is the only one (the cluster may be
+    # shared; a pending job, e.g. one requeued by an earlier test, is only held).
     deadline = time.time() + SNAKEMAKE_TIMEOUT_S / 2
-    while subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split() != [job_id]:
-        assert time.time() < deadline and process.poll() is None, "other jobs kept the node busy: not taking it down"
+    while True:
+        queue = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True).stdout.splitlines()
+        if [line.split()[0] for line in queue if line.split()[2] != "PENDING"] == [job_id]:
+            break
+        assert time.time() < deadline and process.poll() is None, f"other jobs kept the node busy: {queue}"
         time.sleep(1)
     subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=snakebert-test"], check=True)
     try:
