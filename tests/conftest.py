@@ -196,3 +196,14 @@ def repo_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread: on a busy 2-core machine two spinning OpenMP threads make these runs ~10x slower."""
+    import torch  # here, not at the top: most test files never load torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

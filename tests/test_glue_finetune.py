@@ -17,13 +17,7 @@ from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
 GOOD, BAD = "fine nice good fair".split(), "poor sad bad grim".split()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a busy 2-core machine two spinning OpenMP threads make these runs ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def sts_rows(n: int, seed: int) -> list[str]:

@@ -33,13 +33,7 @@ def synthetic_squad(n: int, seed: int, prefix: str) -> dict:
     return {"version": "1.1", "data": [{"title": "synthetic", "paragraphs": paragraphs}]}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a busy 2-core machine two spinning OpenMP threads make these runs ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,11 @@ from torch import nn
 from workflow.cli import UserError, run
 from workflow.glue.data import GlueTask, task_of
 from workflow.squad.data import load_features
-from workflow.squad.finetune import SquadTask, linear_warmup_decay
+from workflow.squad.finetune import FinetuneSettings as SquadFinetuneSettings
+from workflow.squad.finetune import SquadTask, adamw_with_warmup, check_features_fit
 from workflow.train import checkpoint, distributed
 from workflow.train.engine import (LoopSettings, accumulation_steps, export_finetuned, finetune_parser,
                                    set_threads, train)
-from workflow.train.lamb import param_groups
 from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights
 from workflow.train.precision import resolve_precision
 
@@ -40,19 +40,12 @@ RECIPE_KEYS = ("learning_rate", "epochs", "batch_size", "warmup_proportion", "we
 
 
 @dataclass
-class FinetuneSettings:
+class FinetuneSettings(SquadFinetuneSettings):
+    """SQuAD's fine-tuning settings with GLUE's defaults (BERT paper: 2e-5, 3 epochs)."""
+
     learning_rate: float = 2e-5
     epochs: float = 3.0
-    batch_size: int = 32
     micro_batch_size: int = 32
-    warmup_proportion: float = 0.1
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    precision: str = "auto"
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 12345
 
     @classmethod
     def from_config(cls, config: dict, task: str) -> "FinetuneSettings":
@@ -171,20 +164,12 @@ def _finetune(env, task: GlueTask, init: Path, features_path: Path, output: Path
 
     torch.manual_seed(s.seed)
     model, config = load_classifier(init, task.num_labels)
-    if int(features["input_ids"].max()) >= config.vocab_size:
-        raise UserError(f"{features_path}: token ids reach {int(features['input_ids'].max())}, beyond the model's "
-                        f"vocab_size {config.vocab_size} (features made with another vocab?)")
-    if features["input_ids"].shape[1] > config.max_position_embeddings:
-        raise UserError(f"{features_path}: max_seq_length {features['input_ids'].shape[1]} exceeds the model's "
-                        f"max_position_embeddings {config.max_position_embeddings}")
+    check_features_fit(features, features_path, config)
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank; weights stay identical
         torch.manual_seed(s.seed + env.rank)
     precision = resolve_precision(s.precision, env.device, "glue.precision")
-    optimizer = torch.optim.AdamW(param_groups(model, s.weight_decay), lr=s.learning_rate, betas=(0.9, 0.999),
-                                  eps=1e-6)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: linear_warmup_decay(step, total_steps, s.warmup_proportion))
+    optimizer, scheduler = adamw_with_warmup(model, s, total_steps)
     fingerprint = {**{f"glue.{k}": getattr(s, k) for k in RECIPE_KEYS}, "task": task.name, "seed": s.seed,
                    "init weights": _digest(init / "model.safetensors"),
                    "training features": f"{data.n} examples, sha256 {_digest(features_path)}"}

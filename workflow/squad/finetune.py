@@ -62,6 +62,25 @@ class FinetuneSettings:
                             "(see config.schema.yaml)") from None
 
 
+def check_features_fit(features: dict, features_path, config: BertConfig) -> None:
+    """Features a fine-tune can feed this model: ids within its vocab, rows within its position embeddings."""
+    if int(features["input_ids"].max()) >= config.vocab_size:
+        raise UserError(f"{features_path}: token ids reach {int(features['input_ids'].max())}, beyond the model's "
+                        f"vocab_size {config.vocab_size} (features made with another vocab?)")
+    if features["input_ids"].shape[1] > config.max_position_embeddings:
+        raise UserError(f"{features_path}: max_seq_length {features['input_ids'].shape[1]} exceeds the model's "
+                        f"max_position_embeddings {config.max_position_embeddings}")
+
+
+def adamw_with_warmup(model, s: FinetuneSettings, total_steps: int):
+    """(optimizer, scheduler) of BERT fine-tuning: AdamW, linear warm-up then linear decay to 0."""
+    optimizer = torch.optim.AdamW(param_groups(model, s.weight_decay), lr=s.learning_rate, betas=(0.9, 0.999),
+                                  eps=1e-6)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: linear_warmup_decay(step, total_steps, s.warmup_proportion))
+    return optimizer, scheduler
+
+
 class BertForQuestionAnswering(nn.Module):
     """BERT encoder + a linear layer giving start and end logits for every token."""
 
@@ -181,20 +200,12 @@ def _finetune(env, init: Path, features_path: Path, output: Path, run_dir: Path,
 
     torch.manual_seed(s.seed)
     model, config = load_qa_model(init)
-    if int(features["input_ids"].max()) >= config.vocab_size:
-        raise UserError(f"{features_path}: token ids reach {int(features['input_ids'].max())}, beyond the model's "
-                        f"vocab_size {config.vocab_size} (features made with another vocab?)")
-    if features["input_ids"].shape[1] > config.max_position_embeddings:
-        raise UserError(f"{features_path}: max_seq_length {features['input_ids'].shape[1]} exceeds the model's "
-                        f"max_position_embeddings {config.max_position_embeddings}")
+    check_features_fit(features, features_path, config)
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank; weights stay identical
         torch.manual_seed(s.seed + env.rank)
     precision = resolve_precision(s.precision, env.device, "squad.precision")
-    optimizer = torch.optim.AdamW(param_groups(model, s.weight_decay), lr=s.learning_rate, betas=(0.9, 0.999),
-                                  eps=1e-6)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: linear_warmup_decay(step, total_steps, s.warmup_proportion))
+    optimizer, scheduler = adamw_with_warmup(model, s, total_steps)
     fingerprint = {**{f"squad.{k}": getattr(s, k) for k in ("learning_rate", "epochs", "batch_size",
                                                             "warmup_proportion", "weight_decay", "max_grad_norm")},
                    "seed": s.seed, "init weights": _digest(init / "model.safetensors"),
