@@ -37,6 +37,11 @@ def example_inputs(vocab=64, batch=3, length=16):
     return input_ids, token_type_ids, attention_mask, positions
 
 
+def every_position(input_ids):
+    """masked_lm_positions [B, L] naming every token: our MLM logits in HF's prediction_logits shape."""
+    return torch.arange(input_ids.shape[1]).expand_as(input_ids)
+
+
 def randomise(model):
     """Non-trivial values everywhere (biases and LayerNorms too), so parity is not vacuous."""
     generator = torch.Generator().manual_seed(2)
@@ -58,7 +63,7 @@ def test_exported_weights_give_identical_logits_in_hf_bert_for_pretraining(tmp_p
     with torch.no_grad():
         mlm, nsp = ours(input_ids, token_type_ids, attention_mask, positions)
         reference = hf(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
-        mlm_all, _ = ours(input_ids, token_type_ids, attention_mask)
+        mlm_all, _ = ours(input_ids, token_type_ids, attention_mask, every_position(input_ids))
     expected_mlm = torch.gather(reference.prediction_logits, 1, positions[..., None].expand(-1, -1, 64))
     assert mlm.shape == (3, 3, 64)
     assert torch.allclose(mlm, expected_mlm, atol=1e-5, rtol=0)
@@ -83,7 +88,7 @@ def test_import_of_an_hf_directory_round_trips(tmp_path):
     assert missing == [] and unexpected == []
     input_ids, token_type_ids, attention_mask, _ = example_inputs()
     with torch.no_grad():
-        mlm, nsp = ours(input_ids, token_type_ids, attention_mask)
+        mlm, nsp = ours(input_ids, token_type_ids, attention_mask, every_position(input_ids))
         reference = hf(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
     assert torch.allclose(mlm, reference.prediction_logits, atol=1e-5, rtol=0)
     assert torch.allclose(nsp, reference.seq_relationship_logits, atol=1e-5, rtol=0)

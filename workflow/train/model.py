@@ -6,11 +6,11 @@ API (stable; the SQuAD stage builds on it):
     BertModel(config)               forward(input_ids, token_type_ids, attention_mask, position_ids=None,
                                     cls_positions=None) -> (sequence_output [B, L, H], pooled_output [B, H])
     BertForPreTraining(config)      .bert is the BertModel; forward(input_ids, token_type_ids, attention_mask,
-                                    masked_lm_positions=None, position_ids=None, cls_positions=None,
+                                    masked_lm_positions, position_ids=None, cls_positions=None,
                                     masked_lm_valid=None) -> (mlm_logits, nsp_logits); mlm_logits are [B, P, V] at
-                                    the given positions only ([B, L, V] when positions is None), or, with
-                                    masked_lm_valid [B, P] (True = a real prediction slot), [M, V] at the M real
-                                    slots only, in row-major slot order (= masked_lm_labels[masked_lm_valid])
+                                    the given positions only, or, with masked_lm_valid [B, P] (True = a real
+                                    prediction slot; what training passes), [M, V] at the M real slots only, in
+                                    row-major slot order (= masked_lm_labels[masked_lm_valid])
     pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict of loss/accuracy tensors
     save_pretrained(model, config, vocab_path, out_dir)   HF directory: model.safetensors + config.json + vocab.txt
     load_pretrained(directory) -> (config, state_dict)     state_dict in BertForPreTraining names (heads may be absent)
@@ -24,8 +24,8 @@ Packed batches (rows holding several sequences, workflow.data.pack): pass `cls_p
 [CLS] slot), `position_ids` [B, L] restarting at 0 per sequence, and as `attention_mask` each token's sequence
 number 1..S (0 = padding; a sequence's tokens are contiguous). A token then attends only to its own sequence:
 through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEVICE_TYPES (CUDA), with the real
-tokens gathered to [T, H] for every layer and variable-length flash attention (nested jagged SDPA); with
-masked_lm_valid, BertForPreTraining takes the MLM and [CLS] inputs straight from those [T, H] (no re-padded rows). The
+tokens gathered to [T, H] for every layer and variable-length flash attention (nested jagged SDPA);
+BertForPreTraining takes the MLM and [CLS] inputs straight from those [T, H] (no re-padded rows). The
 pooler and NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot).
 Without packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; checking costs one device
 sync per forward on CUDA); padding queries still attend to real keys, as in HF.
@@ -387,36 +387,24 @@ class BertForPreTraining(nn.Module):
         self.cls = BertPreTrainingHeads(config)
         self.cls.apply(lambda m: _init_weights(m, config.initializer_range))
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, masked_lm_positions=None,
-                position_ids=None, cls_positions=None, masked_lm_valid=None):
-        """(mlm_logits, nsp_logits); MLM logits only at `masked_lm_positions` [B, P] when given: [B, P, V], or
-        [M, V] at the M slots where `masked_lm_valid` [B, P] is True (row-major order) when that is given."""
-        if masked_lm_valid is not None:
-            return self._at_real_slots(input_ids, token_type_ids, attention_mask, masked_lm_positions, position_ids,
-                                       cls_positions, masked_lm_valid)
-        sequence_output, pooled_output = self.bert(input_ids, token_type_ids, attention_mask, position_ids,
-                                                   cls_positions)
-        if masked_lm_positions is not None:
-            # The vocab projection dominates a small model's cost: run it on ~15% of tokens only.
-            sequence_output = gather_positions(sequence_output, masked_lm_positions)
-        return self._heads(sequence_output, pooled_output)
-
-    def _at_real_slots(self, input_ids, token_type_ids, attention_mask, masked_lm_positions, position_ids,
-                       cls_positions, masked_lm_valid):
-        """The pretraining forward with the MLM head ([M, H] -> [M, V]) at the real prediction slots only (empty
-        slots are ~12% at seq 128, ~25% at 512), gathered straight from the encoder's rows or real tokens."""
-        if masked_lm_positions is None:
-            raise ValueError("masked_lm_valid selects among masked_lm_positions: pass both")
+    def forward(self, input_ids, token_type_ids, attention_mask, masked_lm_positions, position_ids=None,
+                cls_positions=None, masked_lm_valid=None):
+        """(mlm_logits, nsp_logits); the MLM head runs at the prediction slots only (the vocab projection dominates a
+        small model's cost): [B, P, V] at every slot of `masked_lm_positions` [B, P], or, with `masked_lm_valid`
+        [B, P], [M, V] at its M real slots (row-major order), never at empty ones (~12% at seq 128, ~25% at 512).
+        Both are gathered straight from the encoder's rows or real tokens."""
         batch, length = input_ids.shape
         rows = torch.arange(batch, device=input_ids.device).unsqueeze(1) * length
+        flat = masked_lm_positions.long() + rows
         # M depends on the data: the selection syncs once with the host on CUDA (as NVIDIA's DLE does), placed before
         # the encoder is queued, beside the attention's own checks, so the GPU has no queued work to wait out.
-        predicted = (masked_lm_positions.long() + rows)[masked_lm_valid]
+        predicted = flat.flatten() if masked_lm_valid is None else flat[masked_lm_valid]
         hidden, tokens = self.bert.encode(input_ids, token_type_ids, attention_mask, position_ids,
                                           cls_positions is not None)
         first = rows.squeeze(1) if cls_positions is None else cls_positions.long() + rows
-        return self._heads(at_positions(hidden, tokens, predicted),
-                           self.bert.pooler(at_positions(hidden, tokens, first)))
+        mlm_logits, nsp_logits = self._heads(at_positions(hidden, tokens, predicted),
+                                             self.bert.pooler(at_positions(hidden, tokens, first)))
+        return (mlm_logits if masked_lm_valid is not None else mlm_logits.view(*flat.shape, -1)), nsp_logits
 
     def _heads(self, predicted, pooled_output):
         """(MLM logits of the `predicted` hidden states, NSP logits of the pooled outputs)."""
