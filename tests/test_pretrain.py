@@ -622,3 +622,49 @@ def test_snakemake_runs_phase1_then_phase2_from_phase1s_export_and_reruns_only_f
     (work / "lr.yaml").write_text(test_config.replace("phase1: {learning_rate: 0.01", "phase1: {learning_rate: 0.02"))
     planned = snakemake("--dry-run", configfile="lr.yaml")
     assert re.search(r"^pretrain\s+2$", planned.stdout, re.MULTILINE), planned.stdout
+
+
+def write_manifest(directory, masked_lm_prob):
+    """manifest.json as workflow.data.hdf5_dir writes it, for the training shards of `directory`."""
+    from workflow.data.hdf5_dir import sha256
+
+    shards = [{"path": f"training/{Path(x.path).name}", "n_instances": x.n, "n_rows": x.rows, "sha256": sha256(
+        Path(x.path))} for x in list_shards(directory, "training")]
+    (Path(directory) / "manifest.json").write_text(json.dumps(
+        {"format": "unpacked", "settings": {"masked_lm_prob": masked_lm_prob}, "shards": shards}))
+
+
+@pytest.mark.parametrize("change", ["shards regenerated", "manifest settings", "vocab", "optimizer"])
+def test_a_resume_on_other_data_or_optimizer_refuses_with_one_error_line(tmp_path, capsys, monkeypatch, change):
+    shards = tmp_path / "data"
+    write_synthetic_shards(shards / "hdf5", n_training_shards=2, sequences_per_shard=32, seed=1)
+    if change == "manifest settings":
+        write_manifest(shards / "hdf5", 0.15)
+    s = settings(shards, tmp_path / "out", total_steps=20, max_steps=1, checkpoint_every=1, eval_max_sequences=8)
+    pretrain(s)
+    before = sorted(p.name for p in (Path(s.run_dir) / "checkpoints").iterdir())
+    if change == "vocab":  # same size, other tokens
+        vocab = Path(s.vocab)
+        vocab.write_text(vocab.read_text().replace("w1\n", "w1000\n"))
+        expected = r"vocab [0-9a-f]{16} -> [0-9a-f]{16}"
+    elif change == "optimizer":  # as when apex is installed between two runs
+        import workflow.train.pretrain as pretrain_module
+
+        make = pretrain_module.make_optimizer
+        monkeypatch.setattr(pretrain_module, "make_optimizer", lambda *a, **k: (make(*a, **k)[0], "apex.FusedLAMB"))
+        expected = r"optimizer torch\.Lamb -> apex\.FusedLAMB"
+    else:  # the same counts, other masking: other content
+        write_synthetic_shards(shards / "hdf5", n_training_shards=2, sequences_per_shard=32, seed=2)
+        expected = r"training data 2 shards, 64 sequences, sha256 (\w{16}) -> 2 shards, 64 sequences, sha256 (?!\1)\w{16}"
+        if change == "manifest settings":
+            write_manifest(shards / "hdf5", 0.2)
+            expected += r"; training data settings\.masked_lm_prob 0\.15 -> 0\.2"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, command(dataclasses.replace(s, max_steps=2))[3:])
+    assert exit_info.value.code == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and re.fullmatch(
+        rf"error: {re.escape(s.run_dir)}: its checkpoints belong to a run with other settings \({expected}\); to start "
+        rf"over, move or delete {re.escape(s.run_dir)} \(nothing was deleted\)", error[0]), error
+    assert sorted(p.name for p in (Path(s.run_dir) / "checkpoints").iterdir()) == before

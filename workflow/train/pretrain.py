@@ -28,7 +28,6 @@ workflow/train/engine.py for resume (elastic), refusals, stop signals and SNAKEB
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import shutil
@@ -47,7 +46,7 @@ from workflow.train.lamb import make_optimizer, make_scheduler
 from workflow.train.model import (BertConfig, BertForPreTraining, count_parameters, flops_per_sequence, load_pretrained,
                                   load_weights, pretraining_loss, save_pretrained)
 from workflow.train.precision import autocast, resolve_precision
-from workflow.train.pretraining_data import PretrainingSequences, iterate_in_order, list_shards
+from workflow.train.pretraining_data import PretrainingSequences, data_identity, iterate_in_order, list_shards
 
 log = logging.getLogger("pretrain")
 # Keys of a phase's config section; precision etc. come from the `pretrain` section itself.
@@ -223,19 +222,17 @@ def evaluate(model, shards, env, precision, batch_size, limit) -> dict:
             "test_sequences": int(nsp_count), "test_predictions": int(mlm_count)}
 
 
-def _fingerprint(s: TrainSettings, config: BertConfig, shards) -> dict:
+def _fingerprint(s: TrainSettings, config: BertConfig, data: dict, optimizer_name: str) -> dict:
     """What defines the run's math, by config key: a change refuses to resume (world size, micro-batch size,
-    threads, cadence, precision and max_steps may change)."""
+    threads, cadence, precision and max_steps may change). `data`: pretraining_data.data_identity."""
     key = f"pretrain.{s.phase}"
-    data = hashlib.sha256(json.dumps([[Path(x.path).name, x.n] for x in shards]).encode()).hexdigest()[:12]
     return {f"{key}.learning_rate": s.learning_rate, f"{key}.warmup_proportion": s.warmup_proportion,
             f"{key}.total_steps": s.total_steps, f"{key}.global_batch_size": s.global_batch_size, "seed": s.seed,
-            **{f"pretrain.lamb.{k}": getattr(s, k) for k in LAMB_KEYS},
+            **{f"pretrain.lamb.{k}": getattr(s, k) for k in LAMB_KEYS}, "optimizer": optimizer_name,
             "model": config.to_dict(), "init weights": _file_digest(s.init_from, ("model.safetensors",
                                                                                   "pytorch_model.bin")),
-            "init optimizer state": _file_digest(s.init_optimizer, ("",)),
-            "training data": f"{len(shards)} {'packed ' if shards[0].packed else ''}shards, "
-                             f"{sum(x.n for x in shards)} sequences, sha256 {data}"}
+            "init optimizer state": _file_digest(s.init_optimizer, ("",)), "vocab": _file_digest(s.vocab, ("",)),
+            **data}
 
 
 def _file_digest(path: str | None, names) -> str | None:
@@ -305,7 +302,7 @@ def _pretrain(s: TrainSettings, env) -> dict:
                         loader_workers=s.loader_workers)
     try:
         outcome = train(env, model, optimizer, scheduler, PretrainingTask(sequences, seq_length), loop,
-                        _fingerprint(s, config, train_shards))
+                        _fingerprint(s, config, data_identity(s.data_dir, train_shards), optimizer_name))
     finally:
         sequences.close()
     if outcome.stopped:

@@ -4,6 +4,7 @@ order, batches.
 API:
     list_shards(directory, split) -> [ShardInfo]     every `directory/split/*.hdf5`, validated (datasets, shapes);
                                                      all of one format and one sequence length
+    data_identity(directory, shards) -> dict         what identifies the training data (for a run's fingerprint)
     read_shard(shard) -> dict of numpy arrays
     make_batch(arrays, rows, live=None) -> dict of torch tensors: input_ids, token_type_ids, attention_mask,
         masked_lm_positions, masked_lm_labels ([B, P], -1 where no prediction), next_sentence_labels; packed rows
@@ -21,6 +22,8 @@ labels -1), so every sequence is trained on exactly once and a step's loss is th
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from workflow.cli import UserError
+from workflow.train.checkpoint import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +121,34 @@ def list_shards(directory: str | Path, split: str) -> list[ShardInfo]:
                             f"{shard.max_predictions} differ from {first.path}'s "
                             f"{first.seq_length}/{first.max_predictions}")
     return shards
+
+
+def data_identity(directory: str | Path, shards: list[ShardInfo]) -> dict:
+    """What identifies the training data: a digest of their content (from manifest.json's sha256 of each shard,
+    checked against the shards found, or, without a manifest, of the files themselves) and the encode settings the
+    manifest records, so that data regenerated with other settings but the same counts is told apart."""
+    manifest_path = Path(directory) / "manifest.json"
+    names = [f"training/{Path(shard.path).name}" for shard in shards]
+    if manifest_path.is_file():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            listed = {entry["path"]: entry for entry in manifest["shards"] if entry["path"].startswith("training/")}
+            settings = manifest.get("settings", {})
+        except (ValueError, KeyError, TypeError) as error:
+            raise UserError(f"{manifest_path}: not a data manifest ({error})") from None
+        found = {name: shard.n for name, shard in zip(names, shards)}
+        if {name: entry["n_instances"] for name, entry in listed.items()} != found:
+            raise UserError(f"{manifest_path}: lists other training shards or counts than {Path(directory) / 'training'}"
+                            f" holds ({len(listed)} listed, {len(found)} found); rebuild the directory")
+        checksums = [listed[name]["sha256"] for name in names]
+    else:
+        settings = None
+        log.info("%s: no manifest.json; the training data's digest is computed from the shards themselves", directory)
+        checksums = [file_sha256(Path(shard.path)) for shard in shards]
+    digest = hashlib.sha256(json.dumps([names, [s.n for s in shards], checksums]).encode()).hexdigest()[:16]
+    return {"training data": f"{len(shards)} {'packed ' if shards[0].packed else ''}shards, "
+                             f"{sum(s.n for s in shards)} sequences, sha256 {digest}",
+            "training data settings": settings}
 
 
 def read_shard(shard: ShardInfo) -> dict[str, np.ndarray]:
