@@ -4,7 +4,7 @@
     python benchmarks/train_step.py --step-only --seq 512 --predictions 80 --micro-batch 4   # CPU: 1. at seq 512
     python benchmarks/train_step.py --gpu           # CUDA (an H100/H200): the GPU mode below; without a CUDA device
                                                     # it prints "no CUDA device: GPU benchmark skipped" and exits 0
-    python benchmarks/train_step.py --gpu --device cpu --preset tiny --steps 2 --warmup 1 \
+    python benchmarks/train_step.py --gpu --device cpu --preset tiny --vocab 1024 --steps 2 --warmup 1 \
         --gpu-micro-batch1 8 --gpu-micro-batch2 4   # the GPU mode's code rehearsed on CPU (tests/test_benchmarks.py)
 
 CPU, fp32, one small BERT, the same weights on every side; steps alternate between the sides so machine noise
@@ -360,7 +360,7 @@ def gpu_benchmark(args) -> None:
 
     for phase, seq, predictions, micro in (("phase1", 128, 20, args.gpu_micro_batch1),
                                            ("phase2", 512, 80, args.gpu_micro_batch2)):
-        config = BertConfig.preset(args.preset, vocab_size=30528)
+        config = BertConfig.preset(args.preset, vocab_size=(args.vocab + 7) // 8 * 8)  # padded to 8, as pretrain does
         n = micro * args.steps
         padded, packed, real, fill_padded, fill_packed = padded_and_packed(config, seq, predictions, n, micro,
                                                                            device.torch)
@@ -421,7 +421,7 @@ def main(argv=None) -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=30522)
+    p.add_argument("--vocab", type=int, default=30522, help="vocabulary size (BERT's uncased vocab by default)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--predictions", type=int, default=20)
     p.add_argument("--micro-batch", type=int, default=8)
@@ -433,7 +433,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="--gpu: where it runs; cpu rehearses the GPU run's code (packed rows on the varlen path)")
     p.add_argument("--preset", choices=("bert-large", "bert-base", "tiny"), default="bert-large",
-                   help="--gpu: model size (vocab 30528)")
+                   help="--gpu: model size (vocab: --vocab padded to a multiple of 8, 30528 by default)")
     p.add_argument("--compile", action="store_true", help="--gpu: torch.compile our model")
     args = p.parse_args(argv)
     if args.gpu:
