@@ -194,14 +194,58 @@ def test_stop_signal_writes_a_checkpoint_and_exits_non_zero(data, tmp_path, sign
 
 def test_any_range_of_the_global_sequence_order_reads_the_same_sequences(tmp_path):
     write_synthetic_shards(tmp_path, n_training_shards=3, sequences_per_shard=21, seed=2)
-    order = PretrainingSequences(list_shards(tmp_path, "training"), seed=9)
-    whole = order.read(0, 150)  # 63 per epoch: crosses two epoch boundaries
+    order = PretrainingSequences(list_shards(tmp_path, "training"), seed=9, chunk_rows=8)
+    whole = order.read(0, 150)  # 63 per epoch in 9 chunks: crosses chunks and two epoch boundaries
     for start, count in ((0, 4), (5, 17), (20, 2), (60, 9), (126, 24)):
-        part = PretrainingSequences(list_shards(tmp_path, "training"), seed=9).read(start, count)
+        part = PretrainingSequences(list_shards(tmp_path, "training"), seed=9, chunk_rows=8).read(start, count)
         assert all(torch.equal(part[k], whole[k][start:start + count]) for k in whole)
     ids = [tuple(row.tolist()) for row in whole["input_ids"]]
     assert sorted(ids[:63]) == sorted(ids[63:126]) and ids[:63] != ids[63:126]  # each epoch: all, reshuffled
-    assert len({tuple(order.plan(e)) for e in range(6)}) > 1
+    sources = order.sources(0, 126)
+    assert sorted(map(tuple, sources[:63])) == sorted(map(tuple, sources[63:])) == [
+        (shard, row) for shard in range(3) for row in range(21)]
+
+
+def step_mixing(shard_of: np.ndarray, document_of: np.ndarray, step: int) -> dict:
+    """Per step of `step` sequences, averaged: the share of its sequences from its most common shard, the shards it
+    draws from (fewest over the steps), the pairs of sequences that are copies of one document, and the share of steps
+    holding such a pair."""
+    shares, shards, pairs = [], [], []
+    for k in range(len(shard_of) // step):
+        counts = np.bincount(shard_of[k * step:(k + 1) * step])
+        shares.append(counts.max() / step)
+        shards.append(np.count_nonzero(counts))
+        copies = np.unique(document_of[k * step:(k + 1) * step], return_counts=True)[1]
+        pairs.append(int((copies * (copies - 1) // 2).sum()))
+    return {"top_shard_share": np.mean(shares), "fewest_shards": min(shards), "copy_pairs": np.mean(pairs),
+            "steps_with_copies": np.mean(np.array(pairs) > 0)}
+
+
+def test_a_step_mixes_the_shards_and_documents_nearly_as_a_uniform_shuffle_does():
+    """Full-size proportions at a small scale: a shard holds 1,024 chunks (256 shards of ~340k packed rows in chunks
+    of 256) and every document's copies (dupe_factor 5) lie at random rows of one shard, as encode writes them; a step
+    of 512 sequences sees ~1 pair of copies under a uniform shuffle (65,536 of 217 M at full size: ~40)."""
+    from workflow.train.pretraining_data import ShardInfo
+
+    n_shards, rows, copies, step = 32, 16384, 5, 512
+    rng = np.random.default_rng(0)
+    document = np.stack([rng.permutation(rows) // copies + shard * rows for shard in range(n_shards)])
+    order = PretrainingSequences([ShardInfo(f"shard_{i}", rows, 128, 20) for i in range(n_shards)], seed=1,
+                                 chunk_rows=16)
+    sources = order.sources(0, order.epoch_length)
+    ours = step_mixing(sources[:, 0], document[sources[:, 0], sources[:, 1]], step)
+    uniform = rng.permutation(n_shards * rows)
+    uniform = step_mixing(uniform // rows, document.ravel()[uniform], step)
+    # The order before: shards one after the other in a shuffled order, rows shuffled within each.
+    shard_of = np.repeat(rng.permutation(n_shards), rows)
+    before = step_mixing(shard_of, document[shard_of, np.concatenate([rng.permutation(rows) for _ in shard_of[::rows]])],
+                         step)
+    assert before["top_shard_share"] == 1 and before["fewest_shards"] == 1 and before["copy_pairs"] > 30
+    # Expected: 32 chunks of 16 rows per step, ~20 shards; copies meet in a chunk (+0.8 pairs) or as uniform (+1).
+    assert ours["top_shard_share"] < 2.5 * uniform["top_shard_share"] < 0.15
+    assert ours["fewest_shards"] >= 12
+    assert ours["copy_pairs"] < 2 * uniform["copy_pairs"] < 2.2
+    assert ours["steps_with_copies"] < uniform["steps_with_copies"] + 0.25 < 0.95
 
 
 def live_sequences(batch) -> list[int]:
@@ -214,7 +258,7 @@ def test_packed_reads_give_every_sequence_once_whatever_the_split_into_steps_and
     shards = list_shards(tmp_path, "training")
     assert shards[0].packed and shards[0].n == 40 and shards[0].rows < 30  # several sequences per row
     length_of, row_of = packed_file_maps(shards[0].path)
-    whole = PretrainingSequences(shards, seed=9).read(0, 100)  # crosses two epoch boundaries
+    whole = PretrainingSequences(shards, seed=9, chunk_rows=4).read(0, 100)  # crosses chunks and two epochs
     order = live_sequences(whole)
     assert len(order) == 100 and sorted(order[:40]) == list(range(40)) and order[:40] != order[40:80]
     # Reads that start inside a row (its first sequences belong to the read before): two of them below.
@@ -222,7 +266,7 @@ def test_packed_reads_give_every_sequence_once_whatever_the_split_into_steps_and
     assert len(inside) >= 20  # 40 sequences in < 30 rows, each epoch
     for start, count in ((0, 1), (1, 6), (7, 13), (20, 21), (41, 3), (77, 23), (inside[0], 5),
                          (inside[-1], 100 - inside[-1])):
-        part = PretrainingSequences(shards, seed=9).read(start, count)
+        part = PretrainingSequences(shards, seed=9, chunk_rows=4).read(start, count)
         assert live_sequences(part) == order[start:start + count]
         assert int((part["next_sentence_labels"] >= 0).sum()) == count
         # A straddling row's other sequences are padding here: only the live sequences' tokens are real.
@@ -293,7 +337,9 @@ def test_the_task_loss_at_real_prediction_slots_equals_the_loss_over_every_slot(
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig.from_json(bert_config(tmp_path / "config.json", dropout=0.0)))
     task = PretrainingTask(PretrainingSequences(list_shards(tmp_path, "training"), seed=3), 32)
-    batch = task.read(5, 16)
+    sources = task.sequences.sources(0, 40)
+    start = next(k for k in range(5, 40) if (sources[k - 1] == sources[k]).all()) if packed else 5
+    batch = task.read(start, 16)
     if packed:  # the read starts inside a packed row: its first sequence, [CLS] included, is padding here
         assert batch["attention_mask"][0, batch["cls_positions"][0, 0]] == 0
     valid = batch["masked_lm_labels"] >= 0

@@ -46,7 +46,7 @@ from workflow.train.lamb import make_optimizer, make_scheduler
 from workflow.train.model import (BertConfig, BertForPreTraining, count_parameters, flops_per_sequence, load_pretrained,
                                   load_weights, pretraining_loss, save_pretrained)
 from workflow.train.precision import autocast, resolve_precision
-from workflow.train.pretraining_data import PretrainingSequences, data_identity, iterate_in_order, list_shards
+from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, iterate_in_order, list_shards
 
 log = logging.getLogger("pretrain")
 # Keys of a phase's config section; precision etc. come from the `pretrain` section itself.
@@ -232,7 +232,7 @@ def _fingerprint(s: TrainSettings, config: BertConfig, data: dict, optimizer_nam
             "model": config.to_dict(), "init weights": _file_digest(s.init_from, ("model.safetensors",
                                                                                   "pytorch_model.bin")),
             "init optimizer state": _file_digest(s.init_optimizer, ("",)), "vocab": _file_digest(s.vocab, ("",)),
-            **data}
+            **data, "data order": ORDER}
 
 
 def _file_digest(path: str | None, names) -> str | None:

@@ -11,9 +11,10 @@ API:
         add position_ids, cls_positions and instance_index, and their next_sentence_labels are [B, S] (-1 = no
         sequence) and attention_mask each token's sequence number (0 = padding), as BertForPreTraining expects.
     PretrainingSequences(shards, seed).read(start, count) -> batch
-        sequences [start, start + count) of one endless global order (epochs of shuffled shards, rows shuffled
-        within a shard, a packed row's sequences in slot order) that does not depend on the number of ranks:
-        resuming at a position is exact on any number of ranks.
+        sequences [start, start + count) of one endless global order (epochs of one seeded shuffle of every
+        shard's chunks of CHUNK_ROWS rows, a packed row's sequences in slot order) that does not depend on the number
+        of ranks: resuming at a position is exact on any number of ranks. `.sources(start, count)`: their
+        (shard, row), without reading.
 
 Packed rows and batch boundaries: the data position counts sequences, never rows. A read of sequences [a, b)
 carries every row holding one of them; a row whose sequences straddle a or b (a step's or a micro-batch's edge) is
@@ -27,7 +28,6 @@ import json
 import logging
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,14 +54,14 @@ PACKED_SCHEMA = {**SCHEMA, "next_sentence_labels": 2, "position_ids": 2, "cls_po
                  "instance_index": 2}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ShardInfo:
     path: str
     n: int                 # sequences
     seq_length: int
     max_predictions: int
     packed: bool = False
-    sequences_per_row: tuple = ()  # packed: each row's number of sequences (they fill its leading slots)
+    sequences_per_row: np.ndarray | None = None  # packed: each row's number of sequences (uint8; its leading slots)
 
     @property
     def rows(self) -> int:
@@ -100,7 +100,7 @@ def _validate(path: Path) -> ShardInfo:
                             f"(input_ids is {shapes['input_ids']})")
     if packed:
         return ShardInfo(str(path), int(sequences_per_row.sum()), seq_length, max_predictions, True,
-                         tuple(int(c) for c in sequences_per_row))
+                         sequences_per_row.astype(np.uint8))
     return ShardInfo(str(path), n, seq_length, max_predictions)
 
 
@@ -151,10 +151,19 @@ def data_identity(directory: str | Path, shards: list[ShardInfo]) -> dict:
             "training data settings": settings}
 
 
+def _names(shard: ShardInfo) -> list[str]:
+    return [name for name in (PACKED_SCHEMA if shard.packed else SCHEMA) if name != "sequence_lengths"]
+
+
+def read_rows(handle: h5py.File, shard: ShardInfo, first: int, stop: int) -> dict[str, np.ndarray]:
+    """Rows [first, stop) of an open shard: one contiguous slice per dataset (HDF5 decompresses only its chunks)."""
+    return {name: handle[name][first:stop] for name in _names(shard)}
+
+
 def read_shard(shard: ShardInfo) -> dict[str, np.ndarray]:
-    names = [name for name in (PACKED_SCHEMA if shard.packed else SCHEMA) if name != "sequence_lengths"]
+    """A whole shard in memory (tests and the input benchmark's baseline; training reads chunks of rows)."""
     with h5py.File(shard.path, "r") as handle:
-        return {name: handle[name][()] for name in names}
+        return read_rows(handle, shard, 0, shard.rows)
 
 
 def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = None) -> dict[str, torch.Tensor]:
@@ -199,111 +208,139 @@ def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = No
     }
 
 
+CHUNK_ROWS = 256  # rows read together from one shard: 4 of encode's HDF5 chunks of wide datasets (64 rows)
+ORDER = f"chunks of {CHUNK_ROWS} rows of every shard, one seeded shuffle of them all per epoch"  # in the fingerprint
+
+
 class PretrainingSequences:
     """Every training sequence in one global order that does not depend on the number of ranks.
 
-    Epoch e visits the shards in a permutation seeded by (seed, e), the rows of shard s in a permutation seeded by
-    (seed, e, s); sequence i of the run is the (i mod N)-th of epoch i // N (N = all training sequences). `read`
-    returns any range, so every rank reads its own part of a step and a resumed run (on any number of ranks)
-    continues with exactly the next sequences. Shards are read whole, the next one by a background thread.
+    Epoch e cuts every shard into chunks of `chunk_rows` consecutive rows and visits the chunks of all shards in one
+    permutation seeded by (seed, e); a chunk's rows in file order (encode shuffled the instances), a packed row's
+    sequences in slot order. Sequence i of the run is the (i mod N)-th of epoch i // N (N = all training sequences).
+    A step of G sequences thus spans ~G / (chunk_rows x sequences per row) chunks of as many shards, close to a
+    uniform shuffle (tests/test_pretrain.py measures it), while every read stays a contiguous, HDF5-chunk-aligned
+    slice. `read` returns any range, so every rank reads its own part of a step and a resumed run (on any number of
+    ranks) continues with exactly the next sequences. A process holds the few chunks it is reading (decompressed
+    once) and a few open files, never a whole shard.
     """
 
-    def __init__(self, shards: list[ShardInfo], seed: int, cached_shards: int = 3):
-        self.shards = shards
-        self.seed = seed
-        self.epoch_length = sum(s.n for s in shards)
+    def __init__(self, shards: list[ShardInfo], seed: int, chunk_rows: int = CHUNK_ROWS, cached_chunks: int = 4,
+                 open_files: int = 16):
+        self.shards, self.seed, self.chunk_rows = shards, seed, chunk_rows
+        self._cached_chunks, self._open_files = cached_chunks, open_files
+        shard, first, sequences = [], [], []
+        for index, info in enumerate(shards):
+            starts = np.arange(0, info.rows, chunk_rows)
+            shard.append(np.full(len(starts), index, np.int32))
+            first.append(starts)
+            sequences.append(np.add.reduceat(info.sequences_per_row, starts, dtype=np.int64) if info.packed and len(
+                starts) else np.minimum(chunk_rows, info.rows - starts))
+        self._chunk_shard, self._chunk_first = np.concatenate(shard), np.concatenate(first)
+        self._chunk_sequences = np.concatenate(sequences).astype(np.int64)
+        self.epoch_length = int(self._chunk_sequences.sum())
         if self.epoch_length == 0:
             raise UserError(f"{Path(shards[0].path).parent}: the training shards hold no sequences")
-        self._cached = cached_shards
-        self._arrays: dict[int, dict] = {}   # shard index -> arrays, oldest first
-        self._orders: dict[tuple[int, int], tuple] = {}  # (epoch, shard) -> its row order, oldest first
-        self._pending: dict[int, object] = {}
-        self._pool, self._pool_pid = None, None
+        self._epochs: dict[int, tuple] = {}     # epoch -> (chunk order, running sequence total), newest 2
+        self._chunks: dict[int, dict] = {}      # chunk -> its rows' arrays, oldest first
+        self._files: dict[int, h5py.File] = {}  # shard -> open file, oldest first
+        self._pid = os.getpid()
 
-    @property
-    def pool(self) -> ThreadPoolExecutor:
-        """The shard prefetch thread of this process (a forked loader worker starts its own)."""
-        if self._pool_pid != os.getpid():
-            self._pool, self._pool_pid, self._pending = ThreadPoolExecutor(1, "shard-prefetch"), os.getpid(), {}
-        return self._pool
+    def __getstate__(self):  # a spawned loader worker opens its own files
+        return {**self.__dict__, "_files": {}, "_chunks": {}}
 
-    def plan(self, epoch: int) -> list[int]:
-        """The shards (indices into `shards`) in the order epoch `epoch` visits them."""
-        return [int(i) for i in np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))]
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if epoch not in self._epochs:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self._chunk_shard))
+            self._epochs[epoch] = order, np.cumsum(self._chunk_sequences[order])
+            while len(self._epochs) > 2:
+                self._epochs.pop(next(iter(self._epochs)))
+        return self._epochs[epoch]
 
-    def _order(self, epoch: int, shard: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """(rows in the order epoch `epoch` visits them, their sequence counts, the running total of those; None
-        unpacked), computed once per shard and epoch: a read of a few sequences must not cost O(rows)."""
-        key = (epoch, shard)
-        if key not in self._orders:
-            info = self.shards[shard]
-            rows = np.random.default_rng([self.seed, epoch, shard]).permutation(info.rows)
-            per_row = np.asarray(info.sequences_per_row)[rows] if info.packed else None
-            self._orders[key] = rows, per_row, None if per_row is None else np.cumsum(per_row)
-            while len(self._orders) > self._cached:
-                self._orders.pop(next(iter(self._orders)))
-        return self._orders[key]
+    def pieces(self, start: int, count: int):
+        """(chunk, first sequence within it, count) of the chunks holding sequences [start, start + count)."""
+        while count > 0:
+            epoch, offset = divmod(start, self.epoch_length)
+            order, ends = self._epoch(epoch)
+            k = int(np.searchsorted(ends, offset, side="right"))
+            chunk = int(order[k])
+            take = min(count, int(ends[k]) - offset)
+            yield chunk, offset - (int(ends[k]) - int(self._chunk_sequences[chunk])), take
+            start, count = start + take, count - take
 
-    def _load(self, shard: int) -> dict:
-        if shard not in self._arrays:
-            future = self._pending.pop(shard, None)
-            self._arrays[shard] = future.result() if future is not None else read_shard(self.shards[shard])
-            while len(self._arrays) > self._cached:
-                self._arrays.pop(next(iter(self._arrays)))
-        return self._arrays[shard]
+    def _chunk_rows(self, chunk: int) -> tuple[ShardInfo, int, int]:
+        info = self.shards[self._chunk_shard[chunk]]
+        first = int(self._chunk_first[chunk])
+        return info, first, min(first + self.chunk_rows, info.rows)
 
-    def _prefetch(self, shard: int) -> None:
-        if shard not in self._arrays and shard not in self._pending:
-            self._pending[shard] = self.pool.submit(read_shard, self.shards[shard])
+    def sources(self, start: int, count: int) -> np.ndarray:
+        """[count, 2]: the (shard index, row) of each of sequences [start, start + count), without reading data."""
+        parts = []
+        for chunk, offset, take in self.pieces(start, count):
+            info, first, stop = self._chunk_rows(chunk)
+            rows = np.arange(first, stop)
+            if info.packed:
+                rows = np.repeat(rows, info.sequences_per_row[first:stop])
+            parts.append(np.stack([np.full(take, self._chunk_shard[chunk]), rows[offset:offset + take]], 1))
+        return np.concatenate(parts)
 
-    def _take(self, epoch: int, shard: int, offset: int, count: int) -> dict:
-        """Sequences [offset, offset + count) of one shard's order in `epoch`, as arrays (+ "live" when packed)."""
-        arrays, (order, per_row, ends) = self._load(shard), self._order(epoch, shard)
-        if per_row is None:
-            rows = order[offset:offset + count]
-            return {name: values[rows] for name, values in arrays.items()}
-        first, last = np.searchsorted(ends, [offset, offset + count - 1], side="right")
-        rows = order[first:last + 1]
-        # Global index (within the shard's order) of each slot's sequence; live if it falls in the range.
+    def _file(self, shard: int) -> h5py.File:
+        if self._pid != os.getpid():  # a forked loader worker: the parent's HDF5 handles are not ours to use
+            self._files, self._chunks, self._pid = {}, {}, os.getpid()
+        if shard not in self._files:
+            # A small chunk cache per dataset: the chunks read are used once (the narrow datasets' a few times).
+            self._files[shard] = h5py.File(self.shards[shard].path, "r", rdcc_nbytes=1 << 18)
+            while len(self._files) > self._open_files:
+                self._files.pop(next(iter(self._files))).close()
+        return self._files[shard]
+
+    def _load(self, chunk: int) -> dict:
+        if chunk not in self._chunks:
+            info, first, stop = self._chunk_rows(chunk)
+            self._chunks[chunk] = read_rows(self._file(int(self._chunk_shard[chunk])), info, first, stop)
+            while len(self._chunks) > self._cached_chunks:
+                self._chunks.pop(next(iter(self._chunks)))
+        return self._chunks[chunk]
+
+    def _take(self, chunk: int, offset: int, count: int) -> dict:
+        """Sequences [offset, offset + count) of one chunk, as arrays (+ "live" when packed)."""
+        arrays = self._load(chunk)
+        info, first, stop = self._chunk_rows(chunk)
+        if not info.packed:
+            return {name: values[offset:offset + count] for name, values in arrays.items()}
+        per_row = info.sequences_per_row[first:stop].astype(np.int64)
+        ends = np.cumsum(per_row)
+        a, b = np.searchsorted(ends, [offset, offset + count - 1], side="right")
+        # Index (within the chunk) of each slot's sequence; live if it falls in the range.
         slot = np.arange(arrays["cls_positions"].shape[1])
-        index = (ends[first:last + 1] - per_row[first:last + 1])[:, None] + slot
-        live = (index >= offset) & (index < offset + count) & (slot < per_row[first:last + 1, None])
-        return {**{name: values[rows] for name, values in arrays.items()}, "live": live}
+        index = (ends[a:b + 1] - per_row[a:b + 1])[:, None] + slot
+        live = (index >= offset) & (index < offset + count) & (slot < per_row[a:b + 1, None])
+        return {**{name: values[a:b + 1] for name, values in arrays.items()}, "live": live}
 
     def read(self, start: int, count: int) -> dict[str, torch.Tensor]:
         """Sequences [start, start + count) of the global order as one batch."""
-        parts = []
-        while count > 0:
-            epoch, offset = divmod(start, self.epoch_length)
-            plan = self.plan(epoch)
-            for slot, shard in enumerate(plan):
-                if offset < self.shards[shard].n:
-                    break
-                offset -= self.shards[shard].n
-            take = min(count, self.shards[shard].n - offset)
-            parts.append(self._take(epoch, shard, offset, take))
-            following = plan[slot + 1] if slot + 1 < len(plan) else self.plan(epoch + 1)[0]
-            self._prefetch(following)
-            start, count = start + take, count - take
+        parts = [self._take(*piece) for piece in self.pieces(start, count)]
         arrays = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
         live = arrays.pop("live", None)
         return make_batch(arrays, slice(None), live)
 
     def close(self) -> None:
-        if self._pool is not None and self._pool_pid == os.getpid():
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pid == os.getpid():
+            for handle in self._files.values():
+                handle.close()
+        self._files, self._chunks = {}, {}
 
 
 def iterate_in_order(shards: list[ShardInfo], batch_size: int, limit: int | None = None):
     """Every row of `shards` once, in file order, in batches of `batch_size` rows (held-out evaluation), until the
-    rows hold `limit` sequences (packed rows are taken whole: up to S - 1 more)."""
+    rows hold `limit` sequences (packed rows are taken whole: up to S - 1 more). Reads one batch's rows at a time."""
     remaining = math.inf if limit is None else limit
     for shard in shards:
         if remaining <= 0:
             return
-        arrays = read_shard(shard)
-        per_row = np.asarray(shard.sequences_per_row) if shard.packed else np.ones(shard.rows, np.int64)
+        per_row = shard.sequences_per_row.astype(np.int64) if shard.packed else np.ones(shard.rows, np.int64)
         n = int(np.searchsorted(np.cumsum(per_row), remaining) + 1) if remaining < shard.n else shard.rows
-        for start in range(0, n, batch_size):
-            yield make_batch(arrays, np.arange(start, min(start + batch_size, n)))
+        with h5py.File(shard.path, "r") as handle:
+            for start in range(0, n, batch_size):
+                yield make_batch(read_rows(handle, shard, start, min(start + batch_size, n)), slice(None))
         remaining -= int(per_row[:n].sum())
