@@ -680,7 +680,7 @@ def write_manifest(directory, masked_lm_prob):
         {"format": "unpacked", "settings": {"masked_lm_prob": masked_lm_prob}, "shards": shards}))
 
 
-@pytest.mark.parametrize("change", ["shards regenerated", "manifest settings", "vocab", "optimizer"])
+@pytest.mark.parametrize("change", ["shards regenerated", "manifest settings", "vocab", "optimizer", "data order"])
 def test_a_resume_on_other_data_or_optimizer_refuses_with_one_error_line(tmp_path, capsys, monkeypatch, change):
     shards = tmp_path / "data"
     write_synthetic_shards(shards / "hdf5", n_training_shards=2, sequences_per_shard=32, seed=1)
@@ -699,6 +699,11 @@ def test_a_resume_on_other_data_or_optimizer_refuses_with_one_error_line(tmp_pat
         make = pretrain_module.make_optimizer
         monkeypatch.setattr(pretrain_module, "make_optimizer", lambda *a, **k: (make(*a, **k)[0], "apex.FusedLAMB"))
         expected = r"optimizer torch\.Lamb -> apex\.FusedLAMB"
+    elif change == "data order":  # a new version's order: the same data would come in another order
+        import workflow.train.pretrain as pretrain_module
+
+        expected = rf"data order {re.escape(pretrain_module.ORDER)} -> another order"
+        monkeypatch.setattr(pretrain_module, "ORDER", "another order")
     else:  # the same counts, other masking: other content
         write_synthetic_shards(shards / "hdf5", n_training_shards=2, sequences_per_shard=32, seed=2)
         expected = r"training data 2 shards, 64 sequences, sha256 (\w{16}) -> 2 shards, 64 sequences, sha256 (?!\1)\w{16}"
