@@ -1,83 +1,197 @@
-"""Benchmark: packed sequences per second that ONE loader core delivers to the trainer, at seq 128 and 512.
+"""Benchmark: what ONE loader process costs and delivers at full-size shards, today's loader beside the one before.
 
-    python benchmarks/input_pipeline.py [--megabytes 8] [--micro-batch 64 --micro-batch-512 16]
+    python benchmarks/input_pipeline.py [--instances 600000 --instances-512 200000] [--real-text MB]
 
-Real Wikipedia text from the bundled sample (benchmarks/wikipedia_sample.real_text: the real extract and format
-stages) is given a vocab, tokenized, and encoded with packing into gzip shards, as the DAG does. Then one process
-with one torch thread reads the whole epoch of the training order in micro-batches, exactly as a DataLoader worker
-does (workflow.train.pretraining_data.PretrainingSequences.read: HDF5 read + gzip decompression of the shard,
-shuffled row selection, straddling rows trimmed, int64 tensors). Printed: sequences per CPU second of that process
-(all its threads: the shard prefetch thread included; CPU time, since the machine is shared), real tokens per CPU
-second, and against the targets of issue 9 (3x an H100's consumption: 6,000 seq/s at 128, 3,000 at 512) the
-loader cores one GPU needs. Pinned-memory copies (CUDA only) are not included.
+Data, packed as the DAG packs it (PackSettings: gapfill, <= 3 per row, gzip, encode's HDF5 layout): by default one
+generated shard per sequence length of full size (Wikipedia-like lengths and predictions, benchmarks/train_step.py's
+generator, random token ids), linked twice into the training directory so that the loader crosses shards as it does
+among 256 (two shards of identical content); with --real-text, two shards encoded from that much real Wikipedia
+text (the real extract, format, vocab, tokenize and encode stages; far below full size).
+
+Each side runs in its own process with one torch thread and reads one epoch of the training order in micro-batches,
+exactly as a DataLoader worker does (`read(start, count)`: HDF5 read + gzip decompression, row selection, straddling
+rows trimmed, int64 tensors; pinned-memory copies, CUDA only, excluded):
+  - ours: workflow.train.pretraining_data.PretrainingSequences (chunks of 256 rows in a global shuffle, read as
+    contiguous slices, 4 decoded chunks cached);
+  - before: the same module at BASELINE (read from git), as issue 18 found it: whole shards read (`read_shard`) and
+    cached (3), the next one read ahead by a thread, rows shuffled within a shard.
+Printed per side: peak RSS of the process (python + torch + h5py imports included; the imports alone beside),
+sequences and real tokens per CPU second (all the process's threads, prefetch thread included; CPU time, since the
+machine is shared) and wall seconds; then the mixing of a phase-1 step at full size (256 shards of 850k sequences,
+2.5 per row, global batch 65,536; every document's 5 maskings at random rows of its shard): the share of the step's
+sequences from its most common shard, the shards it draws from, and pairs of copies of one document, for today's
+order, the order before and a uniform shuffle.
 """
 from __future__ import annotations
 
 import argparse
-import math
+import json
+import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
-import torch
+import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from benchmarks.wikipedia_sample import real_text  # noqa: E402
-from workflow.data.encode import EncodeSettings, encode_shard  # noqa: E402
-from workflow.data.pack import PackSettings  # noqa: E402
-from workflow.data.tokenize import tokenize_shard  # noqa: E402
-from workflow.data.vocab import train_vocab  # noqa: E402
-from workflow.train.pretraining_data import PretrainingSequences, list_shards  # noqa: E402
+from benchmarks.wikipedia_sample import run_stage  # noqa: E402
 
-TARGETS = {128: 6000, 512: 3000}  # issue 9: 3x what one H100 consumes
+BASELINE = "0b9fa38"  # main before issue 18: whole-shard reads
 PREDICTIONS = {128: 20, 512: 80}
+TARGETS = {128: 100_000, 512: 40_000}  # issue 18: sequences per CPU second of one loader
+RSS_TARGET_MB = 1024
 
 
-def loader_rate(directory: Path, micro_batch: int) -> dict:
-    """One epoch read in micro-batches by one process: sequences and real tokens per CPU second."""
-    shards = list_shards(directory, "training")
-    sequences = PretrainingSequences(shards, seed=1)
-    total = sequences.epoch_length
-    cpu, wall, real = time.process_time(), time.perf_counter(), 0
-    for start in range(0, total - micro_batch + 1, micro_batch):
+def loader_module(side: str):
+    """workflow.train.pretraining_data as it is (ours) or at BASELINE (before)."""
+    if side == "ours":
+        from workflow.train import pretraining_data
+
+        return pretraining_data
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{BASELINE}:workflow/train/pretraining_data.py"],
+                            capture_output=True, text=True, check=True).stdout
+    module = types.ModuleType("pretraining_data_before")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(source, f"{BASELINE}:pretraining_data.py", "exec"), module.__dict__)
+    return module
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set since its exec (VmHWM; ru_maxrss would include its parent's before exec)."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) / 1024
+
+
+def read_epoch(side: str, directory: str, micro_batch: int) -> None:
+    """The child process: one epoch in micro-batches; prints its figures as JSON."""
+    import torch
+
+    torch.set_num_threads(1)
+    module = loader_module(side)
+    imports_mb = peak_rss_mb()
+    cpu, wall = time.process_time(), time.perf_counter()
+    sequences = module.PretrainingSequences(module.list_shards(directory, "training"), seed=1)
+    total, real = sequences.epoch_length // micro_batch * micro_batch, 0
+    for start in range(0, total, micro_batch):
         real += int((sequences.read(start, micro_batch)["attention_mask"] > 0).sum())
-    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     sequences.close()
-    done = total // micro_batch * micro_batch
-    return {"sequences": done, "rows": sum(s.rows for s in shards), "cpu_s": cpu, "wall_s": wall,
-            "seq_per_cpu_s": done / cpu, "real_tokens_per_cpu_s": real / cpu}
+    print(json.dumps({"sequences": total, "real_tokens": real, "cpu_s": time.process_time() - cpu,
+                      "wall_s": time.perf_counter() - wall, "imports_mb": imports_mb, "peak_mb": peak_rss_mb()}))
+
+
+def generated_shard(path: Path, seq: int, n: int) -> None:
+    """A packed shard of `n` Wikipedia-like instances (a block of distinct ones, repeated), encode's HDF5 layout."""
+    from benchmarks.train_step import instances
+    from workflow.data.encode import write_shard
+    from workflow.data.pack import PackSettings, pack_arrays
+    from workflow.train.model import BertConfig
+
+    block = instances(BertConfig(vocab_size=30522), seq, PREDICTIONS[seq], min(n, 50_000))
+    arrays = {name: np.resize(values, (n, *values.shape[1:])) for name, values in block.items()}
+    settings = PackSettings()
+    packed = pack_arrays(arrays, settings.max_sequences_per_pack, algorithm=settings.algorithm)
+    write_shard(path, {}, {name: (values.shape, values.dtype) for name, values in packed.items()}, [packed], "gzip")
+
+
+def real_text_shards(directory: Path, seq: int, work: Path, megabytes: float) -> None:
+    from benchmarks.wikipedia_sample import real_text
+    from workflow.data.encode import EncodeSettings, encode_shard
+    from workflow.data.pack import PackSettings
+    from workflow.data.tokenize import tokenize_shard
+    from workflow.data.vocab import train_vocab
+
+    if not (work / "tokenized.npz").exists():
+        text = real_text(megabytes, work / "text.txt")
+        train_vocab([text], work / "vocab.txt", size=30522, lowercase=True)
+        tokenize_shard(text, work / "vocab.txt", work / "tokenized.npz")
+    settings = EncodeSettings(max_seq_length=seq, max_predictions_per_seq=PREDICTIONS[seq])
+    for index in range(2):  # other shard seeds: other instances of the same text
+        encode_shard(work / "tokenized.npz", work / "vocab.txt", directory / "training" / f"shard_{index}.hdf5",
+                     settings, seed=12345, split="training", shard_index=index, packing=PackSettings())
+
+
+def step_mixing(shard_of: np.ndarray, document_of: np.ndarray, step: int) -> tuple[float, int, float]:
+    """Means over the steps: (share of the most common shard, shards drawn from, pairs of copies of a document)."""
+    share, shards, pairs = [], [], []
+    for k in range(len(shard_of) // step):
+        counts = np.bincount(shard_of[k * step:(k + 1) * step])
+        share.append(counts.max() / step)
+        shards.append(np.count_nonzero(counts))
+        copies = np.unique(document_of[k * step:(k + 1) * step], return_counts=True)[1]
+        pairs.append((copies * (copies - 1) // 2).sum())
+    return float(np.mean(share)), float(np.mean(shards)), float(np.mean(pairs))
+
+
+def full_size_mixing(steps: int = 20, n_shards: int = 256, per_shard: int = 850_000, per_row: float = 2.5,
+                     step: int = 65_536, dupe_factor: int = 5) -> None:
+    """Mixing of `steps` phase-1 steps, as unpacked rows of chunk_rows x per_row sequences (same chunk sequences)."""
+    from workflow.train.pretraining_data import CHUNK_ROWS, PretrainingSequences, ShardInfo
+
+    rng = np.random.default_rng(0)
+    shards = [ShardInfo(f"shard_{i}", per_shard, 128, 20) for i in range(n_shards)]
+    sources = PretrainingSequences(shards, seed=1, chunk_rows=int(CHUNK_ROWS * per_row)).sources(0, steps * step)
+    placement = rng.permutation(per_shard)  # a document's copies lie at random rows of its shard (encode shuffles)
+
+    def documents(shard, row):
+        return shard * per_shard + placement[row] // dupe_factor
+
+    uniform = rng.integers(0, n_shards * per_shard, steps * step)  # (with replacement: 1.3 M of 218 M)
+    # Before: a step is a slice of one shard's shuffled rows.
+    before_shard = np.repeat(rng.integers(0, n_shards, steps), step)
+    before_row = np.concatenate([rng.permutation(per_shard)[:step] for _ in range(steps)])
+    print(f"mixing of a phase-1 step at full size ({n_shards} shards of {per_shard:,} sequences, {per_row} per row, "
+          f"step {step:,}, dupe_factor {dupe_factor}), mean over {steps} steps: top shard's share | shards | pairs "
+          f"of copies of one document")
+    for name, (shard, row) in (("ours (chunks of %d rows)" % CHUNK_ROWS, (sources[:, 0], sources[:, 1])),
+                               ("before (shard by shard)", (before_shard, before_row)),
+                               ("uniform shuffle", (uniform // per_shard, uniform % per_shard))):
+        share, drawn, pairs = step_mixing(shard, documents(shard, row), step)
+        print(f"  {name:<26} {share:7.2%} | {drawn:5.1f} | {pairs:8.1f}")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--megabytes", type=float, default=8.0, help="text to encode (the sample, repeated)")
+    parser.add_argument("--instances", type=int, default=600_000, help="instances of the generated shard at 128")
+    parser.add_argument("--instances-512", type=int, default=200_000, help="instances of the generated shard at 512")
+    parser.add_argument("--real-text", type=float, default=None, help="MB of real text instead of generated shards")
     parser.add_argument("--micro-batch", type=int, default=64, help="sequences per read at 128")
     parser.add_argument("--micro-batch-512", type=int, default=16, help="sequences per read at 512")
-    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--child", nargs=3, metavar=("SIDE", "DIR", "MICRO"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    if args.child:
+        return read_epoch(args.child[0], args.child[1], int(args.child[2]))
     with tempfile.TemporaryDirectory() as temporary:
         work = Path(temporary)
-        text = real_text(args.megabytes, work / "text.txt")
-        train_vocab([text], work / "vocab.txt", size=30522, lowercase=True)
-        tokenize_shard(text, work / "vocab.txt", work / "tokenized.npz")
-        print(f"one loader core (1 process, 1 torch thread), {args.megabytes} MB of real text, packed shards "
-              f"({PackSettings().algorithm}, <= 3 per row, gzip):")
-        for length, micro in ((128, args.micro_batch), (512, args.micro_batch_512)):
-            directory = work / f"hdf5_seq{length}"
+        for seq, n, micro in ((128, args.instances, args.micro_batch), (512, args.instances_512, args.micro_batch_512)):
+            directory = work / f"hdf5_seq{seq}"
             (directory / "training").mkdir(parents=True)
-            settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=PREDICTIONS[length])
-            for index in range(args.shards):  # other shard seeds: other instances of the same text
-                encode_shard(work / "tokenized.npz", work / "vocab.txt", directory / "training" / f"shard_{index}.hdf5",
-                             settings, seed=12345, split="training", shard_index=index, packing=PackSettings())
-            rate = loader_rate(directory, micro)
-            cores = math.ceil(TARGETS[length] / rate["seq_per_cpu_s"])
-            print(f"  seq {length}: {rate['sequences']} sequences in {rate['rows']} rows, micro-batch {micro}: "
-                  f"{rate['seq_per_cpu_s']:,.0f} seq per CPU s, {rate['real_tokens_per_cpu_s']:,.0f} real tokens per "
-                  f"CPU s (wall {rate['wall_s']:.2f} s for {rate['cpu_s']:.2f} CPU s); target {TARGETS[length]:,} "
-                  f"seq/s per GPU -> {cores} loader core(s) per GPU")
+            started = time.process_time()
+            if args.real_text:
+                real_text_shards(directory, seq, work, args.real_text)
+                source = f"{args.real_text} MB of real text, 2 shards"
+            else:
+                generated_shard(work / f"seq{seq}.hdf5", seq, n)
+                for index in range(2):
+                    (directory / "training" / f"shard_{index}.hdf5").hardlink_to(work / f"seq{seq}.hdf5")
+                source = f"a generated shard of {n:,} instances, linked twice"
+            files = sorted((directory / "training").iterdir())
+            size = sum(f.stat().st_size for f in files) / 2**20
+            print(f"seq {seq}: {source} ({size:,.0f} MB on disk, made in {time.process_time() - started:.0f} CPU s), "
+                  f"micro-batches of {micro} sequences:")
+            for side in ("before", "ours"):
+                measured = run_stage([sys.executable, Path(__file__), "--child", side, directory, micro])
+                figures = json.loads(measured.stdout)
+                rate = figures["sequences"] / figures["cpu_s"]
+                print(f"  {side:<6}: peak RSS {figures['peak_mb']:6,.0f} MB (imports alone {figures['imports_mb']:,.0f}) | "
+                      f"{rate:9,.0f} seq per CPU s | {figures['real_tokens'] / figures['cpu_s']:12,.0f} real tokens "
+                      f"per CPU s | {figures['sequences']:,} sequences, {figures['cpu_s']:.1f} CPU s, "
+                      f"{figures['wall_s']:.1f} s wall")
+            print(f"  targets: <= {RSS_TARGET_MB:,} MB per loader, >= {TARGETS[seq]:,} seq per CPU s")
+    full_size_mixing()
 
 
 if __name__ == "__main__":

@@ -155,15 +155,20 @@ def _names(shard: ShardInfo) -> list[str]:
     return [name for name in (PACKED_SCHEMA if shard.packed else SCHEMA) if name != "sequence_lengths"]
 
 
-def read_rows(handle: h5py.File, shard: ShardInfo, first: int, stop: int) -> dict[str, np.ndarray]:
-    """Rows [first, stop) of an open shard: one contiguous slice per dataset (HDF5 decompresses only its chunks)."""
-    return {name: handle[name][first:stop] for name in _names(shard)}
+def datasets(handle: h5py.File, shard: ShardInfo) -> dict[str, h5py.Dataset]:
+    """The datasets a batch is made of (looking one up by name costs more than reading a few rows of it)."""
+    return {name: handle[name] for name in _names(shard)}
+
+
+def read_rows(arrays: dict[str, h5py.Dataset], first: int, stop: int) -> dict[str, np.ndarray]:
+    """Rows [first, stop) of a shard's datasets: one contiguous slice each (HDF5 decompresses only its chunks)."""
+    return {name: dataset[first:stop] for name, dataset in arrays.items()}
 
 
 def read_shard(shard: ShardInfo) -> dict[str, np.ndarray]:
     """A whole shard in memory (tests and the input benchmark's baseline; training reads chunks of rows)."""
     with h5py.File(shard.path, "r") as handle:
-        return read_rows(handle, shard, 0, shard.rows)
+        return read_rows(datasets(handle, shard), 0, shard.rows)
 
 
 def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = None) -> dict[str, torch.Tensor]:
@@ -243,7 +248,7 @@ class PretrainingSequences:
             raise UserError(f"{Path(shards[0].path).parent}: the training shards hold no sequences")
         self._epochs: dict[int, tuple] = {}     # epoch -> (chunk order, running sequence total), newest 2
         self._chunks: dict[int, dict] = {}      # chunk -> its rows' arrays, oldest first
-        self._files: dict[int, h5py.File] = {}  # shard -> open file, oldest first
+        self._files: dict[int, tuple] = {}      # shard -> (open file, its datasets), oldest first
         self._pid = os.getpid()
 
     def __getstate__(self):  # a spawned loader worker opens its own files
@@ -284,20 +289,21 @@ class PretrainingSequences:
             parts.append(np.stack([np.full(take, self._chunk_shard[chunk]), rows[offset:offset + take]], 1))
         return np.concatenate(parts)
 
-    def _file(self, shard: int) -> h5py.File:
+    def _datasets(self, shard: int) -> dict[str, h5py.Dataset]:
         if self._pid != os.getpid():  # a forked loader worker: the parent's HDF5 handles are not ours to use
             self._files, self._chunks, self._pid = {}, {}, os.getpid()
         if shard not in self._files:
             # A small chunk cache per dataset: the chunks read are used once (the narrow datasets' a few times).
-            self._files[shard] = h5py.File(self.shards[shard].path, "r", rdcc_nbytes=1 << 18)
+            handle = h5py.File(self.shards[shard].path, "r", rdcc_nbytes=1 << 18)
+            self._files[shard] = handle, datasets(handle, self.shards[shard])
             while len(self._files) > self._open_files:
-                self._files.pop(next(iter(self._files))).close()
-        return self._files[shard]
+                self._files.pop(next(iter(self._files)))[0].close()
+        return self._files[shard][1]
 
     def _load(self, chunk: int) -> dict:
         if chunk not in self._chunks:
-            info, first, stop = self._chunk_rows(chunk)
-            self._chunks[chunk] = read_rows(self._file(int(self._chunk_shard[chunk])), info, first, stop)
+            _, first, stop = self._chunk_rows(chunk)
+            self._chunks[chunk] = read_rows(self._datasets(int(self._chunk_shard[chunk])), first, stop)
             while len(self._chunks) > self._cached_chunks:
                 self._chunks.pop(next(iter(self._chunks)))
         return self._chunks[chunk]
@@ -326,7 +332,7 @@ class PretrainingSequences:
 
     def close(self) -> None:
         if self._pid == os.getpid():
-            for handle in self._files.values():
+            for handle, _ in self._files.values():
                 handle.close()
         self._files, self._chunks = {}, {}
 
@@ -341,6 +347,7 @@ def iterate_in_order(shards: list[ShardInfo], batch_size: int, limit: int | None
         per_row = shard.sequences_per_row.astype(np.int64) if shard.packed else np.ones(shard.rows, np.int64)
         n = int(np.searchsorted(np.cumsum(per_row), remaining) + 1) if remaining < shard.n else shard.rows
         with h5py.File(shard.path, "r") as handle:
+            arrays = datasets(handle, shard)
             for start in range(0, n, batch_size):
-                yield make_batch(read_rows(handle, shard, start, min(start + batch_size, n)), slice(None))
+                yield make_batch(read_rows(arrays, start, min(start + batch_size, n)), slice(None))
         remaining -= int(per_row[:n].sum())
