@@ -436,9 +436,49 @@ def test_global_batch_not_divisible_names_the_config_key(data, tmp_path):
     with pytest.raises(UserError, match=r"config pretrain\.phase2\.global_batch_size \(48\) is not divisible by "
                                         r"pretrain\.phase2\.micro_batch_size \(16\) x world size \(2\)"):
         accumulation_steps(48, 16, 2, "pretrain.phase2")
-    with pytest.raises(UserError, match=r"pretrain\.phase1\.global_batch_size \(40\)"):
-        pretrain(settings(data, tmp_path / "out", global_batch_size=40))
-    assert not (tmp_path / "out" / "run").exists()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["nvidia_schema", "packed"])
+def test_micro_batches_of_rows_have_one_shape_and_give_the_steps_loss_and_gradients_on_any_world(tmp_path, packed):
+    """pretrain's micro_batch_size counts rows: a step's rows split over the ranks, in micro-batches of exactly that
+    many rows (the last filled up with empty rows), train on the step's sequences with the loss and gradients of the
+    step read as one batch, whatever the number of ranks."""
+    from workflow.train.model import BertForPreTraining
+    from workflow.train.pretrain import PretrainingTask
+
+    write_synthetic_shards(tmp_path, n_training_shards=2, sequences_per_shard=40, seed=4, short_seq_prob=0.7,
+                           max_sequences_per_pack=3 if packed else None)
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.from_json(bert_config(tmp_path / "config.json", dropout=0.0)))
+    task = PretrainingTask(PretrainingSequences(list_shards(tmp_path, "training"), seed=3, chunk_rows=8), 32)
+    start, count, rows = 5, 29, 4  # the step starts and ends inside packed rows and crosses chunks
+
+    def step(batches):
+        model.zero_grad()
+        counts = [task.count(b) for b in batches]
+        totals = {key: sum(c[key] for c in counts).float() for key in counts[0]}
+        loss = sum(task.loss(model, batch, totals)["loss"] for batch in batches)
+        loss.backward()
+        return totals, loss.item(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    def live_rows(batch):
+        return int((batch["next_sentence_labels"] >= 0).reshape(len(batch["input_ids"]), -1).any(1).sum())
+
+    whole = task.read(start, count)
+    whole_totals, whole_loss, whole_grads = step([whole])
+    assert whole_totals["sequences"] == count
+    for world in (1, 2, 3):
+        split = [task.micro_batches(start, count, rank, world, rows) for rank in range(world)]
+        batches = [b for mine in split for b in mine]
+        assert {tuple(b["input_ids"].shape) for b in batches} == {(rows, 32)}
+        # Every row of the step once, each rank's last micro-batch filled up with empty rows.
+        assert sum(map(live_rows, batches)) == len(whole["input_ids"])
+        assert [len(mine) for mine in split] == [-(-sum(map(live_rows, mine)) // rows) for mine in split]
+        totals, loss, grads = step(batches)
+        assert totals == whole_totals and loss == pytest.approx(whole_loss, abs=1e-5), world
+        assert grads.keys() == whole_grads.keys()
+        for name in grads:
+            assert torch.allclose(grads[name], whole_grads[name], atol=1e-5, rtol=1e-4), (world, name)
 
 
 # ---------------------------------------------------------------- DDP: 2 processes == 1 process
@@ -524,8 +564,9 @@ def test_a_run_checkpointed_on_2_ranks_continues_on_1_then_4_like_an_uninterrupt
     for name in expected:  # equal up to fp32 reduction order (gloo sums, other micro-batch splits)
         assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
     # Same sequences, same losses, step by step; the runs' steps 1-3, 4-6 and 7-8 came from 2, 1 and 4 ranks.
-    losses = [(m["step"], round(m["loss"], 4)) for m in read_metrics(elastic / "metrics.jsonl")]
-    assert losses == [(m["step"], round(m["loss"], 4)) for m in read_metrics(straight.out_metrics)]
+    # (Equal to within fp32 summation order over other splits: a comparison of rounded values fails at their edges.)
+    losses = [(m["step"], m["loss"]) for m in read_metrics(elastic / "metrics.jsonl")]
+    assert losses == [(m["step"], pytest.approx(m["loss"], abs=1e-5)) for m in read_metrics(straight.out_metrics)]
     assert [m["step"] for m in read_metrics(elastic / "metrics.jsonl")] == list(range(1, 9))
     summary = json.loads((elastic / "summary.json").read_text())
     real = sum(m["real_tokens"] for m in read_metrics(elastic / "metrics.jsonl"))

@@ -11,13 +11,14 @@ API:
     set_threads(threads)  this rank's share of the job's CPU threads
 
 Elastic resume: the data position is the number of sequences consumed. Step k reads sequences
-[k*G, (k+1)*G) of the task's global order (G = global batch size) and rank r takes the micro-batches
-r*A .. r*A+A-1 of them (A = accumulation steps), so a run checkpointed on 2 ranks continues on 1 or 4 with exactly the
-next sequences. The loss is normalised by global counts (masked tokens, sequences) summed over the whole step, so
+[k*G, (k+1)*G) of the task's global order (G = global batch size) and rank r takes its share of them: the task's
+micro_batches (pretraining: the step's rows split into contiguous parts, micro-batches of micro_batch_size rows), or
+the micro-batches r*A .. r*A+A-1 of micro_batch_size sequences (A = accumulation steps), so a run checkpointed on 2
+ranks continues on 1 or 4 with exactly the next sequences. The loss is normalised by global counts (masked tokens, sequences) summed over the whole step, so
 the gradient does not depend on how the global batch is split into ranks and micro-batches either: world size,
 micro-batch size, threads, cadence and max_steps may change between runs; a change of the math refuses to resume.
 
-Input pipeline: `loader_workers` processes (a torch DataLoader over the step's micro-batch positions) read
+Input pipeline: `loader_workers` processes (a torch DataLoader over the steps' positions) read each step's
 micro-batches `prefetch_steps` steps ahead of the training thread, into pinned memory on CUDA.
 
 Checkpoints: `run_dir/checkpoints/step_*.pt` (never deleted on a settings change; only the newest
@@ -78,6 +79,10 @@ class Task(Protocol):
     def read(self, start: int, count: int) -> dict:
         """Sequences [start, start + count) of the task's global order (endless: epochs follow each other)."""
 
+    # Optional: micro_batches(start, count, rank, world, size) -> [dict], this rank's micro-batches of the step of
+    # sequences [start, start + count) (pretraining: `size` rows each, in a constant shape); without it, the engine
+    # splits the step into micro-batches of `size` sequences (sequence_micro_batches).
+
     def count(self, batch: dict) -> dict:
         """Loss normalisers of a micro-batch (e.g. masked tokens, sequences); summed over the step and all ranks."""
 
@@ -93,6 +98,7 @@ class Outcome:
     step: int
     train_time_s: float
     stopped: int | None = None    # exit code (128 + signal) when a signal stopped the run
+    micro_batches_per_step: float | None = None  # this rank's mean over the steps this run trained
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world: int, config_key: str,
@@ -187,14 +193,26 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-class _Reads(torch.utils.data.Dataset):
-    """Item `start` = the task's sequences [start, start + count): what a DataLoader worker computes."""
+def sequence_micro_batches(task: Task, start: int, count: int, rank: int, world: int, size: int) -> list[dict]:
+    """Rank `rank`'s micro-batches of the step of sequences [start, start + count): micro-batches rank*A .. rank*A+A-1
+    of `size` sequences each (A = count / (size x world), accumulation_steps)."""
+    accumulation = count // (size * world)
+    first = start + rank * accumulation * size
+    return [task.read(first + i * size, size) for i in range(accumulation)]
 
-    def __init__(self, task: Task, count: int):
-        self.task, self.count = task, count
 
-    def __getitem__(self, start: int) -> dict:
-        return self.task.read(start, self.count)
+class _Steps(torch.utils.data.Dataset):
+    """Item `start` = this rank's micro-batches of the step of sequences [start, start + count): what a DataLoader
+    worker computes."""
+
+    def __init__(self, task: Task, count: int, rank: int, world: int, size: int):
+        self.task, self.count, self.rank, self.world, self.size = task, count, rank, world, size
+
+    def __getitem__(self, start: int) -> list[dict]:
+        split = getattr(self.task, "micro_batches", None)
+        if split is None:
+            return sequence_micro_batches(self.task, start, self.count, self.rank, self.world, self.size)
+        return split(start, self.count, self.rank, self.world, self.size)
 
 
 def _ignore_stop_signals(_worker: int) -> None:
@@ -203,23 +221,24 @@ def _ignore_stop_signals(_worker: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def micro_batches(task: Task, starts, s: LoopSettings, accumulation: int, device: torch.device):
-    """Iterator of the micro-batches at `starts` (sequence positions), read by `s.loader_workers` processes
-    `s.prefetch_steps` steps ahead, in pinned memory on CUDA (so copies to the GPU overlap compute). Reads are pure
-    functions of the position, so reading ahead changes nothing: resume stays exact."""
+def step_batches(task: Task, starts, s: LoopSettings, env):
+    """Iterator of this rank's micro-batches (a list per step) of the steps at `starts` (sequence positions), read by
+    `s.loader_workers` processes `s.prefetch_steps` steps ahead, in pinned memory on CUDA (so copies to the GPU overlap
+    compute). Reads are pure functions of the position, so reading ahead changes nothing: resume stays exact."""
     workers = s.loader_workers
     loader = torch.utils.data.DataLoader(
-        _Reads(task, s.micro_batch_size), batch_size=None, sampler=starts, num_workers=workers,
-        prefetch_factor=max(1, -(-s.prefetch_steps * accumulation // workers)) if workers else None,
-        pin_memory=device.type == "cuda", worker_init_fn=_ignore_stop_signals if workers else None,
+        _Steps(task, s.global_batch_size, env.rank, env.world_size, s.micro_batch_size), batch_size=None,
+        sampler=starts, num_workers=workers, prefetch_factor=max(1, -(-s.prefetch_steps // workers)) if workers else None,
+        pin_memory=env.device.type == "cuda", worker_init_fn=_ignore_stop_signals if workers else None,
         generator=torch.Generator())  # its own seed draw: the global RNG (dropout) must not move
     return iter(loader)
 
 
 def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerprint: dict) -> Outcome:
     """Train `model` on `task` until max_steps (resuming from the run directory); see the module docstring."""
-    accumulation = accumulation_steps(s.global_batch_size, s.micro_batch_size, env.world_size, s.config_key,
-                                      s.global_batch_key)
+    by_rows = hasattr(task, "micro_batches")  # else micro-batches of micro_batch_size sequences, which must divide
+    accumulation = None if by_rows else accumulation_steps(s.global_batch_size, s.micro_batch_size, env.world_size,
+                                                           s.config_key, s.global_batch_key)
     max_steps = s.max_steps or s.total_steps
     if max_steps > s.total_steps:
         raise UserError(f"config {s.config_key}.max_steps ({max_steps}) exceeds total_steps ({s.total_steps})")
@@ -256,9 +275,10 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
     if s.compile:
         train_model = torch.compile(train_model)
     ddp = getattr(train_model, "_orig_mod", train_model)  # under torch.compile, no_sync lives on the DDP module
-    log.info("%s: global batch %d = %d micro x %d accumulation x %d ranks, %s, steps %d/%d", s.config_key,
-             s.global_batch_size, s.micro_batch_size, accumulation, env.world_size, s.precision, max_steps,
-             s.total_steps)
+    split = (f"micro-batches of {s.micro_batch_size} rows" if by_rows else
+             f"{s.micro_batch_size} micro x {accumulation} accumulation") + f" x {env.world_size} ranks"
+    log.info("%s: global batch %d sequences, %s, %s, steps %d/%d", s.config_key, s.global_batch_size, split,
+             s.precision, max_steps, s.total_steps)
 
     def save():
         rng = _gather_rng(env)
@@ -271,20 +291,19 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
         distributed.barrier()  # no rank leaves (or exits) before the checkpoint is on disk
 
     window, window_steps, window_start = {}, 0, time.perf_counter()
-    first = consumed + env.rank * accumulation * s.micro_batch_size  # this rank's first micro-batch of the step
-    loader = micro_batches(task, [first + k * s.global_batch_size + i * s.micro_batch_size
-                                  for k in range(max_steps - step) for i in range(accumulation)],
-                           s, accumulation, env.device)
+    loader = step_batches(task, [consumed + k * s.global_batch_size for k in range(max_steps - step)], s, env)
     model.train()
+    first_step, micro_batches = step, 0
     with ckpt.StopSignals() as stop, GpuTelemetry(run_dir / "gpu_telemetry.csv",
                                                   enabled=env.is_main and s.telemetry):
         progress = tqdm(total=max_steps, initial=step, desc=s.config_key, disable=not env.is_main, file=sys.stderr)
         while step < max_steps:
             started = time.perf_counter()
-            batches = [_to_device(next(loader), env.device) for _ in range(accumulation)]
+            batches = [_to_device(batch, env.device) for batch in next(loader)]
+            micro_batches += len(batches)
             totals = _sum_counts(task, batches, env)
             for index, batch in enumerate(batches):
-                last = index == accumulation - 1
+                last = index == len(batches) - 1
                 sync = contextlib.nullcontext() if last or not env.distributed else ddp.no_sync()
                 with sync:
                     with autocast(env.device, s.precision):
@@ -314,7 +333,8 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
                 log.warning("stopped by signal at step %d; rerun to resume", step)
                 return Outcome(step, train_time, 128 + stop_now)
         progress.close()
-    return Outcome(step, train_time)
+    return Outcome(step, train_time, micro_batches_per_step=micro_batches / (step - first_step) if step > first_step
+                   else None)
 
 
 def _sum_counts(task: Task, batches: list, env) -> dict:

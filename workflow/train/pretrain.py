@@ -16,7 +16,9 @@ Data: NVIDIA-schema or packed shards (workflow.data.pack); `global_batch_size` c
 NVIDIA's recipe: step k trains on sequences [k*G, (k+1)*G) of the global order, packed rows carrying them (a row
 straddling a step's or micro-batch's edge is carried by both sides, each with its own sequences only; see
 workflow/train/pretraining_data.py), so a packed step has fewer rows and the same loss. `micro_batch_size` counts
-sequences too: a packed micro-batch has at most that many rows. Metrics: seq_per_s; tokens_per_s counts
+rows of the data file (sequences when unpacked): each rank's share of a step's rows goes in micro-batches of exactly
+that many rows, the last one filled up with empty rows, so every micro-batch has one shape (compiled graphs are
+reused) and the number of micro-batches per step varies with the rows the step's sequences fill. Metrics: seq_per_s; tokens_per_s counts
 sequences x sequence length (padding included), as NVIDIA reports it; real_tokens_per_s counts the tokens that are
 not padding (what packing raises). Gradient clipping is LAMB's global-norm
 pre-normalisation (max_grad_norm), as in NVIDIA's recipe. Phase 2 starts from phase 1's weights and, unless
@@ -41,7 +43,7 @@ from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, config_sections, run
-from workflow.train.engine import LoopSettings, accumulation_steps, set_threads, train
+from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.lamb import make_optimizer, make_scheduler
 from workflow.train.model import (BertConfig, BertForPreTraining, count_parameters, flops_per_sequence, load_pretrained,
                                   load_weights, pretraining_loss, save_pretrained)
@@ -157,6 +159,9 @@ class PretrainingTask:
     def read(self, start: int, count: int) -> dict:
         return self.sequences.read(start, count)
 
+    def micro_batches(self, start: int, count: int, rank: int, world: int, rows: int) -> list[dict]:
+        return self.sequences.micro_batches(start, count, rank, world, rows)
+
     def count(self, batch: dict) -> dict:
         return {"masked": (batch["masked_lm_labels"] >= 0).sum(), "sequences": (batch["next_sentence_labels"] >= 0).sum()}
 
@@ -171,7 +176,7 @@ class PretrainingTask:
             valid, nsp_valid = labels >= 0, nsp_labels >= 0
             stats = {"mlm_correct": ((mlm_logits.argmax(-1) == labels) & valid).sum(), "mlm_count": valid.sum(),
                      "nsp_correct": ((nsp_logits.argmax(-1) == nsp_labels) & nsp_valid).sum(),
-                     "nsp_count": nsp_valid.sum(), "real_tokens": (batch["attention_mask"] > 0).sum()}
+                     "nsp_count": nsp_valid.sum(), "real_tokens": real_tokens(batch)}
         return {"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss, **stats}
 
     def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float, step: int) -> dict:
@@ -181,6 +186,14 @@ class PretrainingTask:
                 "nsp_accuracy": sums["nsp_correct"] / max(sums["nsp_count"], 1),
                 "tokens_per_s": sequences * self.seq_length / max(elapsed, 1e-9),
                 "real_tokens": int(sums["real_tokens"]), "real_tokens_per_s": sums["real_tokens"] / max(elapsed, 1e-9)}
+
+
+def real_tokens(batch: dict) -> torch.Tensor:
+    """Tokens that are not padding (an unpacked empty row's one attended token is padding too)."""
+    real = batch["attention_mask"] > 0
+    if batch["next_sentence_labels"].dim() == 1:  # unpacked: one sequence per row
+        real &= (batch["next_sentence_labels"] >= 0).unsqueeze(1)
+    return real.sum()
 
 
 def forward(model, batch: dict):
@@ -275,7 +288,6 @@ def pretrain(s: TrainSettings) -> dict:
 
 
 def _pretrain(s: TrainSettings, env) -> dict:
-    accumulation = accumulation_steps(s.global_batch_size, s.micro_batch_size, env.world_size, f"pretrain.{s.phase}")
     train_shards = list_shards(s.data_dir, "training")
     test_shards = list_shards(s.data_dir, "test")
     seq_length = train_shards[0].seq_length
@@ -320,7 +332,7 @@ def _pretrain(s: TrainSettings, env) -> dict:
         "real_tokens_per_s": real_tokens / max(train_time, 1e-9), "packed": train_shards[0].packed,
         "world_size": env.world_size, "device": str(env.device.type), "precision": precision,
         "optimizer": optimizer_name, "parameters": count_parameters(model), "global_batch_size": s.global_batch_size,
-        "micro_batch_size": s.micro_batch_size, "accumulation_steps": accumulation,
+        "micro_batch_size": s.micro_batch_size, "accumulation_steps": outcome.micro_batches_per_step,
         "train_flops_per_sequence": flops_per_sequence(config, seq_length, train_shards[0].max_predictions),
         "model": config.to_dict(), **evaluation,
     }

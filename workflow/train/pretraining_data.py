@@ -62,6 +62,7 @@ class ShardInfo:
     max_predictions: int
     packed: bool = False
     sequences_per_row: np.ndarray | None = None  # packed: each row's number of sequences (uint8; its leading slots)
+    slots: int = 1         # sequence slots per row (packed: max_sequences_per_pack)
 
     @property
     def rows(self) -> int:
@@ -100,7 +101,7 @@ def _validate(path: Path) -> ShardInfo:
                             f"(input_ids is {shapes['input_ids']})")
     if packed:
         return ShardInfo(str(path), int(sequences_per_row.sum()), seq_length, max_predictions, True,
-                         sequences_per_row.astype(np.uint8))
+                         sequences_per_row.astype(np.uint8), shapes["cls_positions"][1])
     return ShardInfo(str(path), n, seq_length, max_predictions)
 
 
@@ -173,7 +174,7 @@ def read_shard(shard: ShardInfo) -> dict[str, np.ndarray]:
 
 def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """The batch of `rows`; for packed rows, `live` [B, S] (default: all) says which of their sequences it trains
-    on: the others become padding."""
+    on: the others become padding; for unpacked rows, `live` [B] marks the empty rows (no NSP label) as False."""
     def take(name):
         return torch.from_numpy(np.ascontiguousarray(arrays[name][rows]).astype(np.int64))
 
@@ -182,13 +183,16 @@ def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = No
         # A zero position after the first entry ends the list of predictions (position 0 is [CLS], never masked).
         valid = torch.cumprod((positions != 0).long(), dim=1).bool()
         labels = torch.where(valid, take("masked_lm_ids"), torch.full_like(positions, -1))
+        nsp = take("next_sentence_labels")
+        if live is not None:  # [B]: a row that is not live is an empty row (its masked positions are all 0)
+            nsp = nsp.masked_fill(~torch.from_numpy(np.asarray(live, dtype=bool)), -1)
         return {
             "input_ids": take("input_ids"),
             "token_type_ids": take("segment_ids"),
             "attention_mask": take("input_mask"),
             "masked_lm_positions": positions * valid,
             "masked_lm_labels": labels,
-            "next_sentence_labels": take("next_sentence_labels"),
+            "next_sentence_labels": nsp,
         }
     sequence = take("input_mask")  # each token's sequence number, 1..S (0 = padding)
     nsp = take("next_sentence_labels")
@@ -211,6 +215,17 @@ def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = No
         "next_sentence_labels": nsp,
         "instance_index": instance,
     }
+
+
+def _padded(arrays: dict[str, np.ndarray], rows: int) -> tuple[dict, slice, np.ndarray]:
+    """make_batch's arguments for `arrays` (with "live") filled up to `rows` rows with empty ones: no label, no live
+    sequence; an unpacked empty row attends to its first token (a row with nothing to attend to would give NaN)."""
+    n = len(arrays["input_ids"])
+    arrays = {name: np.concatenate([values, np.zeros((rows - n, *values.shape[1:]), values.dtype)])
+              for name, values in arrays.items()}
+    if "cls_positions" not in arrays:
+        arrays["input_mask"][n:, 0] = 1
+    return arrays, slice(None), arrays.pop("live")
 
 
 CHUNK_ROWS = 256  # rows read together from one shard: 4 of encode's HDF5 chunks of wide datasets (64 rows)
@@ -308,27 +323,50 @@ class PretrainingSequences:
                 self._chunks.pop(next(iter(self._chunks)))
         return self._chunks[chunk]
 
-    def _take(self, chunk: int, offset: int, count: int) -> dict:
-        """Sequences [offset, offset + count) of one chunk, as arrays (+ "live" when packed)."""
-        arrays = self._load(chunk)
+    def _rows(self, chunk: int, offset: int, count: int) -> tuple[int, int, np.ndarray]:
+        """(first, stop, live) of sequences [offset, offset + count) of a chunk, without reading data: the chunk's rows
+        [first, stop) holding them and which of each row's sequences they are ([rows, S] packed, [rows] unpacked)."""
         info, first, stop = self._chunk_rows(chunk)
         if not info.packed:
-            return {name: values[offset:offset + count] for name, values in arrays.items()}
+            return offset, offset + count, np.ones(count, bool)
         per_row = info.sequences_per_row[first:stop].astype(np.int64)
         ends = np.cumsum(per_row)
         a, b = np.searchsorted(ends, [offset, offset + count - 1], side="right")
         # Index (within the chunk) of each slot's sequence; live if it falls in the range.
-        slot = np.arange(arrays["cls_positions"].shape[1])
+        slot = np.arange(info.slots)
         index = (ends[a:b + 1] - per_row[a:b + 1])[:, None] + slot
-        live = (index >= offset) & (index < offset + count) & (slot < per_row[a:b + 1, None])
-        return {**{name: values[a:b + 1] for name, values in arrays.items()}, "live": live}
+        return a, b + 1, (index >= offset) & (index < offset + count) & (slot < per_row[a:b + 1, None])
+
+    def _step_rows(self, start: int, count: int) -> list[tuple]:
+        """(chunk, first, stop, live) of every chunk holding sequences [start, start + count), in order."""
+        return [(chunk, *self._rows(chunk, offset, take)) for chunk, offset, take in self.pieces(start, count)]
+
+    def _arrays(self, rows: list[tuple]) -> dict[str, np.ndarray]:
+        """The data of `rows` ((chunk, first, stop, live) as _step_rows gives), concatenated; live as "live"."""
+        parts = [{**{name: values[a:b] for name, values in self._load(chunk).items()}, "live": live}
+                 for chunk, a, b, live in rows]
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
     def read(self, start: int, count: int) -> dict[str, torch.Tensor]:
         """Sequences [start, start + count) of the global order as one batch."""
-        parts = [self._take(*piece) for piece in self.pieces(start, count)]
-        arrays = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
-        live = arrays.pop("live", None)
-        return make_batch(arrays, slice(None), live)
+        arrays = self._arrays(self._step_rows(start, count))
+        return make_batch(arrays, slice(None), arrays.pop("live"))
+
+    def micro_batches(self, start: int, count: int, rank: int, world: int, rows: int) -> list[dict]:
+        """Rank `rank`'s share of the step of sequences [start, start + count) as micro-batches of exactly `rows` rows:
+        the step's rows (a straddling row on both sides, as in `read`) split into `world` contiguous parts, the last
+        micro-batch filled up with empty rows, which carry no label. Only this rank's rows are read."""
+        step = self._step_rows(start, count)
+        total = sum(b - a for _, a, b, _ in step)
+        low, high, seen, mine = total * rank // world, total * (rank + 1) // world, 0, []
+        for chunk, a, b, live in step:
+            first, stop = max(a, a + low - seen), min(b, a + high - seen)
+            if first < stop or not mine and seen + b - a >= high:  # (an empty part keeps the shapes)
+                mine.append((chunk, first, max(first, stop), live[first - a:max(first, stop) - a]))
+            seen += b - a
+        arrays = self._arrays(mine)
+        return [make_batch(*_padded({name: values[k:k + rows] for name, values in arrays.items()}, rows))
+                for k in range(0, max(high - low, 1), rows)]
 
     def close(self) -> None:
         if self._pid == os.getpid():
