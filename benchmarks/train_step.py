@@ -71,7 +71,7 @@ import numpy as np  # noqa: E402
 from workflow.data.pack import PackSettings, pack_arrays  # noqa: E402
 import workflow.train.model as model_module  # noqa: E402
 from workflow.train.lamb import Lamb, param_groups  # noqa: E402
-from workflow.train.pretraining_data import make_batch as data_batch  # noqa: E402
+from workflow.train.pretraining_data import make_batch as data_batch, padded as padded_rows  # noqa: E402
 from workflow.train.model import BertConfig, BertForPreTraining, flops_per_sequence, pretraining_loss  # noqa: E402
 from workflow.train.precision import autocast as precision_autocast  # noqa: E402
 from workflow.train.pretrain import forward as pretraining_forward  # noqa: E402
@@ -236,8 +236,10 @@ def instances(config: BertConfig, seq: int, predictions: int, n: int, seed: int 
 
 
 def row_batches(arrays: dict, rows_per_batch: int, device) -> list[dict]:
+    """Micro-batches of exactly `rows_per_batch` rows, the last filled up with empty rows, as pretraining reads them."""
     n = len(arrays["input_ids"])
-    return [{k: v.to(device) for k, v in data_batch(arrays, np.arange(start, min(start + rows_per_batch, n))).items()}
+    return [{k: v.to(device) for k, v in data_batch(*padded_rows({name: values[start:start + rows_per_batch]
+                                                             for name, values in arrays.items()}, rows_per_batch)).items()}
             for start in range(0, n, rows_per_batch)]
 
 
@@ -336,12 +338,20 @@ class Device:
             model_module.VARLEN_DEVICE_TYPES = saved
 
 
-def timed_steps(step, batches: list[dict], warmup: int, device: Device) -> float:
-    """Seconds of `step` over every batch, after `warmup` untimed steps on the batches in turn (one sync at each end:
-    nothing in between waits for the device but the model's own data-dependent shapes)."""
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def timed_steps(step, batches: list[dict], warmup: int, device: Device) -> tuple[float, int]:
+    """(seconds of `step` over every batch, graphs compiled meanwhile), after `warmup` untimed steps on the batches in
+    turn (one sync at each end: nothing in between waits for the device but the model's own data-dependent shapes)."""
     for b in itertools.islice(itertools.cycle(batches), warmup):
         step(b)
-    return timed(lambda: [step(b) for b in batches], device.sync)
+    graphs = compiled_graphs()
+    return timed(lambda: [step(b) for b in batches], device.sync), compiled_graphs() - graphs
 
 
 def gpu_benchmark(args) -> None:
@@ -373,11 +383,14 @@ def gpu_benchmark(args) -> None:
               f"{flops / 1e9:.1f} GFLOP per sequence (real tokens and slots)")
         seq_per_s = {}
 
-        def report(side, batches, fill, seconds):
+        def report(side, batches, fill, timing):
+            seconds, recompiled = timing
             seq_per_s[side] = n / seconds
+            shapes = sorted({tuple(b["input_ids"].shape) for b in batches})
             print(f"  {phase} | {side:<11} | fill {fill:.4f} | {len(batches):3d} micro-batches | "
                   f"{seq_per_s[side]:10.1f} seq/s | {real / seconds:12,.0f} real tokens/s | "
-                  f"MFU {device.mfu(seq_per_s[side] * flops)} | {device.peak_memory()}")
+                  f"MFU {device.mfu(seq_per_s[side] * flops)} | {device.peak_memory()} | shapes {shapes}"
+                  + (f" | graphs compiled while timed: {recompiled}" if args.compile and side != "HF padded" else ""))
 
         torch.manual_seed(0)
         ours = BertForPreTraining(config).train()
@@ -398,7 +411,7 @@ def gpu_benchmark(args) -> None:
             ours_step(step_model, optimizer, b, bf16)
 
         def our_warmup(batches):
-            # Compiled: every batch's shapes (M, T and the last batch's rows vary) are compiled before the clock starts.
+            # Compiled: every batch's shapes (the rows are constant; M and T vary) are compiled before the clock starts.
             return max(args.warmup, len(batches)) if args.compile else args.warmup
 
         report("ours padded", padded, fill_padded, timed_steps(our_step, padded, our_warmup(padded), device))

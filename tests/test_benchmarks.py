@@ -55,6 +55,8 @@ def test_gpu_mode_on_cpu_times_hf_and_ours_padded_and_packed_on_the_same_instanc
         assert int(batches) == -(-rows // MICRO[phase]), (phase, side)
         assert float(seq_per_s) > 0 and int(tokens_per_s.replace(",", "")) > 0
         assert mfu == "n/a"  # the MFU peak is a GPU figure
+    for phase, (seq, _) in PHASES.items():  # every micro-batch of one shape, the last filled up with empty rows
+        assert len(re.findall(rf"^  {phase} \|.* \| shapes \[\({MICRO[phase]}, {seq}\)\]$", result.stdout, re.M)) == 3
     for phase in PHASES:
         assert re.search(rf"^  {phase}: ours over HF .*: padded \d+\.\d+x, packed \(unpadded varlen\) \d+\.\d+x$",
                          result.stdout, re.M), result.stdout

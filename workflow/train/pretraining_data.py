@@ -217,13 +217,16 @@ def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = No
     }
 
 
-def _padded(arrays: dict[str, np.ndarray], rows: int) -> tuple[dict, slice, np.ndarray]:
-    """make_batch's arguments for `arrays` (with "live") filled up to `rows` rows with empty ones: no label, no live
-    sequence; an unpacked empty row attends to its first token (a row with nothing to attend to would give NaN)."""
+def padded(arrays: dict[str, np.ndarray], rows: int) -> tuple[dict, slice, np.ndarray]:
+    """make_batch's arguments for `arrays` filled up to `rows` rows with empty ones, which carry no label and no live
+    sequence (an unpacked empty row attends to its first token: a row with nothing to attend to would give NaN);
+    `arrays["live"]` (default: every sequence) says which sequences of the real rows are trained on."""
     n = len(arrays["input_ids"])
+    packed = "cls_positions" in arrays
+    arrays = {"live": np.ones(arrays["cls_positions"].shape if packed else n, bool), **arrays}
     arrays = {name: np.concatenate([values, np.zeros((rows - n, *values.shape[1:]), values.dtype)])
               for name, values in arrays.items()}
-    if "cls_positions" not in arrays:
+    if not packed:
         arrays["input_mask"][n:, 0] = 1
     return arrays, slice(None), arrays.pop("live")
 
@@ -365,7 +368,7 @@ class PretrainingSequences:
                 mine.append((chunk, first, max(first, stop), live[first - a:max(first, stop) - a]))
             seen += b - a
         arrays = self._arrays(mine)
-        return [make_batch(*_padded({name: values[k:k + rows] for name, values in arrays.items()}, rows))
+        return [make_batch(*padded({name: values[k:k + rows] for name, values in arrays.items()}, rows))
                 for k in range(0, max(high - low, 1), rows)]
 
     def close(self) -> None:
