@@ -19,6 +19,7 @@ rule pretrain:
         recipe=pretrain_recipe,
         config=config_sections("seed", "model", "pretrain"),
         init=pretrain_init_args,
+        lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",  # the exported tokenizer's
     log:
         "logs/pretrain/{phase}/pretrain.log",
     threads: 8
@@ -28,6 +29,6 @@ rule pretrain:
         "../envs/train.yaml"
     shell:
         "python -m workflow.train.distributed -- python -m workflow.train.pretrain --phase {wildcards.phase}"
-        " --config {params.config:q} --data-dir {input.data} --vocab {input.vocab} {params.init}"
+        " --config {params.config:q} --data-dir {input.data} --vocab {input.vocab} {params.lowercase} {params.init}"
         " --run-dir runs/pretrain/{wildcards.phase} --out-dir results/pretrain/{wildcards.phase}"
         " --threads {threads} 2> {log}"

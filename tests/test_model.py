@@ -325,3 +325,18 @@ def test_the_mlm_head_at_real_slots_only_trains_the_same_under_torch_compile():
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
     assert torch.allclose(compiled_loss, eager_loss, rtol=1e-5, atol=0)
     assert_gradients_close(compiled_grads, eager_grads, 1e-5)
+
+
+@pytest.mark.parametrize("lowercase", [True, False], ids=["uncased", "cased"])
+def test_the_exported_directory_loads_with_auto_tokenizer_lowercasing_as_its_vocab(tmp_path, lowercase):
+    config = tiny_config()
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "Hello", "cafe", "Café", "##s"])
+                     + "\n")
+    save_pretrained(BertForPreTraining(config), config, vocab, tmp_path / "model", lowercase=lowercase)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "model")
+    ids = tokenizer("Hello Café hellos", "cafe")["input_ids"]
+    expected = [2, 5, 7, 5, 9, 3, 7, 3] if lowercase else [2, 6, 8, 5, 9, 3, 7, 3]
+    assert ids == expected
+    assert tokenizer.convert_ids_to_tokens(tokenizer.mask_token_id) == "[MASK]"
+    assert tokenizer.model_max_length == config.max_position_embeddings

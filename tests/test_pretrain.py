@@ -98,6 +98,7 @@ def test_tiny_model_loss_falls_and_mlm_accuracy_beats_chance(data, tmp_path):
         summary["test_mlm_accuracy"]
     config, state = load_pretrained(tmp_path / "out" / "model")
     assert config.hidden_size == 32 and "cls.predictions.bias" in state
+    assert json.loads((tmp_path / "out" / "model" / "tokenizer_config.json").read_text())["do_lower_case"] is True
     # No GPU here: the telemetry CSV is absent rather than empty.
     assert not (tmp_path / "out" / "run" / "gpu_telemetry.csv").exists()
 

@@ -12,7 +12,8 @@ API (stable; the SQuAD stage builds on it):
                                     prediction slot; what training passes), [M, V] at the M real slots only, in
                                     row-major slot order (= masked_lm_labels[masked_lm_valid])
     pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict of loss/accuracy tensors
-    save_pretrained(model, config, vocab_path, out_dir)   HF directory: model.safetensors + config.json + vocab.txt
+    save_pretrained(model, config, vocab_path, out_dir, lowercase=None)   HF directory: model.safetensors +
+                                    config.json + vocab.txt (+ tokenizer_config.json for AutoTokenizer, with lowercase)
     load_pretrained(directory) -> (config, state_dict)     state_dict in BertForPreTraining names (heads may be absent)
     encoder_state_dict(state_dict)  the `bert.*` entries with the prefix stripped, for BertModel.load_state_dict
     load_weights(model, state_dict) load what matches; returns (missing, unexpected) key lists
@@ -437,8 +438,10 @@ _TIED_ALIASES = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias
 
 
 def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.PathLike | None,
-                    out_dir: str | os.PathLike) -> None:
-    """Write an HF directory (model.safetensors, config.json, vocab.txt) into `out_dir` (created)."""
+                    out_dir: str | os.PathLike, lowercase: bool | None = None) -> None:
+    """Write an HF directory (model.safetensors, config.json, vocab.txt) into `out_dir` (created); with `lowercase`
+    (how the vocab was built), also tokenizer_config.json, so that `AutoTokenizer.from_pretrained` loads BERT's
+    WordPiece tokenizer that lower-cases (and strips accents) exactly when the vocab is uncased."""
     from safetensors.torch import save_file
 
     model = getattr(model, "module", model)  # unwrap DDP
@@ -450,6 +453,12 @@ def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.P
     config.to_json(out_dir / "config.json")
     if vocab_path is not None:
         shutil.copyfile(vocab_path, out_dir / "vocab.txt")
+    if vocab_path is not None and lowercase is not None:
+        tokenizer = {"tokenizer_class": "BertTokenizer", "do_lower_case": lowercase, "strip_accents": None,
+                     "tokenize_chinese_chars": True, "model_max_length": config.max_position_embeddings,
+                     "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                     "mask_token": "[MASK]"}  # strip_accents None: as do_lower_case, BERT's own rule
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer, indent=2) + "\n")
 
 
 def _normalise_names(state: dict) -> dict:

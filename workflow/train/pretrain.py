@@ -8,7 +8,8 @@ API:
     PretrainingTask        the engine's Task: global sequence order, MLM + NSP loss normalised over the global batch
 
     python -m workflow.train.pretrain --phase phase1 --config '{"seed": .., "model": {..}, "pretrain": {..}}' \
-        --data-dir data/hdf5_seq128 --vocab data/vocab.txt --run-dir runs/pretrain/phase1 --out-dir results/...
+        --data-dir data/hdf5_seq128 --vocab data/vocab.txt [--no-lowercase] --run-dir runs/pretrain/phase1 \
+        --out-dir results/...     (the out dir's model/ loads with HF's from_pretrained and AutoTokenizer)
 
 Loss: MLM cross-entropy summed over the masked tokens of the global batch / their number, plus NSP summed over its
 sequences / their number (one token-weighted mean per step, whatever the micro-batch split or packing).
@@ -93,6 +94,7 @@ class TrainSettings:
     deterministic: bool = False
     compile: bool = False
     loader_workers: int = 2
+    lowercase: bool = True   # how the vocab was built (config vocab.lowercase): the exported tokenizer's casing
 
     @classmethod
     def from_config(cls, config: dict, phase: str, **paths) -> "TrainSettings":
@@ -339,7 +341,7 @@ def _pretrain(s: TrainSettings, env) -> dict:
     if env.is_main:
         run_dir = Path(s.run_dir)
         with atomic_path(s.out_model) as temporary:
-            save_pretrained(model, config, s.vocab, temporary)
+            save_pretrained(model, config, s.vocab, temporary, lowercase=s.lowercase)
         with atomic_path(s.out_metrics) as temporary:
             shutil.copyfile(run_dir / "metrics.jsonl", temporary)
         if s.out_telemetry and (run_dir / "gpu_telemetry.csv").exists():
@@ -367,6 +369,8 @@ def parse_args(argv=None) -> TrainSettings:
                    "gpu_telemetry.csv (when a GPU exists)")
     p.add_argument("--init-from", default=None, help="HF BERT directory to start from (else config model.init_from)")
     p.add_argument("--init-optimizer", default=None, help="phase 1's optimizer_state.pt to carry over")
+    p.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True,
+                   help="the vocab is uncased (config vocab.lowercase): the exported tokenizer lower-cases")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
@@ -378,7 +382,7 @@ def parse_args(argv=None) -> TrainSettings:
         out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"), out_summary=str(out / "summary.json"),
         out_telemetry=str(out / "gpu_telemetry.csv"), out_optimizer=str(out / "optimizer_state.pt"),
         init_from=args.init_from or (config.get("model") or {}).get("init_from"), init_optimizer=args.init_optimizer,
-        device=args.device, threads=args.threads, deterministic=args.deterministic)
+        lowercase=args.lowercase, device=args.device, threads=args.threads, deterministic=args.deterministic)
 
 
 def main(argv=None) -> None:
