@@ -101,6 +101,15 @@ def test_tiny_model_loss_falls_and_mlm_accuracy_beats_chance(data, tmp_path):
     assert json.loads((tmp_path / "out" / "model" / "tokenizer_config.json").read_text())["do_lower_case"] is True
     # No GPU here: the telemetry CSV is absent rather than empty.
     assert not (tmp_path / "out" / "run" / "gpu_telemetry.csv").exists()
+    # TensorBoard scalars beside metrics.jsonl: the same values, step by step.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "out" / "run" / "tensorboard")).Reload()
+    assert {"loss", "mlm_accuracy", "nsp_accuracy", "lr", "seq_per_s", "real_tokens_per_s",
+            "grad_norm"} <= set(events.Tags()["scalars"])
+    for key in ("loss", "mlm_accuracy", "lr", "grad_norm"):
+        assert [(e.step, e.value) for e in events.Scalars(key)] == [
+            (m["step"], pytest.approx(m[key], rel=1e-6)) for m in metrics], key
 
 
 def test_kill_9_then_rerun_resumes_to_bit_identical_weights(data, tmp_path):
@@ -127,6 +136,14 @@ def test_kill_9_then_rerun_resumes_to_bit_identical_weights(data, tmp_path):
     second = subprocess.run(command(crashed), env=environment(), capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-2000:]
     assert "at step 6" in second.stderr
+    # A log file gets the periodic lines (seq/s, ETA), never a progress bar's carriage returns.
+    assert "\r" not in second.stderr and re.search(r"step 7/12 loss \d\.\d{4} lr \S+ \d+ seq/s ETA \d:\d\d:\d\d\n",
+                                                    second.stderr), second.stderr[-2000:]
+    # TensorBoard: the crashed run's steps past its checkpoint purged, every step once.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(Path(crashed.run_dir) / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 13))
     _, expected = load_pretrained(straight.out_model)
     _, got = load_pretrained(crashed.out_model)
     assert expected.keys() == got.keys()

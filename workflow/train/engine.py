@@ -6,7 +6,8 @@ API:
                         normalisers, loss(model, batch, totals), metrics(sums) for a log line
     train(env, model, optimizer, scheduler, task, settings, fingerprint) -> Outcome
         gradient accumulation (DDP no_sync on all but the last micro-batch), autocast, optional grad clipping,
-        metrics.jsonl in the run directory, checkpoints every `checkpoint_every` steps, resume, stop signals.
+        metrics.jsonl and TensorBoard scalars (tensorboard/) in the run directory, a log line with seq/s and the
+        ETA every log_every steps, checkpoints every `checkpoint_every` steps, resume, stop signals.
     refuse_changes(old, new, run_dir)   UserError naming each changed key old -> new and how to start over
     set_threads(threads)  this rank's share of the job's CPU threads
 
@@ -295,8 +296,11 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
     model.train()
     first_step, micro_batches = step, 0
     with ckpt.StopSignals() as stop, GpuTelemetry(run_dir / "gpu_telemetry.csv",
-                                                  enabled=env.is_main and s.telemetry):
-        progress = tqdm(total=max_steps, initial=step, desc=s.config_key, disable=not env.is_main, file=sys.stderr)
+                                                  enabled=env.is_main and s.telemetry), \
+            _scalars(run_dir / "tensorboard", step, env.is_main) as scalars:
+        # A bar on a terminal; in a log file (logs/), the periodic metrics lines alone (no carriage returns).
+        progress = tqdm(total=max_steps, initial=step, desc=s.config_key, file=sys.stderr,
+                        disable=not env.is_main or not sys.stderr.isatty())
         while step < max_steps:
             started = time.perf_counter()
             batches = [_to_device(batch, env.device) for batch in next(loader)]
@@ -319,13 +323,15 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
             window_steps += 1
             window["grad_norm"] = window.get("grad_norm", 0) + grad_norm
             if step % s.log_every == 0 or step == max_steps:
-                _log_metrics(task, window, window_steps, time.perf_counter() - window_start, step, scheduler, s,
-                             env, metrics_path)
+                _log_metrics(task, window, window_steps, time.perf_counter() - window_start, step, max_steps,
+                             scheduler, s, env, metrics_path, scalars)
                 window, window_steps, window_start = {}, 0, time.perf_counter()
             train_time += time.perf_counter() - started
             progress.update(1)
             stop_now = _stop_signal(stop, env)
             if step % s.checkpoint_every == 0 or step == max_steps or stop_now:
+                if scalars is not None:
+                    scalars.flush()  # the scalars up to a checkpoint outlive a crash after it
                 save()
             ckpt.fail_at_step(step)
             if stop_now:
@@ -366,7 +372,27 @@ def _optimizer_step(model, optimizer, scaler, clip: float | None) -> torch.Tenso
     return grad_norm.detach().float().to(next(model.parameters()).device)
 
 
-def _log_metrics(task, window, steps, elapsed, step, scheduler, s, env, path: Path) -> None:
+@contextlib.contextmanager
+def _scalars(directory: Path, step: int, enabled: bool):
+    """A TensorBoard SummaryWriter (None off rank 0); a resumed run first purges the events past its step."""
+    if not enabled:
+        yield None
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(directory), purge_step=step + 1 if step else None)
+    try:
+        yield writer
+    finally:
+        writer.close()
+
+
+def _eta(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+
+
+def _log_metrics(task, window, steps, elapsed, step, max_steps, scheduler, s, env, path: Path, scalars) -> None:
     keys = sorted(window)
     values = distributed.all_reduce_(torch.stack([torch.as_tensor(window[k]).float() for k in keys]))
     sums = dict(zip(keys, values.tolist()))
@@ -378,7 +404,11 @@ def _log_metrics(task, window, steps, elapsed, step, scheduler, s, env, path: Pa
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
-        log.info("step %d loss %.4f lr %.3g", step, record.get("loss", float("nan")), record["lr"])
+        for key, value in record.items():
+            if key != "step":
+                scalars.add_scalar(key, value, step)
+        log.info("step %d/%d loss %.4f lr %.3g %.0f seq/s ETA %s", step, max_steps, record.get("loss", float("nan")),
+                 record["lr"], record["seq_per_s"], _eta((max_steps - step) * elapsed / steps))
 
 
 def finetune_parser(description: str, sections: str, features: str, metrics: str) -> argparse.ArgumentParser:
