@@ -11,7 +11,7 @@ import torch
 
 from workflow.cli import UserError
 from workflow.glue import data as glue_data, evaluate as glue_eval, finetune as glue_finetune
-from workflow.squad.data import load_tokenizer, save_features
+from workflow.data.features import load_tokenizer, save_features
 from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
 
 GOOD, BAD = "fine nice good fair".split(), "poor sad bad grim".split()
