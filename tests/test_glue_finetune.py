@@ -172,7 +172,7 @@ def test_two_ranks_through_the_launcher_end_like_one_process_with_the_same_globa
 
     def command(name):
         settings = glue_config(learning_rate=1e-3, epochs=1, batch_size=32, micro_batch_size=16, precision="fp32")
-        return [sys.executable, "-m", "workflow.train.distributed", "--", sys.executable, "-m",
+        return [sys.executable, "-m", "workflow.slurm.launch", "--", sys.executable, "-m",
                 "workflow.glue.finetune", "--config", settings, "--task", "SST-2", "--init", str(tmp_path / "init"),
                 "--features", str(tasks / "SST-2_train.npz"), "--output", str(tmp_path / name), "--run-dir",
                 str(tmp_path / f"run-{name}"), "--device", "cpu", "--threads", "2"]
