@@ -86,7 +86,7 @@ def read_epoch(side: str, directory: str, micro_batch: int) -> None:
 def generated_shard(path: Path, seq: int, n: int) -> None:
     """A packed shard of `n` Wikipedia-like instances (a block of distinct ones, repeated), encode's HDF5 layout."""
     from benchmarks.train_step import instances
-    from workflow.data.encode import write_shard
+    from workflow.data.hdf5 import write_shard
     from workflow.data.pack import PackSettings, pack_arrays
     from workflow.train.model import BertConfig
 

@@ -19,8 +19,8 @@ straddling a step's or micro-batch's edge is carried by both sides, each with it
 workflow/train/pretraining_data.py), so a packed step has fewer rows and the same loss. `micro_batch_size` counts
 rows of the data file (sequences when unpacked): each rank's share of a step's rows goes in micro-batches of exactly
 that many rows, the last one filled up with empty rows, so every micro-batch has one shape (compiled graphs are
-reused) and the number of micro-batches per step varies with the rows the step's sequences fill. Metrics: seq_per_s; tokens_per_s counts
-sequences x sequence length (padding included), as NVIDIA reports it; real_tokens_per_s counts the tokens that are
+reused) and the number of micro-batches per step varies with the rows the step's sequences fill.
+Metrics: seq_per_s; tokens_per_s counts sequences x sequence length (padding included), as NVIDIA reports it; real_tokens_per_s counts the tokens that are
 not padding (what packing raises). Gradient clipping is LAMB's global-norm
 pre-normalisation (max_grad_norm), as in NVIDIA's recipe. Phase 2 starts from phase 1's weights and, unless
 `pretrain.carry_optimizer_state` is false, phase 1's LAMB moments with step and learning rate reset.
@@ -51,6 +51,8 @@ from workflow.train.model import (BertConfig, BertForPreTraining, count_paramete
 from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, iterate_in_order, list_shards
 
+# A stop signal after the last checkpoint: the job is minutes from done, and a rerun would redo this part anyway.
+FINISH_AFTER_TRAINING = "the last checkpoint is written; finishing the evaluation and export first"
 log = logging.getLogger("pretrain")
 # Keys of a phase's config section; precision etc. come from the `pretrain` section itself.
 PHASE_KEYS = ("learning_rate", "warmup_proportion", "total_steps", "max_steps", "global_batch_size", "micro_batch_size")
@@ -178,7 +180,7 @@ class PretrainingTask:
             valid, nsp_valid = labels >= 0, nsp_labels >= 0
             stats = {"mlm_correct": ((mlm_logits.argmax(-1) == labels) & valid).sum(), "mlm_count": valid.sum(),
                      "nsp_correct": ((nsp_logits.argmax(-1) == nsp_labels) & nsp_valid).sum(),
-                     "nsp_count": nsp_valid.sum(), "real_tokens": real_tokens(batch)}
+                     "nsp_count": nsp_valid.sum(), "real_tokens": count_real_tokens(batch)}
         return {"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss, **stats}
 
     def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float, step: int) -> dict:
@@ -190,7 +192,7 @@ class PretrainingTask:
                 "real_tokens": int(sums["real_tokens"]), "real_tokens_per_s": sums["real_tokens"] / max(elapsed, 1e-9)}
 
 
-def real_tokens(batch: dict) -> torch.Tensor:
+def count_real_tokens(batch: dict) -> torch.Tensor:
     """Tokens that are not padding (an unpacked empty row's one attended token is padding too)."""
     real = batch["attention_mask"] > 0
     if batch["next_sentence_labels"].dim() == 1:  # unpacked: one sequence per row
@@ -323,7 +325,16 @@ def _pretrain(s: TrainSettings, env) -> dict:
         distributed.cleanup()
         raise SystemExit(outcome.stopped)
 
+    with ckpt.StopSignals(then=FINISH_AFTER_TRAINING):
+        ckpt.signal_at("evaluation")
+        return _evaluate_and_export(s, env, model, config, optimizer, optimizer_name, outcome, train_shards,
+                                    test_shards, precision)
+
+
+def _evaluate_and_export(s: TrainSettings, env, model, config, optimizer, optimizer_name, outcome, train_shards,
+                         test_shards, precision) -> dict:
     step, train_time = outcome.step, outcome.train_time_s
+    seq_length = train_shards[0].seq_length
     real_tokens = _real_tokens(Path(s.run_dir) / "metrics.jsonl") if env.is_main else 0
     evaluation = evaluate(model, test_shards, env, precision, s.micro_batch_size * 2, s.eval_max_sequences)
     summary = {
