@@ -54,7 +54,7 @@ def make_synthetic(root):
     torch.manual_seed(0)
     config = BertConfig.preset("tiny", vocab_size=len(words), max_position_embeddings=32,
                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    save_pretrained(BertForPreTraining(config), config, root / "vocab.txt", root / "init")
+    save_pretrained(BertForPreTraining(config), config, root / "vocab.txt", root / "init", lowercase=True)
     dev_examples = squad_data.load_squad(root / "dev.json", "1.1")
     dev = squad_data.featurize(dev_examples, tokenizer, 32, 16, 8, False)
     return root, dev_examples, dev
@@ -113,6 +113,9 @@ def test_exported_model_loads_in_transformers_with_equal_logits(synthetic, tmp_p
     assert torch.allclose(end, reference.end_logits, atol=1e-4)
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config["architectures"] == ["BertForQuestionAnswering"]
+    # Its tokenizer lower-cases, as the pretrained model's it started from.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert tokenizer("What IS the code?")["input_ids"] == [2, 9, 8, 7, 10, 6, 3]
 
 
 def squad_config(**overrides) -> str:

@@ -213,7 +213,9 @@ def _export(env, model, config, init: Path, vocab, output, metrics_path, run_dir
     if env.is_main:
         with atomic_path(output) as temporary:
             vocab_path = Path(vocab) if vocab else Path(init) / "vocab.txt"
-            save_pretrained(model, config, vocab_path if vocab_path.is_file() else None, temporary)
+            tokenizer = Path(init) / "tokenizer_config.json"  # the casing of the model it started from
+            lowercase = json.loads(tokenizer.read_text())["do_lower_case"] if tokenizer.is_file() else None
+            save_pretrained(model, config, vocab_path if vocab_path.is_file() else None, temporary, lowercase)
             config_json = json.loads((temporary / "config.json").read_text())
             config_json.update(config_json_updates)
             write_text(temporary / "config.json", json.dumps(config_json, indent=2, sort_keys=True) + "\n")
