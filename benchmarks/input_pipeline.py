@@ -129,11 +129,11 @@ def step_mixing(shard_of: np.ndarray, document_of: np.ndarray, step: int) -> tup
 def full_size_mixing(steps: int = 20, n_shards: int = 256, per_shard: int = 850_000, per_row: float = 2.5,
                      step: int = 65_536, dupe_factor: int = 5) -> None:
     """Mixing of `steps` phase-1 steps, as unpacked rows of chunk_rows x per_row sequences (same chunk sequences)."""
-    from workflow.train.pretraining_data import CHUNK_ROWS, PretrainingSequences, ShardInfo
+    from workflow.train.pretraining_data import ORDER_CHUNK_ROWS, PretrainingSequences, ShardInfo
 
     rng = np.random.default_rng(0)
     shards = [ShardInfo(f"shard_{i}", per_shard, 128, 20) for i in range(n_shards)]
-    sources = PretrainingSequences(shards, seed=1, chunk_rows=int(CHUNK_ROWS * per_row)).sources(0, steps * step)
+    sources = PretrainingSequences(shards, seed=1, chunk_rows=int(ORDER_CHUNK_ROWS * per_row)).sources(0, steps * step)
     placement = rng.permutation(per_shard)  # a document's copies lie at random rows of its shard (encode shuffles)
 
     def documents(shard, row):
@@ -146,7 +146,7 @@ def full_size_mixing(steps: int = 20, n_shards: int = 256, per_shard: int = 850_
     print(f"mixing of a phase-1 step at full size ({n_shards} shards of {per_shard:,} sequences, {per_row} per row, "
           f"step {step:,}, dupe_factor {dupe_factor}), mean over {steps} steps: top shard's share | shards | pairs "
           f"of copies of one document")
-    for name, (shard, row) in (("ours (chunks of %d rows)" % CHUNK_ROWS, (sources[:, 0], sources[:, 1])),
+    for name, (shard, row) in (("ours (chunks of %d rows)" % ORDER_CHUNK_ROWS, (sources[:, 0], sources[:, 1])),
                                ("before (shard by shard)", (before_shard, before_row)),
                                ("uniform shuffle", (uniform // per_shard, uniform % per_shard))):
         share, drawn, pairs = step_mixing(shard, documents(shard, row), step)
@@ -186,7 +186,8 @@ def main(argv=None) -> None:
                 measured = run_stage([sys.executable, Path(__file__), "--child", side, directory, micro])
                 figures = json.loads(measured.stdout)
                 rate = figures["sequences"] / figures["cpu_s"]
-                print(f"  {side:<6}: peak RSS {figures['peak_mb']:6,.0f} MB (imports alone {figures['imports_mb']:,.0f}) | "
+                print(f"  {side:<6}: peak RSS {figures['peak_mb']:6,.0f} MB "
+                      f"(imports alone {figures['imports_mb']:,.0f}) | "
                       f"{rate:9,.0f} seq per CPU s | {figures['real_tokens'] / figures['cpu_s']:12,.0f} real tokens "
                       f"per CPU s | {figures['sequences']:,} sequences, {figures['cpu_s']:.1f} CPU s, "
                       f"{figures['wall_s']:.1f} s wall")

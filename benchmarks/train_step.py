@@ -238,9 +238,11 @@ def instances(config: BertConfig, seq: int, predictions: int, n: int, seed: int 
 def row_batches(arrays: dict, rows_per_batch: int, device) -> list[dict]:
     """Micro-batches of exactly `rows_per_batch` rows, the last filled up with empty rows, as pretraining reads them."""
     n = len(arrays["input_ids"])
-    return [{k: v.to(device) for k, v in data_batch(*padded_rows({name: values[start:start + rows_per_batch]
-                                                             for name, values in arrays.items()}, rows_per_batch)).items()}
-            for start in range(0, n, rows_per_batch)]
+    def batch(start):
+        rows = {name: values[start:start + rows_per_batch] for name, values in arrays.items()}
+        return {k: v.to(device) for k, v in data_batch(*padded_rows(rows, rows_per_batch)).items()}
+
+    return [batch(start) for start in range(0, n, rows_per_batch)]
 
 
 def train_pass(model, batches: list[dict], autocast, sync) -> float:

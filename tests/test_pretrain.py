@@ -267,8 +267,8 @@ def test_a_step_mixes_the_shards_and_documents_nearly_as_a_uniform_shuffle_does(
     uniform = step_mixing(uniform // rows, document.ravel()[uniform], step)
     # The order before: shards one after the other in a shuffled order, rows shuffled within each.
     shard_of = np.repeat(rng.permutation(n_shards), rows)
-    before = step_mixing(shard_of, document[shard_of, np.concatenate([rng.permutation(rows) for _ in shard_of[::rows]])],
-                         step)
+    row_of = np.concatenate([rng.permutation(rows) for _ in range(n_shards)])
+    before = step_mixing(shard_of, document[shard_of, row_of], step)
     assert before["top_shard_share"] == 1 and before["fewest_shards"] == 1 and before["copy_pairs"] > 30
     # Expected: 32 chunks of 16 rows per step, ~20 shards; copies meet in a chunk (+0.8 pairs) or as uniform (+1).
     assert ours["top_shard_share"] < 2.5 * uniform["top_shard_share"] < 0.15
@@ -777,7 +777,8 @@ def test_a_resume_on_other_data_or_optimizer_refuses_with_one_error_line(tmp_pat
         monkeypatch.setattr(pretrain_module, "ORDER", "another order")
     else:  # the same counts, other masking: other content
         write_synthetic_shards(shards / "hdf5", n_training_shards=2, sequences_per_shard=32, seed=2)
-        expected = r"training data 2 shards, 64 sequences, sha256 (\w{16}) -> 2 shards, 64 sequences, sha256 (?!\1)\w{16}"
+        expected = (r"training data 2 shards, 64 sequences, sha256 (\w{16}) -> "
+                    r"2 shards, 64 sequences, sha256 (?!\1)\w{16}")
         if change == "manifest settings":
             write_manifest(shards / "hdf5", 0.2)
             expected += r"; training data settings\.masked_lm_prob 0\.15 -> 0\.2"

@@ -15,8 +15,8 @@ Elastic resume: the data position is the number of sequences consumed. Step k re
 [k*G, (k+1)*G) of the task's global order (G = global batch size) and rank r takes its share of them: the task's
 micro_batches (pretraining: the step's rows split into contiguous parts, micro-batches of micro_batch_size rows), or
 the micro-batches r*A .. r*A+A-1 of micro_batch_size sequences (A = accumulation steps), so a run checkpointed on 2
-ranks continues on 1 or 4 with exactly the next sequences. The loss is normalised by global counts (masked tokens, sequences) summed over the whole step, so
-the gradient does not depend on how the global batch is split into ranks and micro-batches either: world size,
+ranks continues on 1 or 4 with exactly the next sequences. The loss is normalised by global counts (masked tokens,
+sequences) summed over the whole step, so the gradient does not depend on how the global batch is split into ranks and micro-batches either: world size,
 micro-batch size, threads, cadence and max_steps may change between runs; a change of the math refuses to resume.
 
 Input pipeline: `loader_workers` processes (a torch DataLoader over the steps' positions) read each step's
@@ -227,7 +227,8 @@ def step_batches(task: Task, starts, s: LoopSettings, env):
     workers = s.loader_workers
     loader = torch.utils.data.DataLoader(
         _Steps(task, s.global_batch_size, env.rank, env.world_size, s.micro_batch_size), batch_size=None,
-        sampler=starts, num_workers=workers, prefetch_factor=max(1, -(-s.prefetch_steps // workers)) if workers else None,
+        sampler=starts, num_workers=workers,
+        prefetch_factor=max(1, -(-s.prefetch_steps // workers)) if workers else None,
         pin_memory=env.device.type == "cuda", worker_init_fn=_ignore_stop_signals if workers else None,
         generator=torch.Generator())  # its own seed draw: the global RNG (dropout) must not move
     return iter(loader)

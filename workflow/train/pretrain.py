@@ -20,8 +20,8 @@ workflow/train/pretraining_data.py), so a packed step has fewer rows and the sam
 rows of the data file (sequences when unpacked): each rank's share of a step's rows goes in micro-batches of exactly
 that many rows, the last one filled up with empty rows, so every micro-batch has one shape (compiled graphs are
 reused) and the number of micro-batches per step varies with the rows the step's sequences fill.
-Metrics: seq_per_s; tokens_per_s counts sequences x sequence length (padding included), as NVIDIA reports it; real_tokens_per_s counts the tokens that are
-not padding (what packing raises). Gradient clipping is LAMB's global-norm
+Metrics: seq_per_s; tokens_per_s counts sequences x sequence length (padding included), as NVIDIA reports it;
+real_tokens_per_s counts the tokens that are not padding (what packing raises). Gradient clipping is LAMB's global-norm
 pre-normalisation (max_grad_norm), as in NVIDIA's recipe. Phase 2 starts from phase 1's weights and, unless
 `pretrain.carry_optimizer_state` is false, phase 1's LAMB moments with step and learning rate reset.
 

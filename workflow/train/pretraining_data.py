@@ -12,9 +12,9 @@ API:
         sequence) and attention_mask each token's sequence number (0 = padding), as BertForPreTraining expects.
     PretrainingSequences(shards, seed).read(start, count) -> batch
         sequences [start, start + count) of one endless global order (epochs of one seeded shuffle of every
-        shard's chunks of CHUNK_ROWS rows, a packed row's sequences in slot order) that does not depend on the number
-        of ranks: resuming at a position is exact on any number of ranks. `.sources(start, count)`: their
-        (shard, row), without reading.
+        shard's chunks of ORDER_CHUNK_ROWS rows, a packed row's sequences in slot order) that does not depend on the
+        number of ranks: resuming at a position is exact on any number of ranks. `.sources(start, count)`: their
+        (shard, row), without reading; `.micro_batches(...)`: one rank's share of a step in micro-batches of rows.
 
 Packed rows and batch boundaries: the data position counts sequences, never rows. A read of sequences [a, b)
 carries every row holding one of them; a row whose sequences straddle a or b (a step's or a micro-batch's edge) is
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from workflow.cli import UserError
+from workflow.data.hdf5 import CHUNK_ROWS
 from workflow.train.checkpoint import file_sha256
 
 log = logging.getLogger(__name__)
@@ -139,8 +140,9 @@ def data_identity(directory: str | Path, shards: list[ShardInfo]) -> dict:
             raise UserError(f"{manifest_path}: not a data manifest ({error})") from None
         found = {name: shard.n for name, shard in zip(names, shards)}
         if {name: entry["n_instances"] for name, entry in listed.items()} != found:
-            raise UserError(f"{manifest_path}: lists other training shards or counts than {Path(directory) / 'training'}"
-                            f" holds ({len(listed)} listed, {len(found)} found); rebuild the directory")
+            raise UserError(f"{manifest_path}: lists other training shards or counts than "
+                            f"{Path(directory) / 'training'} holds ({len(listed)} listed, {len(found)} found); "
+                            f"rebuild the directory")
         checksums = [listed[name]["sha256"] for name in names]
     else:
         settings = None
@@ -231,8 +233,9 @@ def padded(arrays: dict[str, np.ndarray], rows: int) -> tuple[dict, slice, np.nd
     return arrays, slice(None), arrays.pop("live")
 
 
-CHUNK_ROWS = 256  # rows read together from one shard: 4 of encode's HDF5 chunks of wide datasets (64 rows)
-ORDER = f"chunks of {CHUNK_ROWS} rows of every shard, one seeded shuffle of them all per epoch"  # in the fingerprint
+ORDER_CHUNK_ROWS = 4 * CHUNK_ROWS  # rows read together from one shard (256): whole HDF5 chunks of the wide datasets
+# The order's name, in the fingerprint: a checkpoint of another order refuses to resume.
+ORDER = f"chunks of {ORDER_CHUNK_ROWS} rows of every shard, one seeded shuffle of them all per epoch"
 
 
 class PretrainingSequences:
@@ -248,8 +251,8 @@ class PretrainingSequences:
     once) and a few open files, never a whole shard.
     """
 
-    def __init__(self, shards: list[ShardInfo], seed: int, chunk_rows: int = CHUNK_ROWS, cached_chunks: int = 4,
-                 open_files: int = 16):
+    def __init__(self, shards: list[ShardInfo], seed: int, chunk_rows: int = ORDER_CHUNK_ROWS,
+                 cached_chunks: int = 4, open_files: int = 16):
         self.shards, self.seed, self.chunk_rows = shards, seed, chunk_rows
         self._cached_chunks, self._open_files = cached_chunks, open_files
         shard, first, sequences = [], [], []
