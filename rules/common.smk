@@ -5,36 +5,19 @@ import json
 import os
 import sys
 
-import jsonschema
-import yaml
-from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
-
 # the repository root, so that the workflow package is importable whichever Snakefile includes this file
 sys.path.insert(0, os.path.dirname(workflow.current_basedir.get_path_or_uri(secret_free=True)))
 from workflow.cli import UserError
+from workflow.config import validate_config
 from workflow.data.download import dump_parts
 from workflow.glue.data import TASKS as GLUE_TASKS
 
 
-def config_error(config, schema_path):
-    """One line naming the first bad config key as a dotted path (jsonschema's best match) and what is wrong."""
-    with open(schema_path) as stream:
-        schema = yaml.safe_load(stream)
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(config))
-    key = ".".join(str(part) for part in error.absolute_path)
-    if error.validator == "additionalProperties":
-        unknown = sorted(set(error.instance) - set(error.schema.get("properties", {})))
-        prefix = f"{key}." if key else ""
-        dotted = ", ".join(f"'{prefix}{name}'" for name in unknown)
-        return f"config: unknown key {dotted} (every key is listed in config.schema.yaml)"
-    return f"config key '{key}': {error.message}"
-
-
 try:
-    validate(config, "../config.schema.yaml")  # also fills in the schema's defaults
-except WorkflowError:
-    raise ValueError(config_error(config, f"{workflow.basedir}/config.schema.yaml")) from None
+    validate_config(config, f"{workflow.basedir}/config.schema.yaml")  # also fills in the schema's defaults
+except UserError as error:
+    raise ValueError(str(error)) from None
+
 
 def config_consistency_error(config):
     """What the schema cannot say (relations between keys), as one line naming the key; None when consistent."""

@@ -791,3 +791,27 @@ def test_a_resume_on_other_data_or_optimizer_refuses_with_one_error_line(tmp_pat
         rf"error: {re.escape(s.run_dir)}: its checkpoints belong to a run with other settings \({expected}\); to start "
         rf"over, move or delete {re.escape(s.run_dir)} \(nothing was deleted\)", error[0]), error
     assert sorted(p.name for p in (Path(s.run_dir) / "checkpoints").iterdir()) == before
+
+
+def test_a_phase_runs_outside_snakemake_from_the_config_file_validated_as_the_workflow_does(data, tmp_path, capsys):
+    s = settings(data, tmp_path / "out", total_steps=2, checkpoint_every=2, eval_max_sequences=16)
+    config = {"seed": s.seed, "model": {"preset": "tiny", "bert_config": s.bert_config},
+              "vocab": {"lowercase": False},
+              "pretrain": {"loader_workers": 0, "phase1": {key: getattr(s, key) for key in PHASE_KEYS}}}
+    configfile = tmp_path / "config.yaml"
+    configfile.write_text(json.dumps(config))  # YAML is a superset of JSON
+    arguments = [arg for arg in command(s)[3:] if arg != "--config"]
+    arguments.remove(json.dumps(config_of(s)))
+    run(main, [*arguments, "--configfile", str(configfile)])
+    summary = json.loads(Path(s.out_summary).read_text())
+    assert summary["steps"] == 2 and summary["global_batch_size"] == s.global_batch_size
+    assert json.loads((Path(s.out_model) / "tokenizer_config.json").read_text())["do_lower_case"] is False
+    # The schema's defaults filled in (pretrain.lamb, precision), and a bad key named as Snakemake names it.
+    assert summary["precision"] == "fp32" and summary["optimizer"] == "torch.Lamb"
+    configfile.write_text(json.dumps({**config, "pretrain": {**config["pretrain"], "warmup": 3}}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, [*arguments, "--configfile", str(configfile)])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: config: unknown key 'pretrain.warmup' (every key is listed in config.schema.yaml)"]

@@ -10,6 +10,8 @@ API:
     python -m workflow.train.pretrain --phase phase1 --config '{"seed": .., "model": {..}, "pretrain": {..}}' \
         --data-dir data/hdf5_seq128 --vocab data/vocab.txt [--no-lowercase] --run-dir runs/pretrain/phase1 \
         --out-dir results/...     (the out dir's model/ loads with HF's from_pretrained and AutoTokenizer)
+    python -m workflow.train.pretrain --phase phase1 --configfile config.yaml --data-dir ... (the same, outside
+        Snakemake: the config file validated against config.schema.yaml with its defaults, as the workflow does)
 
 Loss: MLM cross-entropy summed over the masked tokens of the global batch / their number, plus NSP summed over its
 sequences / their number (one token-weighted mean per step, whatever the micro-batch split or packing).
@@ -44,6 +46,7 @@ from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, config_sections, run
+from workflow.config import load_config
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.lamb import make_optimizer, make_scheduler
 from workflow.train.model import (BertConfig, BertForPreTraining, count_parameters, flops_per_sequence, load_pretrained,
@@ -371,8 +374,11 @@ def _evaluate_and_export(s: TrainSettings, env, model, config, optimizer, optimi
 def parse_args(argv=None) -> TrainSettings:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--phase", required=True, choices=["phase1", "phase2"])
-    p.add_argument("--config", required=True, type=config_sections,
-                   help="JSON of the config sections seed, model and pretrain")
+    config = p.add_mutually_exclusive_group(required=True)
+    config.add_argument("--config", type=config_sections, help="JSON of the config sections seed, model and pretrain "
+                        "(as the rule hands them over)")
+    config.add_argument("--configfile", type=load_config, help="the workflow's config file (config.yaml), validated "
+                        "against config.schema.yaml as Snakemake does: to run a phase outside Snakemake")
     p.add_argument("--data-dir", required=True, help="data/hdf5_seqN (training/ and test/ shards)")
     p.add_argument("--vocab", required=True)
     p.add_argument("--run-dir", required=True, help="checkpoints and live metrics (kept across reruns)")
@@ -380,20 +386,22 @@ def parse_args(argv=None) -> TrainSettings:
                    "gpu_telemetry.csv (when a GPU exists)")
     p.add_argument("--init-from", default=None, help="HF BERT directory to start from (else config model.init_from)")
     p.add_argument("--init-optimizer", default=None, help="phase 1's optimizer_state.pt to carry over")
-    p.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True,
-                   help="the vocab is uncased (config vocab.lowercase): the exported tokenizer lower-cases")
+    p.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=None,
+                   help="the vocab is uncased: the exported tokenizer lower-cases (default: --configfile's "
+                   "vocab.lowercase, else yes)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     args = p.parse_args(argv)
-    config = args.config
+    config = args.config or args.configfile
+    lowercase = args.lowercase if args.lowercase is not None else config.get("vocab", {}).get("lowercase", True)
     out = Path(args.out_dir)
     return TrainSettings.from_config(
         config, args.phase, data_dir=args.data_dir, vocab=args.vocab, run_dir=args.run_dir,
         out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"), out_summary=str(out / "summary.json"),
         out_telemetry=str(out / "gpu_telemetry.csv"), out_optimizer=str(out / "optimizer_state.pt"),
         init_from=args.init_from or (config.get("model") or {}).get("init_from"), init_optimizer=args.init_optimizer,
-        lowercase=args.lowercase, device=args.device, threads=args.threads, deterministic=args.deterministic)
+        lowercase=lowercase, device=args.device, threads=args.threads, deterministic=args.deterministic)
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,64 @@
+"""The workflow's config, validated against config.schema.yaml with the schema's defaults filled in: what the
+Snakefile does when it starts (rules/common.smk calls validate_config), for a stage run outside Snakemake too.
+
+API:
+    validate_config(config, schema_path=SCHEMA) -> config   in place: defaults filled in; UserError naming the key
+    load_config(path) -> config                             a YAML config file, validated
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+from workflow.cli import UserError
+
+SCHEMA = Path(__file__).resolve().parents[1] / "config.schema.yaml"
+
+
+def _with_defaults(validator_class):
+    """The validator that fills in each property's schema default before checking it (jsonschema's FAQ recipe, as
+    Snakemake's `validate` uses it)."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        for name, subschema in properties.items():
+            if isinstance(instance, dict) and "default" in subschema:
+                instance.setdefault(name, copy.deepcopy(subschema["default"]))
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+def config_error(config: dict, schema: dict) -> str:
+    """One line naming the first bad config key as a dotted path (jsonschema's best match) and what is wrong."""
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(config))
+    key = ".".join(str(part) for part in error.absolute_path)
+    if error.validator == "additionalProperties":
+        unknown = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+        prefix = f"{key}." if key else ""
+        dotted = ", ".join(f"'{prefix}{name}'" for name in unknown)
+        return f"config: unknown key {dotted} (every key is listed in config.schema.yaml)"
+    return f"config key '{key}': {error.message}"
+
+
+def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA) -> dict:
+    with open(schema_path) as stream:
+        schema = yaml.safe_load(stream)
+    try:
+        _with_defaults(jsonschema.Draft202012Validator)(schema).validate(config)
+    except jsonschema.exceptions.ValidationError:
+        raise UserError(config_error(config, schema)) from None
+    return config
+
+
+def load_config(path: str | os.PathLike) -> dict:
+    try:
+        with open(path) as stream:
+            config = yaml.safe_load(stream) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise UserError(f"{path}: not a readable YAML config ({error})") from None
+    return validate_config(config)
