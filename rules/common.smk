@@ -27,9 +27,6 @@ def config_consistency_error(config):
         if section.get("max_steps") and section["max_steps"] > section["total_steps"]:
             return (f"config key '{key}.max_steps': {section['max_steps']} exceeds {key}.total_steps "
                     f"({section['total_steps']})")
-        if section["global_batch_size"] % section["micro_batch_size"]:
-            return (f"config key '{key}.global_batch_size': {section['global_batch_size']} is not a multiple of "
-                    f"{key}.micro_batch_size ({section['micro_batch_size']})")
     squad = config["squad"]
     if squad["batch_size"] % squad["micro_batch_size"]:
         return (f"config key 'squad.batch_size': {squad['batch_size']} is not a multiple of squad.micro_batch_size "

@@ -25,9 +25,6 @@ def workdir(tmp_path_factory):
     ("pretrain: {phase1: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 60, max_steps: 100,"
      " global_batch_size: 32, micro_batch_size: 16}}",
      "config key 'pretrain.phase1.max_steps': 100 exceeds pretrain.phase1.total_steps (60)"),
-    ("pretrain: {phase2: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 60,"
-     " global_batch_size: 40, micro_batch_size: 16}}",
-     "config key 'pretrain.phase2.global_batch_size': 40 is not a multiple of pretrain.phase2.micro_batch_size (16)"),
     ("squad: {batch_size: 24, micro_batch_size: 16}",
      "config key 'squad.batch_size': 24 is not a multiple of squad.micro_batch_size (16)"),
     ("squad: {weight_decay: -1}", "config key 'squad.weight_decay': -1 is less than the minimum of 0"),

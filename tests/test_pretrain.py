@@ -277,6 +277,28 @@ def test_a_step_mixes_the_shards_and_documents_nearly_as_a_uniform_shuffle_does(
     assert ours["steps_with_copies"] < uniform["steps_with_copies"] + 0.25 < 0.95
 
 
+def test_a_rank_reads_only_chunks_of_rows_and_holds_a_few_whatever_the_shard_size(tmp_path, monkeypatch):
+    """Memory per loader bounded: every HDF5 read is one chunk of rows, a process holds at most `cached_chunks`
+    decoded chunks and `open_files` files, and a rank of 4 reads only about its quarter of a step."""
+    import workflow.train.pretraining_data as pretraining_data
+
+    write_synthetic_shards(tmp_path, n_training_shards=3, sequences_per_shard=200, seed=2)
+    reads = []
+    read_rows = pretraining_data.read_rows
+    monkeypatch.setattr(pretraining_data, "read_rows", lambda arrays, first, stop: reads.append(stop - first) or
+                        read_rows(arrays, first, stop))
+    order = PretrainingSequences(list_shards(tmp_path, "training"), seed=1, chunk_rows=16, cached_chunks=2,
+                                 open_files=2)
+    for start in range(0, 1200, 40):  # two epochs
+        order.read(start, 40)
+        assert len(order._chunks) <= 2 and len(order._files) <= 2
+    assert max(reads) == 16 and sum(reads) < 1.5 * 1200  # each chunk decoded about once
+    reads.clear()
+    order.micro_batches(0, 160, rank=1, world=4, rows=8)
+    assert sum(reads) <= 3 * 16  # its 40 rows lie in at most 3 chunks of 16
+    order.close()
+
+
 def live_sequences(batch) -> list[int]:
     """The instances a packed batch trains on, in order (row by row, slot by slot)."""
     return [i for i in batch["instance_index"].flatten().tolist() if i >= 0]
