@@ -8,13 +8,14 @@ generator, random token ids), linked twice into the training directory so that t
 among 256 (two shards of identical content); with --real-text, two shards encoded from that much real Wikipedia
 text (the real extract, format, vocab, tokenize and encode stages; far below full size).
 
-Each side runs in its own process with one torch thread and reads one epoch of the training order in micro-batches,
-exactly as a DataLoader worker does (`read(start, count)`: HDF5 read + gzip decompression, row selection, straddling
-rows trimmed, int64 tensors; pinned-memory copies, CUDA only, excluded):
+Each side runs in its own process with one torch thread and reads one epoch of the training order as its trainer's
+DataLoader worker does (HDF5 read + gzip decompression, row selection, straddling rows trimmed, int64 tensors;
+pinned-memory copies, CUDA only, excluded):
   - ours: workflow.train.pretraining_data.PretrainingSequences (chunks of 256 rows in a global shuffle, read as
-    contiguous slices, 4 decoded chunks cached);
+    contiguous slices, 4 decoded chunks cached), `micro_batches`: one rank's share of a step (4,096 sequences, as
+    at 16 ranks) in micro-batches of --micro-batch rows (the last filled up with empty rows);
   - before: the same module at BASELINE (read from git), as issue 18 found it: whole shards read (`read_shard`) and
-    cached (3), the next one read ahead by a thread, rows shuffled within a shard.
+    cached (3), the next one read ahead by a thread, rows shuffled within a shard; `read` of --micro-batch sequences.
 Printed per side: peak RSS of the process (python + torch + h5py imports included; the imports alone beside),
 sequences and real tokens per CPU second (all the process's threads, prefetch thread included; CPU time, since the
 machine is shared) and wall seconds; then the mixing of a phase-1 step at full size (256 shards of 850k sequences,
@@ -44,6 +45,7 @@ BASELINE = "0b9fa38"  # main before issue 18: whole-shard reads
 PREDICTIONS = {128: 20, 512: 80}
 TARGETS = {128: 100_000, 512: 40_000}  # issue 18: sequences per CPU second of one loader
 RSS_TARGET_MB = 1024
+RANK_SHARE = 4096  # sequences of a phase-1 step (65,536) one rank of 16 trains on
 
 
 def loader_module(side: str):
@@ -75,9 +77,15 @@ def read_epoch(side: str, directory: str, micro_batch: int) -> None:
     imports_mb = peak_rss_mb()
     cpu, wall = time.process_time(), time.perf_counter()
     sequences = module.PretrainingSequences(module.list_shards(directory, "training"), seed=1)
-    total, real = sequences.epoch_length // micro_batch * micro_batch, 0
-    for start in range(0, total, micro_batch):
-        real += int((sequences.read(start, micro_batch)["attention_mask"] > 0).sum())
+    if side == "ours":  # as the trainer reads: a rank's share of each step, in micro-batches of micro_batch rows
+        total, real = sequences.epoch_length // RANK_SHARE * RANK_SHARE, 0
+        for start in range(0, total, RANK_SHARE):
+            real += sum(int((b["attention_mask"] > 0).sum()) for b in
+                        sequences.micro_batches(start, RANK_SHARE, 0, 1, micro_batch))
+    else:  # as its trainer read: micro-batches of micro_batch sequences
+        total, real = sequences.epoch_length // micro_batch * micro_batch, 0
+        for start in range(0, total, micro_batch):
+            real += int((sequences.read(start, micro_batch)["attention_mask"] > 0).sum())
     sequences.close()
     print(json.dumps({"sequences": total, "real_tokens": real, "cpu_s": time.process_time() - cpu,
                       "wall_s": time.perf_counter() - wall, "imports_mb": imports_mb, "peak_mb": peak_rss_mb()}))
@@ -158,8 +166,8 @@ def main(argv=None) -> None:
     parser.add_argument("--instances", type=int, default=600_000, help="instances of the generated shard at 128")
     parser.add_argument("--instances-512", type=int, default=200_000, help="instances of the generated shard at 512")
     parser.add_argument("--real-text", type=float, default=None, help="MB of real text instead of generated shards")
-    parser.add_argument("--micro-batch", type=int, default=64, help="sequences per read at 128")
-    parser.add_argument("--micro-batch-512", type=int, default=16, help="sequences per read at 512")
+    parser.add_argument("--micro-batch", type=int, default=64, help="rows (ours) or sequences (before) per read, 128")
+    parser.add_argument("--micro-batch-512", type=int, default=16, help="the same at 512")
     parser.add_argument("--child", nargs=3, metavar=("SIDE", "DIR", "MICRO"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -181,7 +189,7 @@ def main(argv=None) -> None:
             files = sorted((directory / "training").iterdir())
             size = sum(f.stat().st_size for f in files) / 2**20
             print(f"seq {seq}: {source} ({size:,.0f} MB on disk, made in {time.process_time() - started:.0f} CPU s), "
-                  f"micro-batches of {micro} sequences:")
+                  f"micro-batches of {micro} rows (ours) / sequences (before):")
             for side in ("before", "ours"):
                 measured = run_stage([sys.executable, Path(__file__), "--child", side, directory, micro])
                 figures = json.loads(measured.stdout)
