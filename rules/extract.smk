@@ -2,6 +2,11 @@
 # Templates are expanded with the template pages of every part (collected per part), as in the whole dump.
 
 
+def all_template_pages(wildcards):
+    """The template pages of every part: each part is extracted with all of them, as in the whole dump."""
+    return wikipedia_parts("data/extracted/wikipedia/{part}.templates.xml")
+
+
 rule wikipedia_templates:
     input:
         "data/download/wikipedia/{part}.xml.bz2",

@@ -2,6 +2,28 @@
 # the Wikipedia dump. Unless format.punkt_model is set, Punkt is trained once on the corpus (all parts, in order).
 
 
+def all_extracted_parts(wildcards):
+    return wikipedia_parts("data/extracted/wikipedia/{part}.jsonl")
+
+
+def format_inputs(wildcards):
+    """What format reads: a part's extracted articles and the corpus' Punkt model, or the books directory."""
+    if wildcards.corpus == "bookcorpus":
+        return {"text": "data/download/bookcorpus"}
+    inputs = {"text": f"data/extracted/{wildcards.corpus}.jsonl"}
+    if not config["format"]["punkt_model"]:
+        inputs["punkt"] = "data/punkt/wikipedia"
+    return inputs
+
+
+def format_punkt_model(wildcards):
+    """The Punkt model format loads: the configured one, else (Wikipedia) the one trained on all parts, else none
+    (books: format trains on them)."""
+    if config["format"]["punkt_model"] or wildcards.corpus == "bookcorpus":
+        return config["format"]["punkt_model"] or ""
+    return "data/punkt/wikipedia"
+
+
 rule punkt:
     input:
         all_extracted_parts,
