@@ -11,6 +11,9 @@ Runs the real wikiextractor 3.1.0 (parallel processes; it keeps only namespace-0
 - its `revid` is the contributor's id, not the revision's, so it is dropped;
 - a truncated or corrupt bz2 dies with a traceback, and a non-MediaWiki XML yields zero articles with exit 0:
   both become a one-line error naming the file, and no output;
+- it keeps the single newlines of the wikitext, which MediaWiki reads as spaces: a sentence wrapped over two lines
+  would reach `format` (one paragraph per line) as two; the lines of a paragraph are joined here (blank lines,
+  headings, list items, table rows, indented lines and block tags such as <p> and <blockquote> still separate);
 - it expands templates with the definitions found in its input file: a dump processed in parts is extracted with
   the template pages of every part (`--template-pages-only` collects them from one part, `--templates` passes them
   in, in part order), so each part's articles read exactly as they would in the whole dump.
@@ -58,18 +61,69 @@ def tally_pages(lines: Iterable[str], fates: collections.Counter) -> Iterator[st
         yield line
 
 
+# Stands for a blank line through wikiextractor's cleaning, which merges a run of blank or punctuation-only lines
+# into one newline (its `\n\W+?\n`); a line it keeps (word characters) and `compact` then drops (a list item).
+PARAGRAPH_BREAK = "*snakebert-paragraph-break"
+
+
+def join_wrapped_lines(source: list[str], kept: list[str]) -> list[str]:
+    """The lines wikiextractor's `compact` kept of `source` (its input lines), each paragraph on one line: two kept
+    lines are joined with a space when they were adjacent lines of `source`; a blank line, a heading, a list item,
+    a table row, a dropped line, or an indented (`:`) or preformatted (` `) line between or on either side keeps
+    them apart, as MediaWiki renders them apart."""
+    joined: list[str] = []
+    previous = None  # source index of the last joined line, while the next one may continue it
+    position = 0
+    for line in kept:
+        index = None
+        if line.strip() and not line.startswith(HEADING_MARK):
+            # compact keeps lines verbatim (indented ones without their colons), so they are found in order
+            index = next((i for i in range(position, len(source))
+                          if source[i] == line or (source[i][:1] == ":" and source[i].lstrip(":") == line)), None)
+        if index is None or source[index][:1] in (":", " "):
+            joined.append(line)
+            previous = None
+        else:
+            if previous is not None and index == previous + 1:
+                joined[-1] += " " + line
+            else:
+                joined.append(line)
+            previous = index
+        position = position if index is None else index + 1
+    return joined
+
+
 def wikiextractor_main() -> None:
-    """wikiextractor's own CLI with its `mark_headers` on (section titles come out as `## Title.` lines), ending
-    with one log line of the pages it read by fate (it skips redirects and other namespaces without a word)."""
+    """wikiextractor's own CLI with its `mark_headers` on (section titles come out as `## Title.` lines), the
+    wrapped lines of a paragraph joined (join_wrapped_lines), ending with one log line of the pages it read by fate
+    (it skips redirects and other namespaces without a word)."""
     from wikiextractor import WikiExtractor
+    from wikiextractor import extract as wikiextract
     from wikiextractor.extract import Extractor
 
-    clean_text = Extractor.clean_text
+    clean_text, compact, substitute = Extractor.clean_text, wikiextract.compact, wikiextract.substituteLineBreakTag
+    # wikiextractor turns <p> and the like into one newline (none next to whitespace); a paragraph break keeps the
+    # paragraphs apart, and <blockquote> (which it drops as an inline tag) is one too
+    paragraph_tags = re.compile("|".join(rf"<{tag}\b.*?>|</\s*{tag}\s*>"
+                                         for tag in (*wikiextract.blockSeparatorTags, "blockquote")), re.I | re.S)
 
     def clean_text_marking_headers(self, text, mark_headers=False, **options):
+        text = "\n".join(line if line.strip() else PARAGRAPH_BREAK for line in text.split("\n"))
         return clean_text(self, text, mark_headers=True, **options)
 
-    Extractor.clean_text = clean_text_marking_headers  # its workers are forked, so they inherit this
+    def compact_paragraphs(text, **options):
+        kept = compact(text, **options)
+        return [line.replace(PARAGRAPH_BREAK, " ") for line in join_wrapped_lines(text.split("\n"), kept)]
+
+    def substitute_paragraph_tags(pattern, text, separator=" "):
+        if pattern is wikiextract.block_separator_tag_pattern:
+            return paragraph_tags.sub(f"\n{PARAGRAPH_BREAK}\n", text)
+        return substitute(pattern, text, separator)
+
+    # its workers are forked, so they inherit these
+    Extractor.clean_text = clean_text_marking_headers
+    wikiextract.compact = compact_paragraphs
+    wikiextract.substituteLineBreakTag = substitute_paragraph_tags
     fates = collections.Counter()
     collect_pages = WikiExtractor.collect_pages  # runs in this (the reading) process
     WikiExtractor.collect_pages = lambda lines: collect_pages(tally_pages(lines, fates))
