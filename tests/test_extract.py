@@ -158,3 +158,32 @@ def test_a_paragraph_wrapped_over_lines_comes_out_on_one_line_and_paragraphs_sta
         "A quote.",
         "After the quote.",
     ]
+
+
+def test_parts_extracted_with_the_compiled_templates_of_all_parts_read_as_the_whole_dump(tmp_path, sample_dir):
+    from workflow.data.extract import collect_template_pages
+    from workflow.data.templates import compile_templates
+
+    parts = sorted((sample_dir / "parts").glob("*.xml-p*.bz2"))
+    pages = [tmp_path / f"{part.name}.templates.xml" for part in parts]
+    counts = [collect_template_pages(part, page) for part, page in zip(parts, pages)]
+    assert compile_templates(pages, tmp_path / "templates.bin") == sum(counts) == 2
+    extracted = []
+    for part in parts:
+        extract(part, tmp_path / "part.jsonl", templates=tmp_path / "templates.bin")
+        extracted += (tmp_path / "part.jsonl").read_text(encoding="utf-8").splitlines()
+    extract(sample_dir / DUMP, tmp_path / "whole.jsonl")  # wikiextractor's own parse of the dump's templates
+    assert extracted == (tmp_path / "whole.jsonl").read_text(encoding="utf-8").splitlines()
+    assert "Alderbrook lies 16 km south-east" in extracted[0]  # {{convert}} is defined in the last part
+
+
+def test_a_bad_compiled_template_file_is_a_one_line_error(tmp_path, sample_dir, repo_env):
+    templates = tmp_path / "templates.bin"
+    templates.write_bytes(b"<page>not compiled</page>\n")
+    output = tmp_path / "out.jsonl"
+    result = subprocess.run([sys.executable, "-m", "workflow.data.extract", "--input", str(sample_dir / DUMP),
+                             "--output", str(output), "--templates", str(templates)],
+                            capture_output=True, text=True, env=repo_env)
+    assert result.returncode == 1 and not output.exists()
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {templates}: not a compiled template file (python -m workflow.data.templates writes them)")

@@ -15,8 +15,9 @@ Runs the real wikiextractor 3.1.0 (parallel processes; it keeps only namespace-0
   would reach `format` (one paragraph per line) as two; the lines of a paragraph are joined here (blank lines,
   headings, list items, table rows, indented lines and block tags such as <p> and <blockquote> still separate);
 - it expands templates with the definitions found in its input file: a dump processed in parts is extracted with
-  the template pages of every part (`--template-pages-only` collects them from one part, `--templates` passes them
-  in, in part order), so each part's articles read exactly as they would in the whole dump.
+  the template pages of every part (`--template-pages-only` collects them from one part, `workflow.data.templates`
+  compiles them all once, `--templates` loads that file in place of wikiextractor's own parse), so each part's
+  articles read exactly as they would in the whole dump.
 """
 import argparse
 import bz2
@@ -25,7 +26,6 @@ import html
 import json
 import logging
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +36,7 @@ from typing import Iterable, Iterator, Sequence
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
+from workflow.data.templates import load_compiled
 
 log = logging.getLogger("extract")
 
@@ -122,6 +123,7 @@ def wikiextractor_main() -> None:
 
     # its workers are forked, so they inherit these
     Extractor.clean_text = clean_text_marking_headers
+    WikiExtractor.load_and_compact_templates = load_compiled_templates(WikiExtractor.load_and_compact_templates)
     wikiextract.compact = compact_paragraphs
     wikiextract.substituteLineBreakTag = substitute_paragraph_tags
     fates = collections.Counter()
@@ -131,6 +133,23 @@ def wikiextractor_main() -> None:
     print(f"INFO: {PAGES_LOG} {sum(fates.values())} read: {fates['articles']} articles, "
           f"{fates['redirects']} redirects and {fates['other namespaces']} pages of other namespaces skipped",
           file=sys.stderr)
+
+
+def load_compiled_templates(load_and_compact_templates):
+    """wikiextractor's template loader, taking a `--templates` file as compiled by workflow.data.templates: its
+    blobs go where wikiextractor's parse would have put them (shared memory, `compact_blobs`)."""
+    from wikiextractor import template_blob
+
+    def load(template_file, input_file, input, template_prefix=""):
+        if not template_file:
+            return load_and_compact_templates(template_file, input_file, input, template_prefix)
+        count, templates, redirects = load_compiled(template_file)
+        print(f"INFO: Loaded {count} compiled templates from {template_file}", file=sys.stderr)
+        return template_blob.compact_blobs(*templates), template_blob.compact_blobs(*redirects), input, template_prefix
+
+    return load
+
+
 TEMPLATE_NAMESPACE = "10"  # the only pages wikiextractor takes template definitions from
 
 
@@ -226,28 +245,23 @@ def run_wikiextractor(dump: Path, workdir: Path, processes: int, templates: Path
         raise UserError(f"{dump}: wikiextractor failed ({reason.strip()})")
 
 
-def extract(dump: str | Path, output: str | Path, processes: int = 1, templates: Sequence[str | Path] = ()) -> int:
+def extract(dump: str | Path, output: str | Path, processes: int = 1, templates: str | Path | None = None) -> int:
     """Extract the articles of MediaWiki dump `dump` to JSON lines `output`; return the number of articles.
 
-    `templates`: files of template pages (collect_template_pages) to expand templates with, in dump order;
-    none: wikiextractor takes them from `dump` itself.
+    `templates`: the compiled template file (workflow.data.templates) to expand templates with; None:
+    wikiextractor takes them from `dump` itself.
     """
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
         raise UserError(f"{dump}: no such file")
     check_mediawiki_export(dump)
+    if templates is not None:
+        load_compiled(templates)  # a bad file is one error line here, not a traceback from wikiextractor
     count = 0
     with ExitStack() as stack:
         temporary = stack.enter_context(atomic_path(output))
         work = stack.enter_context(tempfile.TemporaryDirectory(dir=output.parent, prefix=".wikiextractor-"))
-        merged = None
-        if templates:  # one file for wikiextractor, on the node's local disk ($TMPDIR), not beside the output
-            merged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wikiextractor-templates-"))) / "t.xml"
-            with open(merged, "wb") as out:
-                for path in templates:
-                    with open(path, "rb") as pages:
-                        shutil.copyfileobj(pages, out)
-        run_wikiextractor(dump, Path(work) / "json", processes, merged)
+        run_wikiextractor(dump, Path(work) / "json", processes, None if templates is None else Path(templates))
         # wikiextractor names its files AA/wiki_00, AA/wiki_01, ..., AB/wiki_00: sorted = written order
         parts = sorted((Path(work) / "json").glob("*/wiki_*"))
         with open(temporary, "w", encoding="utf-8") as out:
@@ -269,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--input", required=True, help="MediaWiki pages-articles XML dump (.xml.bz2 or .xml)")
     parser.add_argument("--output", required=True, help="JSON lines: one {id, title, text} per article")
     parser.add_argument("--processes", type=int, default=1, help="wikiextractor worker processes")
-    parser.add_argument("--templates", nargs="*", default=(), help="template pages of every part of the dump, in order")
+    parser.add_argument("--templates", default=None, help="the dump's compiled templates (workflow.data.templates)")
     parser.add_argument("--template-pages-only", action="store_true",
                         help="write the dump's template pages to --output instead of its articles")
     args = parser.parse_args(argv)
