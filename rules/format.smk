@@ -1,9 +1,11 @@
 # Stage 3: one sentence per line (or one article per line), sentence-split with Punkt, offline; one job per part of
-# the Wikipedia dump. Unless format.punkt_model is set, Punkt is trained once on the corpus (all parts, in order).
+# the Wikipedia dump. Unless format.punkt_model is set, Punkt is trained once on the corpus' first characters (the
+# first format.punkt_parts parts, in order), so a part's format waits for its own extract and punkt, no other.
 
 
-def all_extracted_parts(wildcards):
-    return wikipedia_parts("data/extracted/wikipedia/{part}.jsonl")
+def punkt_training_parts(wildcards):
+    """The extracted parts Punkt trains on: the first format.punkt_parts (null: all), in page-id order."""
+    return wikipedia_parts("data/extracted/wikipedia/{part}.jsonl")[: config["format"]["punkt_parts"]]
 
 
 def format_inputs(wildcards):
@@ -17,7 +19,7 @@ def format_inputs(wildcards):
 
 
 def format_punkt_model(wildcards):
-    """The Punkt model format loads: the configured one, else (Wikipedia) the one trained on all parts, else none
+    """The Punkt model format loads: the configured one, else (Wikipedia) the one trained once, else none
     (books: format trains on them)."""
     if config["format"]["punkt_model"] or wildcards.corpus == "bookcorpus":
         return config["format"]["punkt_model"] or ""
@@ -26,7 +28,7 @@ def format_punkt_model(wildcards):
 
 rule punkt:
     input:
-        all_extracted_parts,
+        punkt_training_parts,
     output:
         directory("data/punkt/wikipedia"),
     log:
