@@ -67,8 +67,7 @@ FIXES = {
     "extract": "Would: a faster extractor per core (wikiextractor's template expansion and cleaning in Python "
                "are the cost), or more nodes; per job, wikiextractor's one mapper caps it beyond its cap/threads.",
     "punkt": "Would: a supplied format.punkt_model (no training), or training on fewer characters.",
-    "shard": "Would: pass 2 written in parallel, e.g. each part's documents appended to their shards by one job "
-             "per part, then concatenated per shard in part order.",
+    "shard": "Would: more threads (both passes split over the parts).",
     "vocab": "Would: a given vocab.file (Google's, as NVIDIA uses), fewer vocab.training_shards, or more threads.",
 }
 # The wikiextractor mapper's own work, as process_dump does it with --templates: skip siteinfo, load the compiled
@@ -373,7 +372,7 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
         stage_key = stage_name or name.split("[")[0]
         width = min(t[stage_key.split()[0]], args.cores_per_node)
         write = written_mb / args.disk_mb_s * min(siblings, args.cores_per_node // width)
-        jobs.append(dict(stage=stage_key, name=name, seconds=seconds + write + (args.slurm_gap if deps else 0.0),
+        jobs.append(dict(stage=stage_key, name=name, seconds=seconds + write, delay=args.slurm_gap if deps else 0.0,
                          cpu=seconds * width, deps=list(deps), threads=t[stage_key.split()[0]]))
         return len(jobs) - 1
 
@@ -400,9 +399,9 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
                        / (rate["format"] * t["format"]), [punkt_job, extract_jobs[p]],
                        written_mb=formatted_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts) for p, mb in enumerate(part_mb)]
     pass1 = formatted_mb / (rate["shard_pass1"] * min(t["shard"], parts))
-    pass2 = formatted_mb / rate["shard_pass2"]
+    pass2 = formatted_mb / (rate["shard_pass2"] * min(t["shard"], parts))
     stage("shard", "MB text", formatted_mb, 1 / (1 / rate["shard_pass1"] + 1 / rate["shard_pass2"]), 1,
-          f"pass 1 parallel ({pass1:.0f} s), pass 2 one stream ({pass2:.0f} s); {n_train} + {n_test} shards",
+          f"both passes over the parts in parallel ({pass1:.0f} s + {pass2:.0f} s); {n_train} + {n_test} shards",
           written_mb=formatted_mb)
     shard_job = job("shard", startup["shard"] + pass1 + pass2, format_jobs, written_mb=formatted_mb)
     one_thread = one_thread_cpu * (serial_fixed + parallel_fixed + vocab_mb * (serial_per_mb + parallel_per_mb))
@@ -450,8 +449,9 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
 
 
 def schedule(jobs: list[dict], nodes: int, cores: int) -> dict[str, tuple[float, float]]:
-    """Greedy list scheduling, as Snakemake: a job starts once its inputs exist on the first node with `threads`
-    free cores (threads capped at a node's cores), in DAG order. Returns each stage's (first start, last end)."""
+    """Greedy list scheduling, as Snakemake: a job starts once its inputs exist (plus its `delay`, if any: the
+    Slurm gap, holding no cores) on the first node with `threads` free cores (threads capped at a node's cores), in
+    DAG order. Returns each stage's (first start, last end)."""
     waiting = [len(j["deps"]) for j in jobs]
     dependents = [[] for _ in jobs]
     for index, j in enumerate(jobs):
@@ -459,9 +459,12 @@ def schedule(jobs: list[dict], nodes: int, cores: int) -> dict[str, tuple[float,
             dependents[dep].append(index)
     free = [cores] * nodes
     ready = [index for index, count in enumerate(waiting) if count == 0]
+    delayed: list[tuple[float, int]] = []  # (ready at, job): inputs done, its delay not yet over
     running: list[tuple[float, int, int]] = []  # (end, job, node)
     now, starts, ends = 0.0, {}, {}
-    while ready or running:
+    while ready or running or delayed:
+        while delayed and delayed[0][0] <= now:
+            ready.append(heapq.heappop(delayed)[1])
         still = []
         for index in sorted(ready):  # DAG order
             need = min(jobs[index]["threads"], cores)
@@ -473,13 +476,16 @@ def schedule(jobs: list[dict], nodes: int, cores: int) -> dict[str, tuple[float,
             heapq.heappush(running, (now + jobs[index]["seconds"], index, node))
             starts.setdefault(jobs[index]["stage"], now)
         ready = still
+        if delayed and (not running or delayed[0][0] < running[0][0]):
+            now = delayed[0][0]  # a job's delay ends before the next job does
+            continue
         now, index, node = heapq.heappop(running)
         free[node] += min(jobs[index]["threads"], cores)
         ends[jobs[index]["stage"]] = now
         for other in dependents[index]:
             waiting[other] -= 1
             if waiting[other] == 0:
-                ready.append(other)
+                heapq.heappush(delayed, (now + jobs[other].get("delay", 0.0), other))
     return {stage: (starts[stage], ends[stage]) for stage in starts}
 
 
