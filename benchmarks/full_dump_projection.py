@@ -40,6 +40,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from enwiki_pages import dump as enwiki_dump  # noqa: E402
@@ -52,7 +53,7 @@ PYTHON = sys.executable
 FULL = {  # the full English Wikipedia dump the projection is for (enwiki-20241001; text and tokens follow from
     # the XML by the ratios measured on the generated pages)
     "bz2_gb": 24, "xml_gb": 100, "articles": 7.0e6, "dump_parts": 63, "templates": 900_000,
-    "n_training_shards": 256, "n_test_shards": 256, "vocab_training_shards": 32, "test_fraction": 0.1,
+    "n_training_shards": 256, "n_test_shards": 256, "test_fraction": 0.1,
     "punkt_chars": 20_000_000,
 }
 TARGET_HOURS = {"given": 0.25, "trained": 0.3}  # one node; LDDL: 0.27 h from extracted text on one DGX A100
@@ -100,6 +101,12 @@ from pathlib import Path
 from workflow.data.shard import measure
 measure([Path(p) for p in sys.argv[1:]], "sentences", 1)
 """
+
+
+def vocab_training_shards() -> int:
+    """The schema's default vocab.training_shards: the sample of the training shards a vocab is trained on."""
+    schema = yaml.safe_load((ROOT / "config.schema.yaml").read_text())
+    return schema["properties"]["vocab"]["properties"]["training_shards"]["default"]
 
 
 def rule_threads(rule: str) -> int:
@@ -356,7 +363,7 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
     compiled_mb = m["compiled_bytes"] * per_template / 1e6
     serial_fixed, serial_per_mb = linear([(b / 1e6, serial) for b, serial, _ in m["vocab_runs"]])
     parallel_fixed, parallel_per_mb = linear([(b / 1e6, parallel) for b, _, parallel in m["vocab_runs"]])
-    vocab_mb = novel_mb * train_share * FULL["vocab_training_shards"] / n_train
+    vocab_mb = novel_mb * train_share * vocab_training_shards() / n_train
     serial_fraction, overhead = vocab_scaling(m)
     one_thread_cpu = m["vocab_threads"][1][0] / m["vocab_threads"][2][0]  # the fit's sizes are of 2-thread runs
     t = threads
@@ -412,7 +419,7 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
         n = t["vocab"]
         wall = one_thread * (serial_fraction + (1 - serial_fraction) * (1 + overhead * (n - 1)) / n)
         stage("vocab", "MB text", vocab_mb, vocab_mb / one_thread, 1,
-              f"{FULL['vocab_training_shards']} training shards; {one_thread:.0f} s on 1 thread, serial "
+              f"{vocab_training_shards()} training shards; {one_thread:.0f} s on 1 thread, serial "
               f"{serial_fraction:.2f}, +{overhead:.0%} CPU per added thread (fit to 1 and 2 threads): "
               f"{one_thread / wall:.1f}x on {n} threads")
         vocab_job = job("vocab", wall, [shard_job])

@@ -40,7 +40,7 @@ rule extract_wikipedia:
         templates="data/extracted/wikipedia/templates.bin",
     output:
         "data/extracted/wikipedia/{part}.jsonl",
-    threads: 4
+    threads: 16  # wikiextractor's processes; its one reader keeps up with ~16 (benchmarks/full_dump_projection.py)
     log:
         "logs/extract_wikipedia/{part}.log",
     conda:
