@@ -1,28 +1,35 @@
-"""Benchmark: every data stage's per-core rate on a replicated real-shaped dump, projected to full English Wikipedia.
+"""Benchmark: every data stage's per-core rate on generated real-shaped pages, projected to full English Wikipedia.
 
     python benchmarks/full_dump_projection.py [--mb 40] [--novel 0.07] [--nodes 1 8] [--cores-per-node 128]
+        [--disk-mb-s 1000] [--slurm-gap 30] [--threads extract=8 ...]
 
-Measures: builds a bz2 dump of --mb MB of XML from sample/enwiki-sample-pages-articles.xml's pages, then runs each
-stage's real command as its rule does, one process each, on one core: wikipedia_templates (the part's template
-pages), extract_wikipedia (real wikiextractor, --templates), punkt (ONE model for all parts), format (with that
-model), shard (pass 1 timed apart: it runs in parallel over the parts), vocab (trained at two sizes: fixed cost +
-per MB, on 2 threads, its CPU split into the main thread's (serial) and the rayon pool's and histogram processes'
-(parallel); also on 1 thread against 2 threads on the same input, whose files must be equal), tokenize and encode (seq 128 and 512) and hdf5_dir's checksumming. Text from format on is given
---novel of its words new (benchmarks/wikipedia_sample.py with_novel_words), as a real shard keeps meeting new words
-while the repeated sample does not. Rates are per CPU second (the process and its children, from wait4), so a
+Measures: builds a bz2 dump of --mb MB of XML of real-shaped pages (benchmarks/enwiki_pages.py: its docstring
+states the enwiki figures it matches: ~11 KB of XML per article, XML->text ~0.18, templates nested with parser
+functions, <ref> citations, infoboxes, tables, redirects and other namespaces), then runs each stage's real command
+as its rule does, one process each, on one core: wikipedia_templates (the part's template pages),
+compile_templates (on --template-sample generated template pages: once per dump, scaled by the count to enwiki's
+~900k), the compiled file's load (what every extract job pays first, same scaling), extract_wikipedia (real
+wikiextractor with template expansion, --templates compiled), punkt, format (with that model), shard (pass 1 timed
+apart), vocab (trained at two sizes: fixed cost + per MB, its CPU split into the main thread's and the rest; and on
+1 against 2 threads on the same input, whose files must be equal), tokenize and encode (seq 128 and 512) and
+hdf5_dir's checksumming. Text from format on is given --novel of its words new (wikipedia_sample.with_novel_words),
+as a real shard keeps meeting new words. Rates are per CPU second (the process and its children, from wait4), so a
 shared machine slows the wall clock more than the figures.
 
-Projects: each stage's work scaled to the full dump (FULL below), split into the DAG's jobs (per dump part:
-templates, extract, format; one punkt; one shard with its threads; one vocab with its threads; per shard: tokenize;
-per shard and phase: encode; per phase: hdf5_dir), each job's threads read from its rule in rules/*.smk, each job
-paying its measured process startup. The jobs are then scheduled as Snakemake would on N nodes x C cores, each
-job taking `threads` cores of one node as soon as its inputs exist: every part's extract waits for the templates
-of ALL parts, punkt for every extract, format for punkt, shard for every format, vocab for shard, tokenize for
-vocab, while each shard's encode follows its own tokenize (pipelined) and hdf5_dir waits for its phase's encodes.
-The wall time is that schedule's end. Serial parts are modelled where the code has them: wikiextractor's one mapper
-process reads (and bz2-decompresses) its part, whatever --processes; shard's pass 2 streams in corpus order; the
-vocab trainer's main thread (its merge loop, conversion, I/O) is serial, the rest (word counting, merge updates,
-character histogram) is split over its threads.
+Projects: the full dump (FULL: enwiki-20241001, 24 GB bz2, ~100 GB XML, 7.0 M articles, 63 parts, ~900k templates;
+text, tokens and HDF5 bytes follow from the XML by the measured ratios) split into the DAG's jobs (per part:
+templates, extract, format; one compile_templates; one punkt; one shard; one vocab; per shard: tokenize; per shard
+and length: encode; per length: hdf5_dir), each job's threads read from its rule in rules/*.smk, each job paying
+its measured process startup. Parts are of unequal size (ASSUMED: 0.5x to 1.5x the mean; the md5sums list has no
+sizes). The vocab's threads follow a fit from its 1- and 2-thread runs (serial fraction + the CPU each added thread
+costs; Amdahl, applied at the rule's threads). Each job also writes its bytes at --disk-mb-s per node shared by
+its stage's jobs on that node (ASSUMED bandwidth), and a job waiting for inputs starts --slurm-gap seconds after
+they are done (ASSUMED: the Slurm plugin's polling), without holding cores. The jobs are then scheduled as
+Snakemake would on N nodes x C cores: compile waits for every part's templates, each extract for compile, punkt for
+the first part's extract, a part's format for its extract and punkt, shard for every format, vocab for shard,
+tokenize for vocab, each shard's encode for its tokenize, hdf5_dir for its length's encodes. The wall time is that
+schedule's end. Serial parts are modelled where the code has them: wikiextractor's one mapper process reads (and
+bz2-decompresses) its part, whatever --processes; the vocab trainer's main thread.
 """
 import argparse
 import bz2

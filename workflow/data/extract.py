@@ -189,7 +189,8 @@ def check_mediawiki_export(path: Path) -> None:
 def collect_template_pages(dump: str | Path, output: str | Path) -> int:
     """Copy the template pages (namespace 10) of `dump`, verbatim and in order, to `output`; return their number.
 
-    The lines are the dump's own, so wikiextractor reads them (`--templates`) exactly as in its pre-scan of a dump.
+    The lines are the dump's own, so wikiextractor's loader (workflow.data.templates) reads them exactly as in its
+    pre-scan of a dump.
     """
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
