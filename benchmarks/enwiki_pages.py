@@ -51,6 +51,9 @@ Harwell Marsh Pound Eliot Yeats Lincoln Arthur Thomas Helen Ruth Mary Victoria E
 TEMPLATES_PER_ARTICLE = {"cite": 15, "inline": 6}
 SMALL, NESTING, INFOBOX, NAVBOX = "small", "nesting", "infobox", "navbox"
 TEMPLATE_KINDS = ((SMALL, 0.62), (NESTING, 0.28), (INFOBOX, 0.06), (NAVBOX, 0.04))
+# Templates that call a Lua module on enwiki (hatnotes, metadata, reference lists): wikiextractor runs no Lua, so
+# they leave no text, as here
+MODULE_CALLS = {"Reflist", "Authority control", "Short description", "Use dmy dates", "Main", "Citation needed"}
 NAMED = ["Cite web", "Cite book", "Cite news", "Convert", "Lang", "Nowrap", "Reflist", "Authority control",
          "Short description", "Use dmy dates", "Infobox settlement", "Infobox person", "Main", "Citation needed"]
 
@@ -84,7 +87,9 @@ def template_page(index: int, n_templates: int, rng: random.Random) -> str:
         kind = SMALL
     doc = "<noinclude>\n{{Documentation}}\n" + "\n".join(sentence(rng, False) for _ in range(rng.randint(1, 12))) \
         + "\n[[Category:Templates]]\n</noinclude>"
-    if kind == SMALL:
+    if name in MODULE_CALLS:
+        body = f"<includeonly>{{{{#invoke:{name.replace(' ', '_')}|main}}}}</includeonly>"
+    elif kind == SMALL:
         body = (f"<includeonly>{{{{#if:{{{{{{1|}}}}}}|<span class=\"{name.lower()}\">{{{{{{1}}}}}}"
                 f"{{{{#if:{{{{{{2|}}}}}}|&nbsp;{{{{{{2}}}}}}}}}}</span>|{{{{{{default|}}}}}}}}}}"
                 f"{{{{#switch:{{{{{{mode|}}}}}}|a={words(rng, 2)}|b={words(rng, 3)}|#default=}}}}</includeonly>")
