@@ -568,8 +568,10 @@ def report(m: dict, args) -> None:
     order = sorted(spans[min(args.nodes)].items(), key=lambda item: item[1])
     print(f"\ncritical path on {min(args.nodes)} node(s), stage spans in start order (stages overlap part by part and "
           f"shard by shard): " + " -> ".join(f"{stage} {stop - start:.0f} s" for stage, (start, stop) in order))
-    print(f"disk: {written:.0f} GB written in all; the intermediates (template pages, JSON, text, shards, tokenized) "
-          f"can go once the HDF5 exists (README: peak disk)")
+    hdf5 = sum(row["written_mb"] for row in stages if row["stage"].startswith("encode")) / 1e3
+    print(f"disk: {written:.0f} GB written, all of it on disk at the end with the {FULL['bz2_gb']} GB download: peak "
+          f"{written + FULL['bz2_gb']:.0f} GB; after `snakemake clean_intermediates` (template pages, JSON, text, "
+          f"shards, tokenized gone) {hdf5 + FULL['bz2_gb']:.0f} GB: the HDF5 ({hdf5:.0f} GB) and the download")
     span1 = spans[min(args.nodes)]
     print(f"what holds each stage back on 1 node (its span vs its work spread over {args.cores_per_node} cores):")
     for row in stages:
