@@ -12,5 +12,9 @@ rule clean_intermediates:
         "data/vocab.txt",
     params:
         paths=INTERMEDIATES,
+    log:
+        "logs/clean_intermediates.log",
+    conda:
+        "../envs/data.yaml"
     shell:
-        "rm -rf {params.paths}"
+        "rm -rf {params.paths} 2> {log}"

@@ -18,6 +18,6 @@ rule cluster_check:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.train.distributed -- python -m workflow.cluster_check --output {output}"
+        "python -m workflow.slurm.launch -- python -m workflow.slurm.cluster_check --output {output}"
         " --preset {params.preset} --micro-batch-size {params.micro_batch_size} --precision {params.precision}"
         " 2> {log}"

@@ -1,6 +1,9 @@
 # Stage 1: download the Wikipedia dump (each part its own job: resumable, checksum-verified) and, optionally, BookCorpus.
 
 
+include: "functions/download.smk"
+
+
 rule download_wikipedia:
     output:
         "data/download/wikipedia/{part}.xml.bz2",

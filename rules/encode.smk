@@ -3,6 +3,9 @@
 # from data/encoded_seq{seq} + manifest.json.
 
 
+include: "functions/encode.smk"
+
+
 rule encode:
     input:
         tokenized="data/tokenized/{split}/shard_{index}.npz",

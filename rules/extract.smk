@@ -3,9 +3,7 @@
 # every extract job loads), as in the whole dump.
 
 
-def all_template_pages(wildcards):
-    """The template pages of every part: each part is extracted with all of them, as in the whole dump."""
-    return wikipedia_parts("data/extracted/wikipedia/{part}.templates.xml")
+include: "functions/extract.smk"
 
 
 rule wikipedia_templates:

@@ -3,6 +3,10 @@
 # directory; it reads the config sections seed and glue whole (params.config, not part of the rerun check);
 # params.recipe holds only what changes the task's model.
 
+
+include: "functions/glue.smk"
+
+
 GLUE_INIT = config["glue"]["init_from"] or "results/pretrain/phase2/model"
 GLUE_VOCAB = f"{config['glue']['init_from']}/vocab.txt" if config["glue"]["init_from"] else "data/vocab.txt"
 
@@ -67,7 +71,8 @@ rule glue_finetune:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.train.distributed -- python -m workflow.glue.finetune --config {params.config:q}"
+        "python -m workflow.slurm.launch --run-dir runs/glue/{wildcards.glue_task} --"
+        " python -m workflow.glue.finetune --config {params.config:q}"
         " --task {wildcards.glue_task} --init {input.model:q} --vocab {input.vocab:q} --features {input.features:q}"
         " --output {output.model:q} --metrics {output.metrics:q} --run-dir runs/glue/{wildcards.glue_task}"
         " --threads {threads} 2> {log}"

@@ -1,10 +1,13 @@
 # Stages 9-10: BERT pretraining, phase 1 (seq 128) then phase 2 (seq 512, from phase 1's weights and LAMB moments).
 # Checkpoints live in runs/pretrain/{phase}/ (not an output): a rerun after a crash, a Slurm time limit or a retry
-# resumes from the newest valid checkpoint, on any number of ranks. `python -m workflow.train.distributed --` runs
+# resumes from the newest valid checkpoint, on any number of ranks. `python -m workflow.slurm.launch --` runs
 # the trainer once per Slurm task (srun) when the job has several tasks, else once; rank/world/master come from the
 # environment. The trainer gets the config sections seed, model and pretrain whole (params.config, not part of the
 # rerun check); params.recipe holds only what changes the outputs, so a cadence or micro-batch edit reruns nothing.
 # GPU telemetry lands in results/pretrain/{phase}/gpu_telemetry.csv when a GPU exists (not declared: absent on CPU).
+
+
+include: "functions/pretrain.smk"
 
 
 rule pretrain:
@@ -27,7 +30,8 @@ rule pretrain:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.train.distributed -- python -m workflow.train.pretrain --phase {wildcards.phase}"
+        "python -m workflow.slurm.launch --run-dir runs/pretrain/{wildcards.phase} --"
+        " python -m workflow.train.pretrain --phase {wildcards.phase}"
         " --config {params.config:q} --data-dir {input.data} --vocab {input.vocab} {params.init}"
         " --run-dir runs/pretrain/{wildcards.phase} --out-dir results/pretrain/{wildcards.phase}"
         " --threads {threads} 2> {log}"

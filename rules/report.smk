@@ -2,16 +2,6 @@
 # with report()). GPU telemetry is read from the phase directories when pretraining recorded it.
 import json
 
-# What `all` must build for the report to be complete.
-REPORT_TARGETS = [
-    "results/report/pretrain_loss.png",
-    "results/report/mlm_accuracy.png",
-    "results/report/throughput.png",
-    "results/report/gpu_telemetry.png",
-    "results/report/squad_finetune.png",
-    "results/report/config.yaml",
-]
-
 
 # `--phase phase1=results/pretrain/phase1 --phase phase2=...` for the summary and plot commands.
 PRETRAIN_PHASE_ARGS = " ".join(f"--phase {phase}=results/pretrain/{phase}" for phase in PHASES)

@@ -7,6 +7,9 @@
 # in every layout (as a phase job's 8 threads on 4 GPUs), so that layouts differ only in their number of ranks.
 
 
+include: "functions/scaling.smk"
+
+
 rule scaling:
     input:
         "results/scaling/scaling.csv",
@@ -30,7 +33,7 @@ rule scaling_benchmark:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.train.distributed -- python -m workflow.train.scaling benchmark --phase {wildcards.phase}"
+        "python -m workflow.slurm.launch -- python -m workflow.train.scaling benchmark --phase {wildcards.phase}"
         " --layout {wildcards.layout} --config {params.config:q} --data-dir {input.data} --vocab {input.vocab}"
         " --run-dir runs/scaling/{wildcards.phase}/{wildcards.layout} --output {output} --threads {threads} 2> {log}"
 

@@ -1,5 +1,9 @@
 # Stage 4: balanced, deterministic training/test text shards (one sentence per line, blank line between documents).
 
+
+include: "functions/shard.smk"
+
+
 # Streams over every formatted part in corpus order, so the shards do not depend on the parts' order of completion.
 
 

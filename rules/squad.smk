@@ -3,6 +3,10 @@
 # the config sections seed and squad whole (params.config, not part of the rerun check); params.recipe holds
 # only what changes the model.
 
+
+include: "functions/squad.smk"
+
+
 # The HF BERT directory fine-tuning starts from, and its vocab (data/vocab.txt for our own pretraining).
 SQUAD_INIT = config["squad"]["init_from"] or "results/pretrain/phase2/model"
 SQUAD_VOCAB = f"{config['squad']['init_from']}/vocab.txt" if config["squad"]["init_from"] else "data/vocab.txt"
@@ -80,7 +84,8 @@ rule squad_finetune:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.train.distributed -- python -m workflow.squad.finetune --config {params.config:q}"
+        "python -m workflow.slurm.launch --run-dir runs/squad --"
+        " python -m workflow.squad.finetune --config {params.config:q}"
         " --init {input.model:q} --vocab {input.vocab:q} --features {input.features:q}"
         " --output {output.model:q} --metrics {output.metrics:q} --run-dir runs/squad --threads {threads} 2> {log}"
 

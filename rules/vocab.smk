@@ -3,6 +3,9 @@
 # whatever the threads (workflow/data/vocab.py fixes the alphabet and the `##x` numbering).
 
 
+include: "functions/vocab.smk"
+
+
 if config["vocab"]["file"]:
 
     rule vocab:

@@ -7,7 +7,7 @@ import pytest
 
 from workflow.cli import UserError
 from workflow.glue import data as glue_data
-from workflow.squad.data import load_features, load_tokenizer
+from workflow.data.features import load_features, load_tokenizer
 
 # One line per file in each task's own layout (header rows, column counts and label spellings of the GLUE release).
 LAYOUTS = {

@@ -11,7 +11,7 @@ import torch
 
 from workflow.cli import UserError
 from workflow.glue import data as glue_data, evaluate as glue_eval, finetune as glue_finetune
-from workflow.squad.data import load_tokenizer, save_features
+from workflow.data.features import load_tokenizer, save_features
 from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
 
 GOOD, BAD = "fine nice good fair".split(), "poor sad bad grim".split()
@@ -172,7 +172,7 @@ def test_two_ranks_through_the_launcher_end_like_one_process_with_the_same_globa
 
     def command(name):
         settings = glue_config(learning_rate=1e-3, epochs=1, batch_size=32, micro_batch_size=16, precision="fp32")
-        return [sys.executable, "-m", "workflow.train.distributed", "--", sys.executable, "-m",
+        return [sys.executable, "-m", "workflow.slurm.launch", "--", sys.executable, "-m",
                 "workflow.glue.finetune", "--config", settings, "--task", "SST-2", "--init", str(tmp_path / "init"),
                 "--features", str(tasks / "SST-2_train.npz"), "--output", str(tmp_path / name), "--run-dir",
                 str(tmp_path / f"run-{name}"), "--device", "cpu", "--threads", "2"]

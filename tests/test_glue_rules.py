@@ -15,7 +15,7 @@ from sklearn import metrics as sk
 from tests.conftest import snakemake_env
 from workflow.glue import data as glue_data, evaluate as glue_eval, finetune as glue_finetune
 from workflow.report import summary
-from workflow.squad.data import load_features
+from workflow.data.features import load_features
 from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
 
 MNLI_HEADER = ("index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1_parse\t"

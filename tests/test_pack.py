@@ -11,7 +11,8 @@ import pytest
 from tests.conftest import REPO
 from tests.test_encode import tokenized_shard
 from workflow.data.encode import EncodeSettings, encode_shard
-from workflow.data.pack import ALGORITHMS, fewest_packs, histogram_packing, pack_arrays, pack_shard, read_encoded
+from workflow.data.hdf5 import read_encoded
+from workflow.data.pack import ALGORITHMS, fewest_packs, histogram_packing, pack_arrays, pack_shard
 
 PREDICTIONS = {128: 20, 512: 80}
 

@@ -157,7 +157,7 @@ def test_the_launcher_starts_one_rank_per_visible_gpu_on_a_machine_without_slurm
     s = settings(data, tmp_path / "out", total_steps=2, checkpoint_every=2, log_every=1, eval_max_sequences=16,
                  micro_batch_size=8, threads=2)
     # Two CPU "GPUs": SNAKEBERT_LOCAL_RANKS stands in for torch.cuda.device_count().
-    result = subprocess.run([sys.executable, "-m", "workflow.train.distributed", "--", *command(s)],
+    result = subprocess.run([sys.executable, "-m", "workflow.slurm.launch", "--", *command(s)],
                             env=environment(SNAKEBERT_LOCAL_RANKS="2"), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(Path(s.out_summary).read_text())
@@ -529,7 +529,8 @@ def test_bf16_and_fp16_autocast_on_cpu_train_with_losses_close_to_fp32(data, tmp
 
 
 def test_rank_and_world_come_from_torchrun_or_from_a_slurm_step_only():
-    from workflow.train.distributed import local_command, read_environment
+    from workflow.slurm.launch import local_command
+    from workflow.train.distributed import read_environment
 
     assert read_environment({}) == (0, 1, 0)
     assert read_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)
@@ -560,7 +561,7 @@ def test_srun_tasks_join_one_process_group_from_slurm_variables(tmp_path):
     script = ("import torch; from workflow.train import distributed as d; e = d.setup('cpu'); t = torch.ones(1) * "
               "(e.rank + 1); d.all_reduce_(t); print(e.rank, e.world_size, int(t.item()), flush=True); d.cleanup()")
     result = subprocess.run(["timeout", "120", "sbatch", "--wait", "--ntasks=2", "-o", str(tmp_path / "out"),
-                             "--wrap", f"{sys.executable} -m workflow.train.distributed -- {sys.executable} -c \"{script}\""],
+                             "--wrap", f"{sys.executable} -m workflow.slurm.launch -- {sys.executable} -c \"{script}\""],
                             cwd=REPO, env=environment(), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr + (tmp_path / "out").read_text(errors="replace")
     lines = sorted(line for line in (tmp_path / "out").read_text().splitlines() if len(line.split()) == 3)

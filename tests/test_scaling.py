@@ -20,7 +20,7 @@ import yaml
 from tests.conftest import copy_workflow
 from tests.test_slurm import cluster  # noqa: F401  (the fixture: the running test cluster, or a skip)
 from workflow.cli import UserError
-from workflow.slurm_profile import derive
+from workflow.slurm.profile import derive
 from workflow.train import scaling
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 

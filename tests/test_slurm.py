@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workflow.slurm_profile import derive
+from workflow.slurm.profile import derive
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "start_cluster.sh"
@@ -38,8 +38,8 @@ DATA_TARGETS = ("data/hdf5_seq128", "data/hdf5_seq512")
 # job, the formats (the dump's and the books'), the shard split, the vocab, tokenize+encode of all shards, and one
 # hdf5 directory per sequence length.
 DATA_JOBS = {"download_download_bookcorpus_download_wikipedia": 1, "templates_wikipedia_templates": 1,
-             "compile_templates": 1, "extract_extract_wikipedia": 1, "punkt": 1, "format_format": 1, "shard": 1, "vocab": 1,
-             "shard_encode_tokenize": 1, "hdf5_dir": 2}
+             "compile_templates": 1, "extract_extract_wikipedia": 1, "punkt": 1, "format_format": 1, "shard": 1,
+             "vocab": 1, "shard_encode_tokenize": 1, "hdf5_dir": 2}
 DATA_RULES = set(DATA_JOBS)  # the rule or group names sacct shows for them
 
 # One xdist worker runs every cluster test in turn (`make test`: --dist loadgroup): the node is shared, and a test
@@ -302,7 +302,7 @@ SCONTROL_2x4 = ("JobId=812 JobName=3f1c-run Comment=rule_pretrain_wildcards_phas
 
 
 def test_launcher_gives_every_rank_its_own_gpu_and_its_share_of_the_node_cores():
-    from workflow.train.distributed import SlurmJob, srun_command
+    from workflow.slurm.launch import SlurmJob, srun_command
 
     job = SlurmJob.parse(SCONTROL_2x4)
     assert (job.nodes, job.tasks, job.gpus_per_node, job.rule, job.batch_host) == (2, 8, 4, "pretrain", "gpu01")
@@ -313,7 +313,7 @@ def test_launcher_gives_every_rank_its_own_gpu_and_its_share_of_the_node_cores()
 
 def test_a_gpu_job_whose_ranks_differ_from_its_gpus_stops_naming_the_profile_keys():
     from workflow.cli import UserError
-    from workflow.train.distributed import SlurmJob, check_one_rank_per_gpu, srun_command
+    from workflow.slurm.launch import SlurmJob, check_one_rank_per_gpu, srun_command
 
     job = SlurmJob.parse(SCONTROL_2x4)
     check_one_rank_per_gpu(job, 8)
@@ -330,7 +330,7 @@ def test_a_gpu_job_whose_ranks_differ_from_its_gpus_stops_naming_the_profile_key
 def test_the_rendezvous_port_is_one_the_os_found_free_not_one_derived_from_the_job_id():
     import socket
 
-    from workflow.train.distributed import free_port
+    from workflow.slurm.launch import free_port
 
     with socket.socket() as held:  # a port another job on the node holds
         held.bind(("", free_port()))
@@ -339,7 +339,7 @@ def test_the_rendezvous_port_is_one_the_os_found_free_not_one_derived_from_the_j
 
 
 def test_training_jobs_are_requeued_by_cause():
-    from workflow.slurm_attempts import TIME_LIMIT_EXIT, decide
+    from workflow.slurm.attempts import TIME_LIMIT_EXIT, decide
 
     assert not decide(0, None, 12, 0).requeue
     assert decide(TIME_LIMIT_EXIT, 4, 8, 0).requeue            # time limit with progress: again and again
@@ -423,7 +423,7 @@ def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_d
 
 
 def test_a_request_no_node_of_its_partition_can_satisfy_is_one_error_line_naming_rule_and_key():
-    from workflow.slurm_profile import check, merge, parse_sinfo, read_profile
+    from workflow.slurm.profile import check, merge, parse_sinfo, read_profile
 
     nodes = parse_sinfo("cpu* vm 2 21694 (null)\ngpu vm 2 21694 gpu:a100:2(S:0)\n")
     stock = read_profile(REPO / "profiles" / "slurm")
@@ -442,7 +442,7 @@ def test_a_request_no_node_of_its_partition_can_satisfy_is_one_error_line_naming
 
 def test_profile_check_on_the_test_cluster_rejects_the_stock_profile_and_accepts_the_small_one(cluster, tmp_path):
     derive(REPO / "profiles" / "slurm", REPO / "tests" / "slurm" / "profile.yaml", tmp_path / "small")
-    check = [sys.executable, "-m", "workflow.slurm_profile", "check"]
+    check = [sys.executable, "-m", "workflow.slurm.profile", "check"]
     stock = subprocess.run([*check, "profiles/slurm"], cwd=REPO, capture_output=True, text=True, env=clean_env())
     assert stock.returncode == 1 and not stock.stdout
     lines = stock.stderr.splitlines()
@@ -467,7 +467,7 @@ def test_cluster_check_runs_one_rank_per_gpu_each_on_its_own_gpu(new_run):
 
 def test_a_gpu_job_launched_with_fewer_ranks_than_gpus_stops_with_one_error_line(cluster, tmp_path):
     # The batch step of a 1-task job on 2 GPUs, and a plugin-style `srun -n1` wrap of a 2-task job on 2 GPUs.
-    launcher = f"{sys.executable} -m workflow.train.distributed -- true"
+    launcher = f"{sys.executable} -m workflow.slurm.launch -- true"
     outputs = []
     for name, layout, command in (("batch", ["--ntasks=1"], launcher),
                                   ("wrapped", ["--ntasks-per-node=2"], f"srun -n1 {launcher}")):
@@ -487,9 +487,9 @@ def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_dec
     # `scontrol requeue` fails, which is reported on one `error:` line and ends the run with the trainer's status.
     (tmp_path / "logs").mkdir()
     checkpoints = tmp_path / "run" / "checkpoints"
-    script = ("import sys; from workflow.slurm_attempts import run_attempt; from workflow.train.distributed import "
-              "SlurmJob; job = SlurmJob.parse(sys.argv[1]); run_attempt(job, ['sh', '-c', sys.argv[2], 'trainer', "
-              "'--run-dir', sys.argv[3]], {})")
+    script = ("import sys; from workflow.slurm.attempts import run_attempt; from workflow.slurm.launch import "
+              "SlurmJob; job = SlurmJob.parse(sys.argv[1]); run_attempt(job, ['sh', '-c', sys.argv[2], 'trainer'], {}, "
+              "sys.argv[3])")
     trainer = f"echo training >&2; mkdir -p {checkpoints}; touch {checkpoints}/step_00000008.pt; exit 138"
     job = SCONTROL_2x4.replace("JobId=812", "JobId=999999999")
     with open(tmp_path / "logs" / "pretrain.log", "w") as log:

@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+from workflow.data import features as feature_files
 from workflow.squad import data as squad_data
 from workflow.cli import UserError
 from workflow.squad.evaluate import normalize_answer
@@ -63,7 +64,7 @@ def test_max_context_prefers_the_window_where_a_token_is_most_central():
 @pytest.mark.parametrize("max_seq_length, doc_stride, max_query_length", [(384, 128, 64), (128, 64, 32), (48, 8, 12)])
 def test_labelled_spans_decode_back_to_the_answer(sample_dir, vocab, max_seq_length, doc_stride, max_query_length):
     examples = squad_data.load_squad(sample_dir / TRAIN, "1.1")
-    tokenizer = squad_data.load_tokenizer(vocab, lowercase=True)
+    tokenizer = feature_files.load_tokenizer(vocab, lowercase=True)
     features = squad_data.featurize(examples, tokenizer, max_seq_length, doc_stride, max_query_length, training=False)
     ids, offsets = features["input_ids"], features["offsets"]
     assert ids.shape[1] == max_seq_length
@@ -95,7 +96,7 @@ def test_labelled_spans_decode_back_to_the_answer(sample_dir, vocab, max_seq_len
 
 def test_small_windows_leave_some_answers_outside(sample_dir, vocab):
     examples = squad_data.load_squad(sample_dir / TRAIN, "1.1")
-    tokenizer = squad_data.load_tokenizer(vocab, lowercase=True)
+    tokenizer = feature_files.load_tokenizer(vocab, lowercase=True)
     features = squad_data.featurize(examples, tokenizer, 48, 8, 12, training=True)
     unlabelled = features["start_positions"] == 0
     assert unlabelled.any() and (~unlabelled).any()
@@ -112,7 +113,7 @@ def test_featurize_cli_is_deterministic(sample_dir, vocab, tmp_path, repo_env):
                        capture_output=True)
         outputs.append((tmp_path / name).read_bytes())
     assert outputs[0] == outputs[1]
-    features = squad_data.load_features(tmp_path / "a.npz")
+    features = feature_files.load_features(tmp_path / "a.npz")
     assert list(features["example_ids"]) == [e.qas_id for e in squad_data.load_squad(sample_dir / DEV, "1.1")]
 
 
@@ -182,7 +183,7 @@ def test_squad2_impossible_questions_label_cls(vocab):
                  "plausible_answers": [{"text": "the Black Sea", "answer_start": 20}]}]}]}]}
     examples = squad_data.parse_squad(copy.deepcopy(data), "2.0")
     assert [e.is_impossible for e in examples] == [False, True]
-    tokenizer = squad_data.load_tokenizer(vocab, lowercase=True)
+    tokenizer = feature_files.load_tokenizer(vocab, lowercase=True)
     features = squad_data.featurize(examples, tokenizer, 64, 16, 16, training=True)
     assert features["start_positions"][0] > 0 and features["start_positions"][1] == 0
     data["data"][0]["paragraphs"][0]["qas"][0]["answers"] = []

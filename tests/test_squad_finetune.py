@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from workflow.data import features as feature_files
 from workflow.squad import data as squad_data, evaluate as squad_eval, finetune as squad_finetune, predict as squad_predict
 from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
 
@@ -47,9 +48,9 @@ def make_synthetic(root):
     (root / "dev.json").write_text(json.dumps(synthetic_squad(60, 2, "d")))
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "?", "the", "is", "what", "code", *FILLER, *VALUES]
     (root / "vocab.txt").write_text("\n".join(words) + "\n")
-    tokenizer = squad_data.load_tokenizer(root / "vocab.txt", lowercase=True)
+    tokenizer = feature_files.load_tokenizer(root / "vocab.txt", lowercase=True)
     train = squad_data.featurize(squad_data.load_squad(root / "train.json", "1.1"), tokenizer, 32, 16, 8, True)
-    squad_data.save_features(root / "train.npz", train)
+    feature_files.save_features(root / "train.npz", train)
     torch.manual_seed(0)
     config = BertConfig.preset("tiny", vocab_size=len(words), max_position_embeddings=32,
                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -171,7 +172,7 @@ def test_sigterm_checkpoints_and_exits_then_a_rerun_finishes(synthetic, tmp_path
 
 
 def test_learning_rate_never_exceeds_the_peak_with_a_fractional_warmup():
-    from workflow.squad.finetune import linear_warmup_decay
+    from workflow.train.finetune import linear_warmup_decay
 
     total = 25  # warmup 0.1 x 25 = 2.5 steps: step 2 would give 3 / 2.5 = 1.2 unclamped
     multipliers = [linear_warmup_decay(step, total, 0.1) for step in range(total)]

@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+from workflow.data import features as feature_files
 from workflow.squad import data as squad_data
 from workflow.squad.predict import postprocess
 
@@ -15,7 +16,7 @@ CONTEXT = "The cat sat on the mat today."
 def tokenizer(tmp_path_factory):
     vocab = tmp_path_factory.mktemp("vocab") / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    return squad_data.load_tokenizer(vocab, lowercase=True)
+    return feature_files.load_tokenizer(vocab, lowercase=True)
 
 
 def _one(tokenizer, context=CONTEXT, question="where did the cat sit ?", version="1.1", impossible=False,

@@ -24,12 +24,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-import h5py
 import numpy as np
 from tqdm import tqdm
 
-from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
+from workflow.data.hdf5 import CHUNK_ROWS, write_shard
 from workflow.data.pack import ALGORITHMS, PackSettings, pack_arrays, packing_stats
 from workflow.data.tokenize import load_tokenized
 from workflow.data.vocab import read_vocab, special_token_ids
@@ -37,8 +36,6 @@ from workflow.data.vocab import read_vocab, special_token_ids
 log = logging.getLogger(__name__)
 
 SPLIT_CODES = {"training": 0, "test": 1}  # part of the seed, so each shard has its own random stream
-CHUNK_ROWS = 64  # HDF5 chunk = 64 whole rows: a random row read decompresses little (see benchmarks/)
-CHUNK_WIDTH = 128  # narrower datasets (predictions, per-pack slots, labels) get proportionally more rows per chunk
 BATCH_CELLS = 1 << 20  # tokens built per batch: bounds memory whatever the sequence length
 WORD_BLOCK = 96  # whole-word masking: word ranks examined per block (~ the words a full instance needs)
 
@@ -322,40 +319,6 @@ def encode_shard(
     write_shard(output, attributes, shapes, batches, compression)
     log.info("%s: %d instances of length %d", output, n, length)
     return n
-
-
-def write_shard(output, attributes: dict, shapes: dict, batches, compression: str) -> None:
-    """HDF5 file `output` (atomically) with the datasets `shapes` {name: (shape, dtype)}, filled row-block by
-    row-block from `batches` (dicts of arrays, in row order), and root attributes `attributes`."""
-    try:
-        with atomic_path(output) as temporary:
-            with h5py.File(temporary, "w", libver="earliest") as handle:
-                handle.attrs.update(attributes)
-                datasets = {
-                    name: handle.create_dataset(name, shape, dtype, track_times=False, **_layout(shape, compression))
-                    for name, (shape, dtype) in shapes.items()
-                }
-                start = 0
-                for arrays in batches:
-                    rows = 0
-                    for name, array in arrays.items():
-                        datasets[name][start : start + len(array)] = array
-                        rows = len(array)
-                    start += rows
-    except OSError as error:
-        raise UserError(f"{output}: cannot write ({error.strerror or error})") from None
-
-
-def _layout(shape: tuple[int, ...], compression: str) -> dict:
-    """Row-shaped chunks of CHUNK_ROWS whole rows, or more for narrow datasets (at least CHUNK_ROWS x CHUNK_WIDTH
-    cells: a chunk of a few hundred bytes costs more in overhead than in compression), so a random row read
-    decompresses one small chunk; gzip level 1 with byte shuffle (the zero high bytes of int32 ids then cost
-    nothing). Not lzf: its output bytes vary from run to run for the same data, which would break byte-identical
-    outputs."""
-    if compression == "none" or shape[0] == 0:
-        return {}
-    rows = CHUNK_ROWS * max(1, CHUNK_WIDTH // int(np.prod(shape[1:])))
-    return {"chunks": (min(rows, shape[0]),) + shape[1:], "compression": "gzip", "compression_opts": 1, "shuffle": True}
 
 
 def _check(settings: EncodeSettings, packing: PackSettings | None) -> None:

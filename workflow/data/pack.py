@@ -45,18 +45,15 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-import h5py
 import numpy as np
 
 from workflow.cli import UserError, run
+from workflow.data.hdf5 import PACKED, read_encoded, write_shard
 
 log = logging.getLogger(__name__)
 
-ENCODED = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 ALGORITHMS = ("gapfill", "lpfhp", "spfhp")
 MAX_SEQUENCES_PER_PACK = 3  # the issue's default: gapfill then reaches >= 99% fill at 512
-PACKED = ("input_ids", "segment_ids", "input_mask", "position_ids", "cls_positions", "sequence_lengths",
-          "next_sentence_labels", "instance_index", "masked_lm_positions", "masked_lm_ids")  # the order files get them
 PACK_CHUNK_CELLS = 1 << 18  # cells moved at a time when packing in place: the block stays in cache
 
 
@@ -385,34 +382,10 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     return {name: out[name] for name in PACKED}
 
 
-def read_encoded(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
-    """(arrays, root attributes) of an encoded shard."""
-    try:
-        with h5py.File(path, "r") as handle:
-            missing = [name for name in ENCODED if name not in handle]
-            if missing:
-                raise UserError(f"{path}: missing dataset(s) {', '.join(missing)}; not an encoded shard")
-            if "position_ids" in handle:
-                raise UserError(f"{path}: already packed")
-            arrays = {name: handle[name][()] for name in ENCODED}
-            attributes = dict(handle.attrs)
-    except FileNotFoundError:
-        raise UserError(f"{path}: encoded shard not found") from None
-    except OSError as error:
-        raise UserError(f"{path}: not a readable HDF5 file ({error})") from None
-    n = arrays["input_ids"].shape[0]
-    for name, array in arrays.items():
-        if array.shape[0] != n or array.ndim != (1 if name == "next_sentence_labels" else 2):
-            raise UserError(f"{path}: dataset {name} has shape {array.shape}, inconsistent with input_ids {(n,)}")
-    return arrays, attributes
-
-
 def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
                max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK, algorithm: str = PackSettings.algorithm,
                compression: str = "gzip") -> dict:
     """Pack one encoded shard into the HDF5 file `output` (atomically), as encode does; returns its statistics."""
-    from workflow.data.encode import write_shard  # encode imports this module
-
     arrays, attributes = read_encoded(encoded)
     arrays, lengths = as_written_by_encode(arrays, str(encoded))
     masked_lm_prob = float(attributes.get("masked_lm_prob", 0.15))

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from workflow.cli import UserError, run
-from workflow.squad.data import load_tokenizer, save_features
+from workflow.data.features import load_tokenizer, save_features
 
 log = logging.getLogger(__name__)
 

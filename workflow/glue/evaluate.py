@@ -17,7 +17,7 @@ import numpy as np
 from workflow.atomic import write_json
 from workflow.cli import UserError, phase_directory, run
 from workflow.glue.data import GlueTask, task_of
-from workflow.squad.data import load_features
+from workflow.data.features import load_features
 from workflow.train.precision import autocast, resolve_precision
 
 log = logging.getLogger(__name__)

@@ -11,37 +11,24 @@ task. The result is an HF directory (BertForSequenceClassification names: `bert.
         --init results/pretrain/phase2/model --features data/glue/MRPC/train_features.npz \
         --output results/glue/MRPC/model --metrics results/glue/MRPC/finetune_metrics.jsonl --run-dir runs/glue/MRPC
 """
-import logging
-import math
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workflow.cli import UserError, run
 from workflow.glue.data import GlueTask, task_of
-from workflow.squad.data import load_features
-from workflow.squad.finetune import FinetuneSettings as SquadFinetuneSettings
-from workflow.squad.finetune import SquadTask, adamw_with_warmup, check_features_fit
-from workflow.train import checkpoint, distributed
-from workflow.train.engine import (LoopSettings, accumulation_steps, export_finetuned, finetune_parser,
-                                   set_threads, train)
+from workflow.train import finetune as finetuning
+from workflow.train.finetune import FeatureTask, FinetuneJob, finetune_parser
 from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights
-from workflow.train.precision import resolve_precision
-
-log = logging.getLogger(__name__)
-# The settings that change the fine-tuned model (its fingerprint: a change refuses to resume).
-RECIPE_KEYS = ("learning_rate", "epochs", "batch_size", "warmup_proportion", "weight_decay", "max_grad_norm")
 
 
 @dataclass
-class FinetuneSettings(SquadFinetuneSettings):
-    """SQuAD's fine-tuning settings with GLUE's defaults (BERT paper: 2e-5, 3 epochs)."""
+class FinetuneSettings(finetuning.FinetuneSettings):
+    """BERT fine-tuning's settings with GLUE's defaults (BERT paper: 2e-5, 3 epochs)."""
 
     learning_rate: float = 2e-5
     epochs: float = 3.0
@@ -50,14 +37,8 @@ class FinetuneSettings(SquadFinetuneSettings):
     @classmethod
     def from_config(cls, config: dict, task: str) -> "FinetuneSettings":
         """From the config sections seed and glue (as validated by the schema), glue.overrides.<task> applied."""
-        names = [f.name for f in fields(cls) if f.name != "seed"]
-        try:
-            glue = config["glue"]
-            merged = {**{key: glue[key] for key in names}, **glue.get("overrides", {}).get(task, {})}
-            return cls(seed=config["seed"], **{key: merged[key] for key in names})
-        except (KeyError, TypeError) as error:
-            raise UserError(f"config: missing key glue.{error.args[0] if error.args else error} "
-                            "(see config.schema.yaml)") from None
+        overrides = config.get("glue", {}).get("overrides", {}).get(task, {})
+        return cls.from_section(config, "glue", overrides)
 
 
 class BertForSequenceClassification(nn.Module):
@@ -102,22 +83,11 @@ def load_classifier(directory: str | Path, num_labels: int, require_head: bool =
     return model, config
 
 
-class ClassificationTask(SquadTask):
-    """Sentence (pair) classification on the training features; the global order of SquadTask (a permutation per
-    epoch), the tensors and the loss its own."""
+class ClassificationTask(FeatureTask):
+    """Sentence (pair) classification on the training features (the global order of FeatureTask)."""
 
     def __init__(self, features: dict, batch_size: int, seed: int):
-        self.tensors = {k: torch.from_numpy(features[k]) for k in ("input_ids", "token_type_ids", "attention_mask")}
-        self.labels = torch.from_numpy(features["labels"])
-        self.n = len(self.labels)
-        self.batch_size = batch_size
-        self.steps_per_epoch = math.ceil(self.n / batch_size)
-        self.seed = seed
-
-    def read(self, start: int, count: int) -> dict:
-        rows = torch.from_numpy(self.order_of(np.arange(start, start + count), self.n, self.batch_size,
-                                              self.steps_per_epoch, self.seed))
-        return {**{k: v[rows].long() for k, v in self.tensors.items()}, "labels": self.labels[rows]}
+        super().__init__(features, ("input_ids", "token_type_ids", "attention_mask"), ("labels",), batch_size, seed)
 
     def loss(self, model, batch: dict, totals: dict) -> dict:
         logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
@@ -134,62 +104,31 @@ class ClassificationTask(SquadTask):
         return line
 
 
-def _digest(path: Path) -> str:
-    return checkpoint.file_sha256(path)[:16] if path.is_file() else str(path)
+def job_of(task: GlueTask) -> FinetuneJob:
+    """The driver's view of a GLUE task: its features checked, its head, its exported label names."""
+
+    def make_task(features: dict, features_path: Path, s: FinetuneSettings) -> ClassificationTask:
+        if "labels" not in features:
+            raise UserError(f"{features_path}: no labels (not GLUE features)")
+        if (features["labels"].dtype.kind == "f") != (task.labels is None):
+            raise UserError(f"{features_path}: labels of another task than {task.name} (features of another task?)")
+        return ClassificationTask(features, s.batch_size, s.seed)
+
+    labels = task.labels or ("score",)
+    return FinetuneJob(
+        config_key=f"glue.{task.name}", section="glue", batch_key=f"glue.overrides.{task.name}", unit="examples",
+        make_task=make_task, load_model=lambda init: load_classifier(init, task.num_labels),
+        fingerprint={"task": task.name}, config_json=dict(
+            architectures=["BertForSequenceClassification"], finetuning_task=task.name,
+            id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
+            problem_type="regression" if task.labels is None else "single_label_classification"))
 
 
 def finetune(task: GlueTask, init, features_path, output, run_dir, settings: FinetuneSettings | None = None,
              vocab=None, metrics_path=None, device: str = "auto", threads: int | None = None) -> int:
     """Fine-tune; write the HF directory `output` (rank 0). Returns 0, or 128+signal when stopped by a signal."""
-    set_threads(threads)
-    env = distributed.setup(device)
-    try:
-        return _finetune(env, task, Path(init), Path(features_path), Path(output), Path(run_dir),
-                         settings or FinetuneSettings(), vocab, metrics_path)
-    finally:
-        distributed.cleanup()
-
-
-def _finetune(env, task: GlueTask, init: Path, features_path: Path, output: Path, run_dir: Path,
-              s: FinetuneSettings, vocab, metrics_path) -> int:
-    key = f"glue.overrides.{task.name}"  # where a per-task fix goes
-    accumulation_steps(s.batch_size, s.micro_batch_size, env.world_size, key, "batch_size")
-    features = load_features(features_path)
-    if "labels" not in features:
-        raise UserError(f"{features_path}: no labels (not GLUE features)")
-    if (features["labels"].dtype.kind == "f") != (task.labels is None):
-        raise UserError(f"{features_path}: labels of another task than {task.name} (features of another task?)")
-    data = ClassificationTask(features, s.batch_size, s.seed)
-    total_steps = max(1, math.ceil(data.steps_per_epoch * s.epochs))
-
-    torch.manual_seed(s.seed)
-    model, config = load_classifier(init, task.num_labels)
-    check_features_fit(features, features_path, config)
-    model.to(env.device)
-    if env.distributed:  # own dropout masks per rank; weights stay identical
-        torch.manual_seed(s.seed + env.rank)
-    precision = resolve_precision(s.precision, env.device, "glue.precision")
-    optimizer, scheduler = adamw_with_warmup(model, s, total_steps)
-    fingerprint = {**{f"glue.{k}": getattr(s, k) for k in RECIPE_KEYS}, "task": task.name, "seed": s.seed,
-                   "init weights": _digest(init / "model.safetensors"),
-                   "training features": f"{data.n} examples, sha256 {_digest(features_path)}"}
-    log.info("%s: fine-tuning on %d examples, %d steps (%d per epoch)", task.name, data.n, total_steps,
-             data.steps_per_epoch)
-    loop = LoopSettings(config_key=f"glue.{task.name}", run_dir=str(run_dir), total_steps=total_steps,
-                        global_batch_size=s.batch_size, micro_batch_size=s.micro_batch_size, precision=precision,
-                        clip_grad_norm=s.max_grad_norm, checkpoint_every=s.checkpoint_every,
-                        keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed,
-                        global_batch_key="batch_size")
-    outcome = train(env, model, optimizer, scheduler, data, loop, fingerprint)
-    if outcome.stopped:
-        return outcome.stopped
-
-    labels = task.labels or ("score",)
-    export_finetuned(env, model, config, init, vocab, output, metrics_path, run_dir, dict(
-        architectures=["BertForSequenceClassification"], finetuning_task=task.name,
-        id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
-        problem_type="regression" if task.labels is None else "single_label_classification"))
-    return 0
+    return finetuning.finetune(job_of(task), init, features_path, output, run_dir, settings or FinetuneSettings(),
+                               vocab, metrics_path, device, threads)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

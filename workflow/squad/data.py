@@ -8,10 +8,8 @@ A training answer outside a window is labelled (0, 0), i.e. [CLS], as the refere
         --version 1.1 --split train --output data/squad/train_features.npz
 """
 import argparse
-import io
 import json
 import logging
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -19,8 +17,8 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
+from workflow.data.features import load_tokenizer, save_features
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +121,6 @@ def load_squad(path: str | Path, version: str) -> list[SquadExample]:
     except json.JSONDecodeError as error:
         raise UserError(f"{path}: not valid JSON: {error}") from error
     return parse_squad(data, version, str(path))
-
-
-def load_tokenizer(vocab: str | Path, lowercase: bool):
-    """The project's WordPiece tokenizer (BERT normalisation, [CLS]/[SEP] not added automatically)."""
-    from tokenizers import BertWordPieceTokenizer
-
-    try:
-        return BertWordPieceTokenizer(str(vocab), lowercase=lowercase, strip_accents=lowercase)
-    except Exception as error:  # tokenizers raises a bare Exception for a missing/garbled vocab
-        raise UserError(f"{vocab}: cannot load WordPiece vocab: {error}") from error
 
 
 def doc_spans(n_tokens: int, max_tokens_for_doc: int, doc_stride: int) -> list[tuple[int, int]]:
@@ -258,26 +246,6 @@ def featurize(
         features["offsets"] = np.stack(rows["offsets"])
         features["token_is_max_context"] = np.stack(rows["token_is_max_context"])
     return features
-
-
-def save_features(path: str | Path, features: dict[str, np.ndarray]) -> None:
-    """Write arrays as an .npz readable by numpy.load, byte-identical for identical arrays (fixed zip dates)."""
-    with atomic_path(path) as temporary:
-        with zipfile.ZipFile(temporary, "w", compression=zipfile.ZIP_STORED) as archive:
-            for name in sorted(features):
-                buffer = io.BytesIO()
-                np.save(buffer, features[name], allow_pickle=False)
-                info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
-                archive.writestr(info, buffer.getvalue())
-
-
-def load_features(path: str | Path) -> dict[str, np.ndarray]:
-    """Read features written by save_features."""
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as error:
-        raise UserError(f"{path}: cannot read SQuAD features: {error}") from error
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -20,7 +20,8 @@ import numpy as np
 from workflow.atomic import write_text
 from workflow.cli import UserError, run
 from workflow.train.precision import autocast, resolve_precision
-from workflow.squad.data import SquadExample, load_features, load_squad
+from workflow.data.features import load_features
+from workflow.squad.data import SquadExample, load_squad
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,2 @@
-"""Pretraining: BERT model, LAMB, the training loop, its data loading, checkpoints, distributed launch."""
+"""Pretraining and the fine-tuning driver: BERT model, LAMB, the training engine, its data loading, checkpoints, the
+process group of a rank."""

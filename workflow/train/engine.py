@@ -27,11 +27,9 @@ at a barrier, and train() returns the signal's exit code.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
-import shutil
 import signal
 import sys
 import time
@@ -44,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from workflow.atomic import atomic_path
-from workflow.cli import UserError, config_sections
+from workflow.cli import UserError
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.train.precision import autocast, grad_scaler
@@ -359,41 +357,3 @@ def _log_metrics(task, window, steps, elapsed, step, scheduler, s, env, path: Pa
         with open(path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         log.info("step %d loss %.4f lr %.3g", step, record.get("loss", float("nan")), record["lr"])
-
-
-def finetune_parser(description: str, sections: str, features: str, metrics: str) -> argparse.ArgumentParser:
-    """The command line every fine-tuning stage shares (SQuAD, GLUE); each adds its own arguments."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", required=True, type=config_sections, help=f"JSON of the config sections {sections}")
-    parser.add_argument("--init", required=True, help="HF BERT directory to start from (phase-2 export)")
-    parser.add_argument("--features", required=True, help=f"training features .npz ({features})")
-    parser.add_argument("--output", required=True, help="fine-tuned HF model directory")
-    parser.add_argument("--run-dir", required=True, help="checkpoints (resumed automatically)")
-    parser.add_argument("--vocab", default=None, help="vocab.txt copied into the output (default: the init's)")
-    parser.add_argument("--metrics", default=None, help=f"JSONL of {metrics}")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
-    return parser
-
-
-def export_finetuned(env, model, config, init: Path, vocab, output, metrics_path, run_dir: Path,
-                     config_json_updates: dict) -> None:
-    """The end of a fine-tune on rank 0: `output` as an HF directory (its config.json updated with
-    `config_json_updates`), the run's metrics file, and the run directory removed (the finished model supersedes the
-    checkpoints); every rank then waits, so the run directory goes only after every rank is done with it."""
-    from workflow.atomic import write_text
-    from workflow.train.model import save_pretrained
-
-    if env.is_main:
-        with atomic_path(output) as temporary:
-            vocab_path = Path(vocab) if vocab else Path(init) / "vocab.txt"
-            save_pretrained(model, config, vocab_path if vocab_path.is_file() else None, temporary)
-            config_json = json.loads((temporary / "config.json").read_text())
-            config_json.update(config_json_updates)
-            write_text(temporary / "config.json", json.dumps(config_json, indent=2, sort_keys=True) + "\n")
-        if metrics_path is not None:
-            with atomic_path(metrics_path) as temporary:
-                shutil.copyfile(run_dir / "metrics.jsonl", temporary)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        log.info("fine-tuned model -> %s", output)
-    distributed.barrier()

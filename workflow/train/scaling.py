@@ -148,7 +148,7 @@ def write_table(paths: list[str], output: str) -> list[dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    bench = commands.add_parser("benchmark", help="one layout's job (run under workflow.train.distributed)")
+    bench = commands.add_parser("benchmark", help="one layout's job (run under workflow.slurm.launch)")
     bench.add_argument("--phase", required=True, choices=["phase1", "phase2"])
     bench.add_argument("--layout", required=True, help="<nodes>x<gpus_per_node>")
     bench.add_argument("--config", required=True, help="JSON of the config sections seed, model, pretrain, scaling")

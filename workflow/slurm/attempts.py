@@ -1,6 +1,6 @@
 """Retries by cause for a Slurm training job, inside its own allocation, with every attempt's log kept.
 
-The launcher (`python -m workflow.train.distributed --`) runs the ranks with srun and then decides here from
+The launcher (`python -m workflow.slurm.launch --run-dir DIR --`) runs the ranks with srun and then decides here from
 how they ended, where the cause is still known (Snakemake only sees "failed"):
     exit 0                               done
     128+SIGUSR1 (Slurm's time-limit      `scontrol requeue` this job (same job id, fresh time limit) when the newest
@@ -56,15 +56,14 @@ def decide(exit_status: int, start_step: int | None, end_step: int | None, earli
     return Decision(False, f"failed with exit status {exit_status} again: not requeued")
 
 
-def newest_step(command: list[str]) -> int | None:
-    """The step of the newest checkpoint under the command's `--run-dir`, if it has one."""
+def newest_step(run_dir: str | Path | None) -> int | None:
+    """The step of the newest checkpoint of the run directory, if it has one (None without a run directory)."""
     from workflow.train.checkpoint import list_checkpoints
 
-    for flag, value in zip(command, command[1:]):
-        if flag == "--run-dir":
-            found = list_checkpoints(Path(value) / "checkpoints")
-            return int(found[-1].stem.split("_")[1]) if found else None
-    return None
+    if run_dir is None:
+        return None
+    found = list_checkpoints(Path(run_dir) / "checkpoints")
+    return int(found[-1].stem.split("_")[1]) if found else None
 
 
 def job_state(job_id: str) -> str:
@@ -98,8 +97,9 @@ def history(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_attempt(job, command: list[str], rendezvous: dict) -> None:
-    """Run `command` (srun ...) in this Slurm job, then exit 0 or requeue the job or exit with its status."""
+def run_attempt(job, command: list[str], rendezvous: dict, run_dir: str | Path | None = None) -> None:
+    """Run `command` (srun ...) in this Slurm job, then exit 0 or requeue the job or exit with its status; progress
+    is judged by the checkpoints of `run_dir`."""
     log_file = rule_log()
     record_path = None
     earlier_failures = 0
@@ -110,13 +110,13 @@ def run_attempt(job, command: list[str], rendezvous: dict) -> None:
             log.warning("cannot keep %s under %s/attempts: %s", log_file, log_file.parent, error)
         record_path = log_file.parent / "attempts" / f"{log_file.stem}.history.jsonl"
         earlier_failures = sum(1 for r in history(record_path) if r["job"] == job.job_id and r["cause"] == "failure")
-    start_step = newest_step(command)
+    start_step = newest_step(run_dir)
     print(f"launch: Slurm job {job.job_id} run {job.restarts} (rule {job.rule}), {job.tasks} rank(s) on "
           f"{job.nodes} node(s), newest checkpoint step {start_step}: {' '.join(command)}", file=sys.stderr,
           flush=True)
     status = subprocess.run(command, env={**os.environ, **rendezvous}).returncode
     status = 128 - status if status < 0 else status
-    end_step = newest_step(command)
+    end_step = newest_step(run_dir)
     state = job_state(job.job_id)
     decision = decide(status, start_step, end_step, earlier_failures, state)
     cause = ("slurm" if state != "RUNNING" else "ok" if status == 0 else "time-limit" if status == TIME_LIMIT_EXIT

@@ -1,0 +1,36 @@
+# Input and params functions of rules/encode.smk (functions apart from rules, as `snakemake --lint` asks).
+
+
+def shard_indices(split):
+    """Indices of the text shards of one split (training or test)."""
+    return range(config["shard"][f"n_{split}_shards"])
+
+
+def phase_of_seq(wildcards):
+    """The phase whose encode settings produce sequences of length wildcards.seq."""
+    for phase in PHASES:
+        if seq_length(phase) == int(wildcards.seq):
+            return phase
+    raise ValueError(f"no phase in config 'encode' has max_seq_length {wildcards.seq}")
+
+
+def max_predictions_per_seq(wildcards):
+    """max_predictions_per_seq of the phase whose max_seq_length is wildcards.seq."""
+    return config["encode"][phase_of_seq(wildcards)]["max_predictions_per_seq"]
+
+
+def packing_arguments(wildcards):
+    """encode's packing options from config encode.packing."""
+    packing = config["encode"]["packing"]
+    if not packing["enabled"]:
+        return "--no-packing"
+    return f"--packing --max-sequences-per-pack {packing['max_sequences_per_pack']} --pack-algorithm {packing['algorithm']}"
+
+
+def encoded_shards(wildcards):
+    """Every encoded shard, both splits, of sequence length wildcards.seq."""
+    return [
+        f"data/encoded_seq{wildcards.seq}/{split}/shard_{index}.hdf5"
+        for split in SPLITS
+        for index in shard_indices(split)
+    ]

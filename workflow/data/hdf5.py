@@ -1,0 +1,78 @@
+"""The HDF5 shard files of the encode stage: dataset names of both layouts, the writer, the reader of an encoded shard.
+
+Layouts: NVIDIA's schema (`ENCODED`, one instance per row; workflow.data.encode) and the packed one (`PACKED`,
+several instances per row; workflow.data.pack). Chunks hold whole rows, gzip level 1 with byte shuffle.
+
+API:
+    write_shard(output, attributes, {name: (shape, dtype)}, batches, compression)   atomically, row block by block
+    read_encoded(path) -> (arrays, attributes)   an encoded (NVIDIA-schema) shard, validated
+"""
+import os
+
+import h5py
+import numpy as np
+
+from workflow.atomic import atomic_path
+from workflow.cli import UserError
+
+ENCODED = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
+PACKED = ("input_ids", "segment_ids", "input_mask", "position_ids", "cls_positions", "sequence_lengths",
+          "next_sentence_labels", "instance_index", "masked_lm_positions", "masked_lm_ids")  # the order files get them
+CHUNK_ROWS = 64  # HDF5 chunk = 64 whole rows: a random row read decompresses little (see benchmarks/)
+CHUNK_WIDTH = 128  # narrower datasets (predictions, per-pack slots, labels) get proportionally more rows per chunk
+
+
+def write_shard(output, attributes: dict, shapes: dict, batches, compression: str) -> None:
+    """HDF5 file `output` (atomically) with the datasets `shapes` {name: (shape, dtype)}, filled row-block by
+    row-block from `batches` (dicts of arrays, in row order), and root attributes `attributes`."""
+    try:
+        with atomic_path(output) as temporary:
+            with h5py.File(temporary, "w", libver="earliest") as handle:
+                handle.attrs.update(attributes)
+                datasets = {
+                    name: handle.create_dataset(name, shape, dtype, track_times=False, **_layout(shape, compression))
+                    for name, (shape, dtype) in shapes.items()
+                }
+                start = 0
+                for arrays in batches:
+                    rows = 0
+                    for name, array in arrays.items():
+                        datasets[name][start : start + len(array)] = array
+                        rows = len(array)
+                    start += rows
+    except OSError as error:
+        raise UserError(f"{output}: cannot write ({error.strerror or error})") from None
+
+
+def _layout(shape: tuple[int, ...], compression: str) -> dict:
+    """Row-shaped chunks of CHUNK_ROWS whole rows, or more for narrow datasets (at least CHUNK_ROWS x CHUNK_WIDTH
+    cells: a chunk of a few hundred bytes costs more in overhead than in compression), so a random row read
+    decompresses one small chunk; gzip level 1 with byte shuffle (the zero high bytes of int32 ids then cost
+    nothing). Not lzf: its output bytes vary from run to run for the same data, which would break byte-identical
+    outputs."""
+    if compression == "none" or shape[0] == 0:
+        return {}
+    rows = CHUNK_ROWS * max(1, CHUNK_WIDTH // int(np.prod(shape[1:])))
+    return {"chunks": (min(rows, shape[0]),) + shape[1:], "compression": "gzip", "compression_opts": 1, "shuffle": True}
+
+
+def read_encoded(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
+    """(arrays, root attributes) of an encoded shard."""
+    try:
+        with h5py.File(path, "r") as handle:
+            missing = [name for name in ENCODED if name not in handle]
+            if missing:
+                raise UserError(f"{path}: missing dataset(s) {', '.join(missing)}; not an encoded shard")
+            if "position_ids" in handle:
+                raise UserError(f"{path}: already packed")
+            arrays = {name: handle[name][()] for name in ENCODED}
+            attributes = dict(handle.attrs)
+    except FileNotFoundError:
+        raise UserError(f"{path}: encoded shard not found") from None
+    except OSError as error:
+        raise UserError(f"{path}: not a readable HDF5 file ({error})") from None
+    n = arrays["input_ids"].shape[0]
+    for name, array in arrays.items():
+        if array.shape[0] != n or array.ndim != (1 if name == "next_sentence_labels" else 2):
+            raise UserError(f"{path}: dataset {name} has shape {array.shape}, inconsistent with input_ids {(n,)}")
+    return arrays, attributes

@@ -1,0 +1,145 @@
+"""The launcher of a training job: `python -m workflow.slurm.launch [--run-dir DIR] -- CMD ...`.
+
+In the batch step of a Slurm job: check one rank per allocated GPU (else one `error:` line naming the profile keys),
+run CMD once per task with srun (own GPU, own share of cores, a rendezvous port the OS found free on the first
+node), then requeue or stop by cause (workflow/slurm/attempts.py; `--run-dir`: the run's checkpoints, by which it
+judges progress). Inside a step or torchrun: the same GPU check, then CMD directly. Without Slurm: CMD once per
+visible GPU through torchrun (SNAKEBERT_LOCAL_RANKS overrides the count, e.g. 2 CPU ranks in tests).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from workflow.cli import UserError
+from workflow.slurm import attempts
+
+log = logging.getLogger(__name__)
+
+RANK_EXIT_WAIT_S = 300  # how long srun lets the other ranks finish (rank 0: its checkpoint) after one has exited
+
+
+def first_host(nodelist: str) -> str | None:
+    """The first host of a Slurm node list (`node[01-04]` -> node01), as `scontrol show hostnames` expands it."""
+    try:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
+                               text=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError) as error:
+        raise UserError(f"SLURM_NODELIST={nodelist!r}: `scontrol show hostnames` failed: {error}") from None
+    return hosts[0] if hosts else None
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """The allocation a launcher runs in, from `scontrol show job -o` (the Snakemake Slurm plugin runs a job's
+    command with every SLURM_* variable except SLURM_JOB_ID removed, so the environment cannot tell)."""
+    job_id: str
+    name: str        # the Snakemake run's id: every job of one `snakemake` invocation carries it
+    rule: str        # from the plugin's --comment rule_<rule>[_wildcards_...]
+    nodes: int
+    tasks: int
+    cpus: int        # in the whole allocation
+    gpus_per_node: int
+    restarts: int    # Slurm requeues (node failure, our own requeue) keep the job id and count here
+    batch_host: str
+
+    @classmethod
+    def parse(cls, text: str) -> "SlurmJob":
+        fields = dict(re.findall(r"(\S+?)=(\S*)", text))
+        per_node = re.search(r"gres[:/]gpu(?::[^:,=\s]+)?[:=](\d+)", fields.get("TresPerNode", ""))
+        total = re.search(r"gres/gpu=(\d+)", fields.get("TRES", "") or fields.get("AllocTRES", ""))
+        nodes = int(fields["NumNodes"].split("-")[0])
+        gpus = int(per_node.group(1)) if per_node else (int(total.group(1)) // nodes if total else 0)
+        return cls(job_id=fields["JobId"], name=fields.get("JobName", ""),
+                   rule=fields.get("Comment", "").removeprefix("rule_").split("_wildcards_")[0],
+                   nodes=nodes, tasks=int(fields["NumTasks"]), cpus=int(fields["NumCPUs"]), gpus_per_node=gpus,
+                   restarts=int(fields.get("Restarts", "0")), batch_host=fields.get("BatchHost", ""))
+
+    @classmethod
+    def query(cls, job_id: str) -> "SlurmJob":
+        try:
+            out = subprocess.run(["scontrol", "show", "job", "-o", job_id], check=True, capture_output=True,
+                                 text=True).stdout
+        except (OSError, subprocess.CalledProcessError) as error:
+            raise UserError(f"SLURM_JOB_ID={job_id}: `scontrol show job` failed: {error}") from None
+        return cls.parse(out)
+
+
+def check_one_rank_per_gpu(job: SlurmJob, ranks: int) -> None:
+    """A GPU job must run one rank per allocated GPU: never train silently on fewer (or share a GPU)."""
+    gpus = job.gpus_per_node * job.nodes
+    if gpus and ranks != gpus:
+        rule = job.rule or "<rule>"
+        raise UserError(
+            f"Slurm job {job.job_id} (rule {rule}) runs {ranks} rank(s) on {gpus} GPU(s) ({job.nodes} node(s) x "
+            f"{job.gpus_per_node}): in the profile's set-resources for {rule}, `tasks_per_node` must equal the GPUs "
+            f"per node in `gres` and `mpi` must be \"srun\" (the plugin then leaves the launch to us)")
+
+
+def srun_command(job: SlurmJob, command: list[str]) -> list[str]:
+    """srun with one task per GPU (or the job's tasks on a CPU job), each with its own GPU and core share."""
+    per_node, uneven = divmod(job.tasks, job.nodes)
+    if uneven:
+        raise UserError(f"Slurm job {job.job_id} (rule {job.rule}) has {job.tasks} tasks on {job.nodes} nodes: "
+                        "set `tasks_per_node` in the profile, not `tasks`, so every node runs as many ranks")
+    cpus_per_task = max(1, job.cpus // job.nodes // per_node)
+    gpu = ["--gpus-per-task=1"] if job.gpus_per_node else []
+    # Not --kill-on-bad-exit: after the time-limit signal the other ranks exit (138) while rank 0 still writes the
+    # checkpoint. --wait gives the last ranks that long after the first exits, then ends ranks hung on a dead peer.
+    return ["srun", f"--ntasks={job.tasks}", f"--nodes={job.nodes}", f"--ntasks-per-node={per_node}",
+            f"--cpus-per-task={cpus_per_task}", *gpu, "--kill-on-bad-exit=0", f"--wait={RANK_EXIT_WAIT_S}", *command]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now: the OS picks it, so two jobs sharing a node cannot pick the same one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def local_command(command: list[str], environ=os.environ) -> list[str]:
+    """Without Slurm: one rank per visible GPU (SNAKEBERT_LOCAL_RANKS overrides) through torchrun, else `command`."""
+    import torch  # only here: a Slurm batch step never needs it
+
+    ranks = int(environ.get("SNAKEBERT_LOCAL_RANKS") or torch.cuda.device_count() or 1)
+    if ranks <= 1:
+        return command
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--no-python",
+            *command]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m workflow.slurm.launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", default=None, help="the run directory whose checkpoints show progress")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]: one rank's command")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not argv:
+        raise UserError("usage: python -m workflow.slurm.launch [--run-dir DIR] -- COMMAND [ARGS...]")
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if "RANK" in os.environ:  # torchrun's ranks
+        os.execvp(argv[0], argv)
+    if not job_id:  # no Slurm: one rank per visible GPU
+        command = local_command(argv)
+        log.info("launching: %s", " ".join(command))
+        os.execvp(command[0], command)
+    job = SlurmJob.query(job_id)
+    if "SLURM_STEP_ID" in os.environ:  # already a step: the plugin wrapped us in `srun -n1`, or a user's srun
+        ranks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS", "1")
+        check_one_rank_per_gpu(job, int(ranks))
+        os.execvp(argv[0], argv)
+    check_one_rank_per_gpu(job, job.tasks)
+    rendezvous = {"MASTER_ADDR": job.batch_host or socket.gethostname(), "MASTER_PORT": str(free_port())}
+    attempts.run_attempt(job, srun_command(job, argv), rendezvous, args.run_dir)
+
+
+if __name__ == "__main__":
+    from workflow.cli import run
+
+    run(main)
