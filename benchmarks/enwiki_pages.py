@@ -164,7 +164,8 @@ def article(title: str, n_templates: int, rng: random.Random) -> str:
     navbox = template_name(rng.randrange(n_templates))
     out.append(f"{{{{{navbox}}}}}\n{{{{Authority control}}}}")
     out.append("\n".join(f"[[Category:{words(rng, 2).title()}]]" for _ in range(rng.randint(3, 9))))
-    out.append("\n".join(f"[[{lang}:{title}]]" for lang in rng.sample(["de", "fr", "es", "it", "nl", "pl"], k=rng.randint(0, 3))))
+    languages = rng.sample(["de", "fr", "es", "it", "nl", "pl"], k=rng.randint(0, 3))  # interlanguage links
+    out.append("\n".join(f"[[{lang}:{title}]]" for lang in languages))
     return "\n\n".join(out)
 
 
@@ -182,10 +183,11 @@ def page_xml(page_id: int, title: str, ns: int, text: str, redirect: str | None 
 
 
 def template_set(n_templates: int, seed: int = 0):
-    """(title, page XML) of `n_templates` template pages."""
+    """The page XML of `n_templates` template pages."""
     rng = random.Random(seed)
     for index in range(n_templates):
-        yield page_xml(10_000_000 + index, f"Template:{template_name(index)}", 10, template_page(index, n_templates, rng))
+        text = template_page(index, n_templates, rng)
+        yield page_xml(10_000_000 + index, f"Template:{template_name(index)}", 10, text)
 
 
 TEMPLATE_SHARE = 0.017  # of the dump's XML: ~1.7 GB of template pages in ~100 GB

@@ -393,7 +393,8 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
     stage("templates", "MB XML", FULL["xml_gb"] * 1e3, rate["templates"], parts,
           "template pages of each part (bz2 read)", written_mb=template_mb)
     template_jobs = [job(f"templates[{p}]", startup["templates"] + mb / rate["templates"],
-                         written_mb=template_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts) for p, mb in enumerate(part_mb)]
+                         written_mb=template_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts)
+                     for p, mb in enumerate(part_mb)]
     stage("compile", "k templates", FULL["templates"] / 1e3, FULL["templates"] / 1e3 / compile_s, 1,
           f"one job: wikiextractor's parse of all {FULL['templates'] / 1e3:.0f}k template pages, written once",
           written_mb=compiled_mb)
@@ -403,7 +404,8 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
           f"wikiextractor, bz2 input; each job first loads the compiled templates ({load_s:.1f} s)",
           cap=rate["mapper"], written_mb=extracted_mb)
     extract_jobs = [job(f"extract[{p}]", startup["extract"] + load_s + mb / extract_speed, [compile_job],
-                        written_mb=extracted_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts) for p, mb in enumerate(part_mb)]
+                        written_mb=extracted_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts)
+                    for p, mb in enumerate(part_mb)]
     stage("punkt", "M chars", FULL["punkt_chars"] / 1e6, rate["punkt"] / 1e6, 1,
           f"one model, trained on the first {FULL['punkt_chars'] / 1e6:.0f} M characters (the first part's)")
     punkt_job = job("punkt", startup["punkt"] + FULL["punkt_chars"] / rate["punkt"], [extract_jobs[0]])
