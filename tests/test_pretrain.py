@@ -191,6 +191,17 @@ def test_stop_signal_writes_a_checkpoint_and_exits_non_zero(data, tmp_path, sign
     assert not Path(s.out_model).exists()
 
 
+def test_a_stop_signal_during_evaluation_finishes_the_evaluation_and_export_and_exits_zero(data, tmp_path):
+    # SNAKEBERT_SIGNAL_AT=evaluation: the trainer sends itself SIGTERM as evaluation starts (as Slurm's time limit
+    # would, minutes from the end); the default action would kill it with the outputs half written.
+    s = settings(data, tmp_path / "out", total_steps=2, checkpoint_every=2, log_every=1, eval_max_sequences=16)
+    result = subprocess.run(command(s), env=environment(SNAKEBERT_SIGNAL_AT="evaluation"), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "received SIGTERM: the last checkpoint is written; finishing the evaluation and export first" in result.stderr
+    assert json.loads(Path(s.out_summary).read_text())["steps"] == 2 and (Path(s.out_model) / "config.json").exists()
+
+
 def test_any_range_of_the_global_sequence_order_reads_the_same_sequences(tmp_path):
     write_synthetic_shards(tmp_path, n_training_shards=3, sequences_per_shard=21, seed=2)
     order = PretrainingSequences(list_shards(tmp_path, "training"), seed=9)

@@ -1,5 +1,5 @@
 """The scaling study: the table's math (speedup, efficiency, timed steps), a layout job's checks, and `snakemake
-scaling` on the real single-host Slurm cluster with 1 and 2 ranks (gloo, CPU).
+scaling` on the real multi-node Slurm test cluster with layouts 1x2, 2x1 and 2x2 (gloo, CPU).
 
 The cluster test uses tests/test_slurm.py's cluster and profile (skipped where no cluster can be had, failing
 under CI=true).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -112,8 +113,10 @@ def test_a_job_with_fewer_ranks_than_its_layout_stops_before_training(tmp_path, 
 # ---- on the real Slurm test cluster -------------------------------------------------------------------------------
 
 TIMEOUT_S = 600
-# 1 and 2 ranks on the test node (2 CPUs, 2 fake GPUs); a few steps of the demo's tiny model on the demo data.
-STUDY = {"scaling": {"layouts": [{"nodes": 1, "gpus_per_node": 1}, {"nodes": 1, "gpus_per_node": 2}],
+# 2 ranks on one node, 2 ranks on two nodes, 2 x 2 ranks (the test nodes: 2 CPUs, 2 fake GPUs each); a few steps of
+# the demo's tiny model on the demo data.
+LAYOUTS = ("1x2", "2x1", "2x2")
+STUDY = {"scaling": {"layouts": [{"nodes": int(n), "gpus_per_node": int(g)} for n, g in (l.split("x") for l in LAYOUTS)],
                      "phases": ["phase1"], "warmup_steps": 2, "max_steps": 4, "accumulation_steps": 1}}
 
 
@@ -135,7 +138,7 @@ def _jobs(workdir: Path, since: str) -> list[dict]:
 
 
 @pytest.mark.xdist_group("slurm")  # beside the cluster tests, never during one
-def test_scaling_on_slurm_measures_1_and_2_ranks_and_derives_speedup_and_efficiency(tmp_path, cluster):
+def test_scaling_on_slurm_measures_one_and_two_node_layouts_and_derives_speedup_and_efficiency(tmp_path, cluster):
     workdir = copy_workflow(tmp_path / "study")
     (workdir / "study.yaml").write_text(yaml.safe_dump(STUDY))
     # The demo data, built locally (test_slurm proves the data rules on Slurm); then only the study goes to Slurm.
@@ -144,19 +147,25 @@ def test_scaling_on_slurm_measures_1_and_2_ranks_and_derives_speedup_and_efficie
     started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 2))
     _snakemake(workdir, "scaling", "--profile", "profile")
 
-    # Each layout ran as its own Slurm job holding its layout's GPUs.
-    jobs = [job for job in _jobs(workdir, started) if "scaling_benchmark" in job["Comment"]]
-    gpus = sorted(next(part for part in job["AllocTRES"].split(",") if part.startswith("gres/gpu=")) for job in jobs)
-    assert gpus == ["gres/gpu=1", "gres/gpu=2"] and all(job["State"] == "COMPLETED" for job in jobs), jobs
+    # Each layout ran as its own Slurm job holding its layout's nodes and GPUs.
+    jobs = {job["Comment"].split("_wildcards_")[1].split("_")[-1]: job for job in _jobs(workdir, started)
+            if "scaling_benchmark" in job["Comment"]}
+    assert sorted(jobs) == sorted(LAYOUTS) and all(job["State"] == "COMPLETED" for job in jobs.values()), jobs
+    for layout, job in jobs.items():
+        nodes, gpus = (int(n) for n in layout.split("x"))
+        assert f"gres/gpu={nodes * gpus}" in job["AllocTRES"] and f"node={nodes}" in job["AllocTRES"], job
 
     with open(workdir / "results" / "scaling" / "scaling.csv", newline="") as handle:
         rows = {row["layout"]: row for row in csv.DictReader(handle)}
-    assert sorted(rows) == ["1x1", "1x2"]
+    assert sorted(rows) == sorted(LAYOUTS)
     results = {layout: json.loads((workdir / "results" / "scaling" / "phase1" / f"{layout}.json").read_text())
                for layout in rows}
-    # The world size is the trainers' own (as are the ranks the 2-rank job's log shows), not the config's.
-    assert [int(rows[layout]["world_size"]) for layout in ("1x1", "1x2")] == [1, 2]
-    assert "rank 1/2" in (workdir / "logs" / "scaling" / "phase1" / "1x2.log").read_text()
+    # The world size is the trainers' own, not the config's; the ranks' hosts are those the layout asked for.
+    assert [int(rows[layout]["world_size"]) for layout in LAYOUTS] == [2, 2, 4]
+    for layout in LAYOUTS:
+        log = (workdir / "logs" / "scaling" / "phase1" / f"{layout}.log").read_text()
+        hosts = set(re.findall(r"rank \d+/\d+ \(local \d+\) on host (\S+),", log))
+        assert len(hosts) == int(layout.split("x")[0]), (layout, log[-2000:])
     for layout, row in rows.items():
         result = results[layout]
         assert float(row["seq_per_s"]) > 0 and float(row["real_tokens_per_s"]) > 0
@@ -170,10 +179,13 @@ def test_scaling_on_slurm_measures_1_and_2_ranks_and_derives_speedup_and_efficie
         sequences.close()
         assert result["real_tokens"] == int(consumed["attention_mask"].sum())
         assert result["real_tokens"] < result["sequences"] * 128  # padding is not counted
-    speedup = float(rows["1x2"]["seq_per_s"]) / float(rows["1x1"]["seq_per_s"])
-    assert float(rows["1x1"]["speedup"]) == 1.0 and float(rows["1x1"]["efficiency"]) == 1.0
-    assert float(rows["1x2"]["speedup"]) == pytest.approx(speedup)
-    assert float(rows["1x2"]["efficiency"]) == pytest.approx(speedup / 2)
+    # speedup and efficiency against the smallest world size (2 ranks; 1x2 and 2x1 tie, the first listed wins)
+    base = float(rows["1x2"]["seq_per_s"])
+    assert float(rows["1x2"]["speedup"]) == 1.0 and float(rows["1x2"]["efficiency"]) == 1.0
+    for layout in ("2x1", "2x2"):
+        speedup = float(rows[layout]["seq_per_s"]) / base
+        assert float(rows[layout]["speedup"]) == pytest.approx(speedup)
+        assert float(rows[layout]["efficiency"]) == pytest.approx(speedup / (int(rows[layout]["world_size"]) / 2))
     # The benchmarks' scratch runs are gone and no phase's run directory was touched.
     assert not (workdir / "runs" / "scaling" / "phase1").exists() or not any(
         (workdir / "runs" / "scaling" / "phase1").iterdir())

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workflow.slurm.profile import derive
+from workflow.slurm.profile import derive, merge
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "start_cluster.sh"
@@ -56,7 +56,7 @@ def _cluster_answers() -> bool:
     return any(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in states) and accounting.returncode == 0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster():
     """A running cluster with accounting: already up (CI runs the script first), or started here as root."""
     reason = None
@@ -83,12 +83,14 @@ def clean_env() -> dict:
 class Run:
     """A workdir with the workflow, the slurm profile sized for the test cluster, and helpers around it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, profile: dict | None = None):
         self.path = path
         path.mkdir(parents=True)
         for name in WORKFLOW_FILES:
             (path / name).symlink_to(REPO / name)
-        derive(REPO / "profiles" / "slurm", REPO / "tests" / "slurm" / "profile.yaml", path / "profile")
+        overrides = merge(yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()), profile or {})
+        (path / "profile.yaml").write_text(yaml.safe_dump(overrides))
+        derive(REPO / "profiles" / "slurm", path / "profile.yaml", path / "profile")
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 2))
 
     def snakemake(self, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -144,7 +146,6 @@ class Run:
         return [line.split()[0] for line in out.splitlines() if Path(line.split()[1]).resolve() == self.path.resolve()]
 
     def cancel_leftovers(self) -> None:
-        out = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True).stdout
         for job in self.active_jobs():
             subprocess.run(["scancel", job])
 
@@ -165,8 +166,8 @@ class Run:
 def new_run(tmp_path, cluster):
     runs = []
 
-    def make(name: str) -> Run:
-        runs.append(Run(tmp_path / name))
+    def make(name: str, profile: dict | None = None) -> Run:
+        runs.append(Run(tmp_path / name, profile))
         return runs[-1]
 
     yield make
@@ -182,9 +183,9 @@ def job_records(job_id: str) -> list[dict]:
     return [dict(zip(fields, line.split("|"))) for line in out.splitlines() if line]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def demo_data(tmp_path_factory, cluster):
-    """The demo's data half, built once on the cluster for the fault tests."""
+    """The demo's data half, built once on the cluster for the fault tests (of this module and others')."""
     run = Run(tmp_path_factory.mktemp("slurm") / "data")
     result = run.snakemake(*DATA_TARGETS)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -301,13 +302,14 @@ SCONTROL_2x4 = ("JobId=812 JobName=3f1c-run Comment=rule_pretrain_wildcards_phas
                 "TresPerNode=gres:gpu:a100:4 NodeList=gpu[01-02]")
 
 
-def test_launcher_gives_every_rank_its_own_gpu_and_its_share_of_the_node_cores():
+def test_launcher_runs_tasks_per_node_ranks_each_with_its_share_of_the_node_cores_and_all_its_gpus():
     from workflow.slurm.launch import SlurmJob, srun_command
 
     job = SlurmJob.parse(SCONTROL_2x4)
     assert (job.nodes, job.tasks, job.gpus_per_node, job.rule, job.batch_host) == (2, 8, 4, "pretrain", "gpu01")
+    # No --gpus-per-task: each rank sees its node's GPUs (peer-to-peer stays possible) and takes its local rank's.
     assert srun_command(job, ["python", "t.py"]) == [
-        "srun", "--ntasks=8", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=8", "--gpus-per-task=1",
+        "srun", "--ntasks=8", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=8",
         "--kill-on-bad-exit=0", "--wait=300", "python", "t.py"]
 
 
@@ -378,21 +380,17 @@ def test_scancel_of_a_running_phase_job_stops_the_run_naming_the_cancel(demo_dat
     assert not run.active_jobs()
 
 
-def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_data, new_run):
-    run = new_run("node_failure")
-    copy_data(demo_data, run)
-    node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[0]
-    # Long enough to still be running when the other jobs on the shared node have gone.
-    process = run.start("results/pretrain/phase1/model", config={"pretrain": {"phase1": {"total_steps": 80}}})
-    job_id = run.wait_for_phase1_checkpoint(process)
-    # Taking the node down kills every job running on it: wait until ours is the only one (the cluster may be
-    # shared; a pending job, e.g. one requeued by an earlier test, is only held).
+def take_node_down(node: str, job_id: str, process: subprocess.Popen) -> None:
+    """Set `node` DOWN under the running job `job_id` (as a lost node), once no other job runs on it (the cluster
+    may be shared; a pending job, e.g. one requeued by an earlier test, is only held); wait until Slurm has taken
+    the job off it, then bring the node back."""
     deadline = time.time() + SNAKEMAKE_TIMEOUT_S / 2
     while True:
-        queue = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True).stdout.splitlines()
-        if [line.split()[0] for line in queue if line.split()[2] != "PENDING"] == [job_id]:
+        queue = subprocess.run(["squeue", "-h", "-w", node, "-t", "RUNNING,COMPLETING", "-o", "%i"],
+                               capture_output=True, text=True).stdout.split()
+        if queue == [job_id]:
             break
-        assert time.time() < deadline and process.poll() is None, f"other jobs kept the node busy: {queue}"
+        assert time.time() < deadline and process.poll() is None, f"other jobs kept {node} busy: {queue}"
         time.sleep(1)
     subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=snakebert-test"], check=True)
     try:
@@ -402,6 +400,16 @@ def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_d
     finally:  # (ReturnToService=2 may have brought it back already: then there is nothing to resume)
         if "down" in subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True).stdout:
             subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
+
+
+def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_data, new_run):
+    run = new_run("node_failure")
+    copy_data(demo_data, run)
+    # Long enough to still be running when the other jobs on its node have gone.
+    process = run.start("results/pretrain/phase1/model", config={"pretrain": {"phase1": {"total_steps": 80}}})
+    job_id = run.wait_for_phase1_checkpoint(process)
+    node = job_records(job_id)[0]["NodeList"]
+    take_node_down(node, job_id, process)
     output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
     assert process.returncode == 0, output[-3000:]
     assert "None assigned" not in output

@@ -30,6 +30,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 TIME_LIMIT_EXIT = 128 + signal.SIGUSR1  # the trainers' exit status after checkpointing on SIGUSR1
+REQUEUE_WAIT_S = 600  # how long a requeued run waits for Slurm to end it
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,13 @@ def job_state(job_id: str) -> str:
     out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
     match = re.search(r"\bJobState=(\S+)", out)
     return match.group(1) if match else "RUNNING"  # no answer: judge by the exit status alone
+
+
+def _wait_for_slurm(job_id: str, seconds: float) -> None:
+    """Wait (quietly) while Slurm ends this run of a requeued job; return early once it no longer runs as ours."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and job_state(job_id) == "RUNNING":
+        time.sleep(2)
 
 
 def rule_log() -> Path | None:
@@ -129,8 +137,9 @@ def run_attempt(job, command: list[str], rendezvous: dict, run_dir: str | Path |
     print(f"launch: Slurm job {job.job_id} run {job.restarts} {decision.why}", file=sys.stderr, flush=True)
     if decision.requeue:
         requeue = subprocess.run(["scontrol", "requeue", job.job_id], capture_output=True, text=True)
-        if requeue.returncode == 0:
-            time.sleep(600)  # Slurm ends this run now; exiting first would race the requeue with a job failure
-        print(f"error: `scontrol requeue {job.job_id}` failed ({requeue.stderr.strip()}): is `slurm-requeue: true` "
-              "in the profile? Run snakemake again to resume", file=sys.stderr, flush=True)
+        if requeue.returncode != 0:
+            print(f"error: `scontrol requeue {job.job_id}` failed ({requeue.stderr.strip()}): is `slurm-requeue: true` "
+                  "in the profile? Run snakemake again to resume", file=sys.stderr, flush=True)
+        else:  # Slurm ends this run now; exiting first would race the requeue with a job failure
+            _wait_for_slurm(job.job_id, REQUEUE_WAIT_S)
     sys.exit(status if status < 256 else 1)

@@ -3,8 +3,9 @@
 In the batch step of a Slurm job: check one rank per allocated GPU (else one `error:` line naming the profile keys),
 run CMD once per task with srun (own GPU, own share of cores, a rendezvous port the OS found free on the first
 node), then requeue or stop by cause (workflow/slurm/attempts.py; `--run-dir`: the run's checkpoints, by which it
-judges progress). Inside a step or torchrun: the same GPU check, then CMD directly. Without Slurm: CMD once per
-visible GPU through torchrun (SNAKEBERT_LOCAL_RANKS overrides the count, e.g. 2 CPU ranks in tests).
+judges progress, and which it claims first: one job per run directory, workflow/slurm/owner.py). Inside a step or
+torchrun: the same GPU check, then CMD directly. Without Slurm: CMD once per visible GPU through torchrun
+(SNAKEBERT_LOCAL_RANKS overrides the count, e.g. 2 CPU ranks in tests).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from workflow.cli import UserError
-from workflow.slurm import attempts
+from workflow.slurm import attempts, owner
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +84,20 @@ def check_one_rank_per_gpu(job: SlurmJob, ranks: int) -> None:
 
 
 def srun_command(job: SlurmJob, command: list[str]) -> list[str]:
-    """srun with one task per GPU (or the job's tasks on a CPU job), each with its own GPU and core share."""
+    """srun with `tasks_per_node` tasks on every node, each with its share of the node's cores. GPUs: every task
+    sees all of its node's GPUs and trains on the one of its local rank (workflow/train/distributed.py), so NCCL
+    keeps peer-to-peer (NVLink, CUDA IPC) between the ranks of a node. (`--gpus-per-task=1` would give each task a
+    cgroup with its one GPU where ConstrainDevices=yes; `--gres-flags=allow-task-sharing` lifts that only in Slurm
+    releases after 22.05. A step is allocated all of the job's GRES by default, in every release.)"""
     per_node, uneven = divmod(job.tasks, job.nodes)
     if uneven:
         raise UserError(f"Slurm job {job.job_id} (rule {job.rule}) has {job.tasks} tasks on {job.nodes} nodes: "
                         "set `tasks_per_node` in the profile, not `tasks`, so every node runs as many ranks")
     cpus_per_task = max(1, job.cpus // job.nodes // per_node)
-    gpu = ["--gpus-per-task=1"] if job.gpus_per_node else []
     # Not --kill-on-bad-exit: after the time-limit signal the other ranks exit (138) while rank 0 still writes the
     # checkpoint. --wait gives the last ranks that long after the first exits, then ends ranks hung on a dead peer.
     return ["srun", f"--ntasks={job.tasks}", f"--nodes={job.nodes}", f"--ntasks-per-node={per_node}",
-            f"--cpus-per-task={cpus_per_task}", *gpu, "--kill-on-bad-exit=0", f"--wait={RANK_EXIT_WAIT_S}", *command]
+            f"--cpus-per-task={cpus_per_task}", "--kill-on-bad-exit=0", f"--wait={RANK_EXIT_WAIT_S}", *command]
 
 
 def free_port() -> int:
@@ -125,6 +129,8 @@ def main(argv=None) -> None:
     job_id = os.environ.get("SLURM_JOB_ID")
     if "RANK" in os.environ:  # torchrun's ranks
         os.execvp(argv[0], argv)
+    if args.run_dir:  # one writer per run directory (the pid stays that of the trainer we exec into)
+        owner.claim(args.run_dir)
     if not job_id:  # no Slurm: one rank per visible GPU
         command = local_command(argv)
         log.info("launching: %s", " ".join(command))
@@ -136,7 +142,12 @@ def main(argv=None) -> None:
         os.execvp(argv[0], argv)
     check_one_rank_per_gpu(job, job.tasks)
     rendezvous = {"MASTER_ADDR": job.batch_host or socket.gethostname(), "MASTER_PORT": str(free_port())}
-    attempts.run_attempt(job, srun_command(job, argv), rendezvous, args.run_dir)
+    try:
+        attempts.run_attempt(job, srun_command(job, argv), rendezvous, args.run_dir)
+    except SystemExit as exit:
+        if exit.code == 0 and args.run_dir:
+            owner.release(args.run_dir)
+        raise
 
 
 if __name__ == "__main__":

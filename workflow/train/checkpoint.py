@@ -118,16 +118,19 @@ def set_rng_state(state: dict) -> None:
 
 
 class StopSignals:
-    """Turn SIGTERM/SIGUSR1 (Slurm's time-limit warning) into a flag the training loop polls."""
+    """Turn SIGTERM/SIGUSR1 (Slurm's time-limit warning) into a flag the training loop polls; `then` says in the log
+    what the process does about it (after the last step: finish the evaluation and export, whose outputs are
+    written atomically, rather than die half way with the default action)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self):
+    def __init__(self, then: str = "will checkpoint after the current step and exit"):
         self.received: int | None = None
+        self.then = then
         self._previous = {}
 
     def _handle(self, signum, frame):
-        log.warning("received %s: will checkpoint after the current step and exit", signal.Signals(signum).name)
+        log.warning("received %s: %s", signal.Signals(signum).name, self.then)
         self.received = signum
 
     def __enter__(self):
@@ -139,6 +142,12 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False
+
+
+def signal_at(stage: str) -> None:
+    """Simulate Slurm's stop signal arriving at `stage` for tests: SNAKEBERT_SIGNAL_AT=<stage> sends SIGTERM."""
+    if os.environ.get("SNAKEBERT_SIGNAL_AT") == stage:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def fail_at_step(step: int) -> None:

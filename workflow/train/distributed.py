@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import re
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,6 +64,14 @@ def _slurm_master_addr(environ) -> str:
     return first_host(nodelist) or "127.0.0.1"
 
 
+def _address_of(host: str) -> str:
+    """The address `host` resolves to here (what gloo and NCCL connect to), or why it does not resolve."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError as error:
+        return f"unresolved: {error}"
+
+
 def read_environment(environ=os.environ) -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun's or Slurm's variables; (0, 1, 0) when neither is set.
 
@@ -101,8 +110,9 @@ def setup(device: str = "auto", timeout_s: int = 1800) -> DistEnv:
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                     device_id=torch_device if torch_device.type == "cuda" else None)
-        log.info("rank %d/%d (local %d) on %s, backend %s, master %s:%s", rank, world, local, torch_device,
-                 backend, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+        log.info("rank %d/%d (local %d) on host %s, %s, backend %s, master %s (%s):%s", rank, world, local,
+                 socket.gethostname(), torch_device, backend, os.environ["MASTER_ADDR"],
+                 _address_of(os.environ["MASTER_ADDR"]), os.environ["MASTER_PORT"])
     return DistEnv(rank, world, local, torch_device, backend)
 
 

@@ -204,6 +204,12 @@ def export_finetuned(env, model, config, init: Path, vocab, output, metrics_path
     """The end of a fine-tune on rank 0: `output` as an HF directory (its config.json updated with
     `config_json_updates`), the run's metrics file, and the run directory removed (the finished model supersedes the
     checkpoints); every rank then waits, so the run directory goes only after every rank is done with it."""
+    with checkpoint.StopSignals(then="the last checkpoint is written; finishing the export first"):
+        _export(env, model, config, init, vocab, output, metrics_path, run_dir, config_json_updates)
+    distributed.barrier()
+
+
+def _export(env, model, config, init: Path, vocab, output, metrics_path, run_dir: Path, config_json_updates: dict):
     if env.is_main:
         with atomic_path(output) as temporary:
             vocab_path = Path(vocab) if vocab else Path(init) / "vocab.txt"
@@ -216,4 +222,3 @@ def export_finetuned(env, model, config, init: Path, vocab, output, metrics_path
                 shutil.copyfile(run_dir / "metrics.jsonl", temporary)
         shutil.rmtree(run_dir, ignore_errors=True)
         log.info("fine-tuned model -> %s", output)
-    distributed.barrier()

@@ -49,6 +49,8 @@ from workflow.train.model import (BertConfig, BertForPreTraining, count_paramete
 from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import PretrainingSequences, iterate_in_order, list_shards
 
+# A stop signal after the last checkpoint: the job is minutes from done, and a rerun would redo this part anyway.
+FINISH_AFTER_TRAINING = "the last checkpoint is written; finishing the evaluation and export first"
 log = logging.getLogger("pretrain")
 # Keys of a phase's config section; precision etc. come from the `pretrain` section itself.
 PHASE_KEYS = ("learning_rate", "warmup_proportion", "total_steps", "max_steps", "global_batch_size", "micro_batch_size")
@@ -312,7 +314,16 @@ def _pretrain(s: TrainSettings, env) -> dict:
         distributed.cleanup()
         raise SystemExit(outcome.stopped)
 
+    with ckpt.StopSignals(then=FINISH_AFTER_TRAINING):
+        ckpt.signal_at("evaluation")
+        return _evaluate_and_export(s, env, model, config, optimizer, optimizer_name, outcome, train_shards,
+                                    test_shards, precision, accumulation)
+
+
+def _evaluate_and_export(s: TrainSettings, env, model, config, optimizer, optimizer_name, outcome, train_shards,
+                         test_shards, precision, accumulation) -> dict:
     step, train_time = outcome.step, outcome.train_time_s
+    seq_length = train_shards[0].seq_length
     real_tokens = _real_tokens(Path(s.run_dir) / "metrics.jsonl") if env.is_main else 0
     evaluation = evaluate(model, test_shards, env, precision, s.micro_batch_size * 2, s.eval_max_sequences)
     summary = {

@@ -1,0 +1,229 @@
+"""Past one node, on the multi-node test cluster (tests/slurm/start_cluster.sh: node1..node3, each slurmd in its own
+network and UTS namespace, the host's filesystem shared).
+
+Proves: a phase job of 2 nodes x 2 ranks runs its ranks on two hosts, meets at the first node's bridge address
+(not loopback), and ends with the weights of a one-process run of the same global batch; a node lost under it is
+requeued by Slurm and the phase resumes on the nodes left to the same weights; the demo's grouped data jobs run
+on more than one node and give the bytes of a one-machine run; every rank of a node sees all of the node's GPUs
+and takes its local rank's; a second job on a run directory refuses while the first is alive and takes a dead
+one's over. Cluster tests skip where no cluster can be had (not root), never under CI=true.
+"""
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_slurm import (REPO, SNAKEMAKE_TIMEOUT_S, cluster, clean_env, copy_data, demo_data,  # noqa: F401
+                              job_records, new_run, take_node_down)
+
+pytestmark = pytest.mark.xdist_group("slurm")
+
+# 2 nodes x 2 ranks (one per fake GPU), one core each: a node's 2 CPUs.
+TWO_NODES = {"set-resources": {"pretrain": {"nodes": 2, "gres": "gpu:2", "tasks_per_node": 2, "cpus_per_gpu": 1}}}
+# The demo's phase 1 with a micro-batch that 4 ranks divide (32 = 8 x 4; the math does not depend on it).
+FOUR_RANKS = {"pretrain": {"phase1": {"micro_batch_size": 8}}}
+RANK_LINE = re.compile(r"rank (\d+)/(\d+) \(local (\d+)\) on host (\S+), \S+, backend \S+, master (\S+) \((\S+)\):\d+")
+TOLERANCE = 1e-5  # fp32 sums in another order: 4 ranks' all-reduce vs one process
+
+
+def hosts() -> dict[str, str]:
+    """Node name -> its address, as the nodes resolve them (the cluster's hosts file)."""
+    lines = Path("/var/lib/slurm/test-cluster/hosts").read_text().split("\n")
+    return {fields[1]: fields[0] for fields in (line.split() for line in lines) if len(fields) == 2}
+
+
+def assert_close_weights(actual: dict, expected: dict, what: str) -> float:
+    assert actual.keys() == expected.keys(), what
+    worst = max((actual[key] - expected[key]).abs().max().item() for key in expected)
+    assert worst <= TOLERANCE, f"{what}: weights differ by up to {worst:.3g}"
+    return worst
+
+
+@pytest.fixture(scope="module")
+def one_process_phase1(demo_data, tmp_path_factory):
+    """Phase 1's weights trained by one process on this machine (no Slurm), same data and global batch."""
+    from tests.conftest import copy_workflow
+
+    workdir = copy_workflow(tmp_path_factory.mktemp("one_process") / "run")
+    shutil.copytree(demo_data.path / "data", workdir / "data", symlinks=True, copy_function=shutil.copy2)
+    (workdir / "four_ranks.yaml").write_text(json.dumps(FOUR_RANKS))
+    env = {**clean_env(), "SNAKEBERT_LOCAL_RANKS": "1"}
+    result = subprocess.run(["timeout", str(SNAKEMAKE_TIMEOUT_S), "snakemake", "--cores", "2",
+                             "results/pretrain/phase1/model", "--configfile", "sample/config.yaml",
+                             str(REPO / "tests" / "slurm" / "config.yaml"), "four_ranks.yaml"], cwd=workdir, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((workdir / "results" / "pretrain" / "phase1" / "summary.json").read_text())
+    assert summary["world_size"] == 1
+    from safetensors.torch import load_file
+
+    return load_file(workdir / "results" / "pretrain" / "phase1" / "model" / "model.safetensors")
+
+
+def rank_lines(log: str) -> list[tuple]:
+    """(rank, world, local rank, host, master, master's address) of every rank line of a run's log."""
+    return sorted({(int(m[1]), int(m[2]), int(m[3]), m[4], m[5], m[6]) for m in RANK_LINE.finditer(log)})
+
+
+def test_a_phase_job_on_two_nodes_runs_its_ranks_on_two_hosts_and_ends_like_one_process(demo_data, new_run,
+                                                                                          one_process_phase1):
+    started = time.monotonic()
+    run = new_run("two_nodes", profile=TWO_NODES)
+    copy_data(demo_data, run)
+    process = run.start("results/pretrain/phase1/model", config=FOUR_RANKS)
+    output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
+    assert process.returncode == 0, output[-3000:]
+    (job,) = run.phase_jobs("phase1")
+    nodes = subprocess.run(["scontrol", "show", "hostnames", job_records(job["JobID"])[0]["NodeList"]],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert len(nodes) == 2, nodes
+    ranks = rank_lines(run.log_text("phase1"))
+    assert [r[0] for r in ranks] == [0, 1, 2, 3] and {r[1] for r in ranks} == {4}, ranks
+    assert {host: sorted(r[2] for r in ranks if r[3] == host) for host in nodes} == {n: [0, 1] for n in nodes}, ranks
+    # Every rank meets at the first node (the batch host), by its bridge address: not loopback.
+    assert {(r[4], r[5]) for r in ranks} == {(nodes[0], hosts()[nodes[0]])}, ranks
+    assert not hosts()[nodes[0]].startswith("127.")
+    summary = json.loads((run.path / "results" / "pretrain" / "phase1" / "summary.json").read_text())
+    assert summary["world_size"] == 4
+    worst = assert_close_weights(run.weights("phase1"), one_process_phase1, "2 nodes x 2 ranks vs one process")
+    print(f"2x2 phase job: {time.monotonic() - started:.0f} s, weights within {worst:.2e} of one process")
+
+
+def test_a_node_lost_under_a_two_node_phase_job_is_requeued_and_the_phase_ends_like_one_process(
+        demo_data, new_run, one_process_phase1):
+    started = time.monotonic()
+    run = new_run("two_nodes_lost", profile=TWO_NODES)
+    copy_data(demo_data, run)
+    process = run.start("results/pretrain/phase1/model", config=FOUR_RANKS)
+    job_id = run.wait_for_phase1_checkpoint(process)
+    first_nodes = subprocess.run(["scontrol", "show", "hostnames", job_records(job_id)[0]["NodeList"]],
+                                 capture_output=True, text=True, check=True).stdout.split()
+    take_node_down(first_nodes[1], job_id, process)  # the second node: not the batch host
+    output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
+    assert process.returncode == 0, output[-3000:]
+    assert "None assigned" not in output
+    runs = job_records(job_id)
+    assert [r["State"] for r in runs] == ["NODE_FAIL", "COMPLETED"], runs  # one job id: requeued by Slurm
+    assert [job["JobID"] for job in run.phase_jobs("phase1")] == [job_id]  # no second copy
+    assert not run.active_jobs()
+    log = run.log_text("phase1")
+    resumed = re.search(r"resumed from \S+ at step (\d+)/\d+ \(\d+ sequences consumed, (\d+) ranks then, (\d+) now\)",
+                        log)
+    assert resumed and int(resumed.group(1)) >= 4 and resumed.groups()[1:] == ("4", "4"), log[-3000:]
+    worst = assert_close_weights(run.weights("phase1"), one_process_phase1, "node lost + requeued vs one process")
+    print(f"2x2 node failure: {time.monotonic() - started:.0f} s, weights within {worst:.2e} of one process")
+
+
+def test_the_grouped_data_jobs_run_on_several_nodes_and_give_the_bytes_of_one_machine(demo_data, tmp_path):
+    from tests.conftest import copy_workflow
+
+    nodes = set()
+    for job in demo_data.jobs():
+        listed = job_records(job["JobID"])[0]["NodeList"]
+        nodes.update(subprocess.run(["scontrol", "show", "hostnames", listed], capture_output=True, text=True,
+                                    check=True).stdout.split())
+    assert len(nodes) >= 2, nodes
+    workdir = copy_workflow(tmp_path / "one_machine")
+    result = subprocess.run(["timeout", str(SNAKEMAKE_TIMEOUT_S), "snakemake", "--cores", "2", "data/hdf5_seq128",
+                             "data/hdf5_seq512", "--configfile", "sample/config.yaml"], cwd=workdir,
+                            env=clean_env(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for directory in ("data/hdf5_seq128", "data/hdf5_seq512"):
+        ours = sorted(p.relative_to(workdir / directory) for p in (workdir / directory).rglob("*") if p.is_file())
+        theirs = sorted(p.relative_to(demo_data.path / directory) for p in (demo_data.path / directory).rglob("*")
+                        if p.is_file())
+        assert ours == theirs and ours, directory
+        different = [str(p) for p in ours if not filecmp.cmp(workdir / directory / p, demo_data.path / directory / p,
+                                                             shallow=False)]
+        assert not different, f"{directory}: {different}"
+
+
+def sbatch(tmp_path: Path, name: str, command: str, *options: str) -> str:
+    out = subprocess.run(["sbatch", "--parsable", "-p", "gpu", "--mem=500", "-t", "5", "-o", str(tmp_path / name),
+                          *options, "--wrap", command], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                         check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def wait_until(what: str, condition, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def state(job_id: str) -> str:
+    return job_records(job_id)[0]["State"] if job_records(job_id) else "PENDING"
+
+
+def test_every_rank_sees_its_nodes_gpus_and_takes_its_local_ranks(cluster, tmp_path):
+    # The launcher's own srun line in a 2-node job with 2 GPUs and 2 tasks per node.
+    report = tmp_path / "ranks.jsonl"
+    (tmp_path / "rank.py").write_text(
+        "import json, os, socket, sys\n"
+        "keys = ('SLURM_PROCID', 'SLURM_LOCALID', 'CUDA_VISIBLE_DEVICES', 'SLURM_STEP_GPUS')\n"
+        "line = {**{key: os.environ.get(key) for key in keys}, 'host': socket.gethostname()}\n"
+        "open(sys.argv[1], 'a').write(json.dumps(line) + '\\n')\n")
+    job = sbatch(tmp_path, "gpus.out", f"{sys.executable} -m workflow.slurm.launch -- {sys.executable} "
+                 f"{tmp_path / 'rank.py'} {report}", "--nodes=2", "--ntasks-per-node=2", "--gres=gpu:2",
+                 "--cpus-per-task=1")
+    wait_until(f"job {job}", lambda: state(job) not in ("PENDING", "RUNNING"))
+    assert state(job) == "COMPLETED", (tmp_path / "gpus.out").read_text()
+    ranks = [json.loads(line) for line in report.read_text().splitlines()]
+    assert sorted(int(r["SLURM_PROCID"]) for r in ranks) == [0, 1, 2, 3]
+    for r in ranks:  # all of the node's GPUs: peers stay reachable; the rank's device is cuda:<local rank>
+        assert r["CUDA_VISIBLE_DEVICES"] == "0,1" and r["SLURM_STEP_GPUS"] == "0,1", r
+    by_host = {}
+    for r in ranks:
+        by_host.setdefault(r["host"], []).append(int(r["SLURM_LOCALID"]))
+    assert len(by_host) == 2 and all(sorted(local) == [0, 1] for local in by_host.values()), by_host
+
+
+def test_a_second_job_on_a_run_directory_refuses_while_the_first_lives_and_takes_a_dead_ones_over(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    launch = f"{sys.executable} -m workflow.slurm.launch --run-dir {run_dir} --"
+    first = sbatch(tmp_path, "first.out", f"{launch} sleep 600", "--ntasks=1")
+    wait_until("the first job's claim", lambda: (run_dir / "owner.json").exists() and state(first) == "RUNNING")
+    second = sbatch(tmp_path, "second.out", f"{launch} true", "--ntasks=1")
+    wait_until(f"job {second}", lambda: state(second) not in ("PENDING", "RUNNING"))
+    lines = [line for line in (tmp_path / "second.out").read_text().splitlines() if line.startswith("error:")]
+    assert state(second) == "FAILED" and len(lines) == 1, (tmp_path / "second.out").read_text()
+    assert f"in use by Slurm job {first}" in lines[0] and "still alive" in lines[0], lines
+    assert json.loads((run_dir / "owner.json").read_text())["slurm_job"] == first  # untouched
+    subprocess.run(["scancel", first], check=True)
+    wait_until(f"job {first} to end", lambda: state(first).startswith("CANCELLED"))
+    third = sbatch(tmp_path, "third.out", f"{launch} true", "--ntasks=1")
+    wait_until(f"job {third}", lambda: state(third) not in ("PENDING", "RUNNING"))
+    text = (tmp_path / "third.out").read_text()
+    assert state(third) == "COMPLETED", text
+    assert f"its owner Slurm job {first}" in text and "taking the run directory over" in text, text
+    assert not (run_dir / "owner.json").exists()  # a finished job releases it
+
+
+def test_without_slurm_a_live_process_owns_the_run_directory_and_a_dead_one_is_taken_over(tmp_path):
+    from workflow.cli import UserError
+    from workflow.slurm import owner
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        holder = {"host": os.uname().nodename, "pid": sleeper.pid, "start": owner._process_start(sleeper.pid)}
+        assert owner.claim(tmp_path, holder) is None
+        with pytest.raises(UserError, match=f"in use by process {sleeper.pid} on .*still alive"):
+            owner.claim(tmp_path)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert owner.claim(tmp_path) == holder  # dead: taken over, the stale owner returned
+    me = json.loads((tmp_path / "owner.json").read_text())
+    assert me["pid"] == os.getpid() and owner.claim(tmp_path) is None  # claiming again is a no-op
+    owner.release(tmp_path)
+    assert not (tmp_path / "owner.json").exists()
