@@ -34,11 +34,12 @@ FAIL_AT_STEP = 6  # between the checkpoints at steps 4 and 8 (tests/slurm/config
 SNAKEMAKE_TIMEOUT_S = 900  # the cluster's 2 CPUs are shared: generous
 DATA_TARGETS = ("data/hdf5_seq128", "data/hdf5_seq512")
 # The demo's data half as grouped Slurm jobs (profiles/slurm `groups`; a group job is named <group>_<its rules>):
-# the downloads, the dump parts' templates, their extracts, the one punkt job, the formats (the dump's and the
-# books'), the shard split, the vocab, tokenize+encode of all shards, and one hdf5 directory per sequence length.
+# the downloads, the dump parts' template pages, their one compiled template file, their extracts, the one punkt
+# job, the formats (the dump's and the books'), the shard split, the vocab, tokenize+encode of all shards, and one
+# hdf5 directory per sequence length.
 DATA_JOBS = {"download_download_bookcorpus_download_wikipedia": 1, "templates_wikipedia_templates": 1,
-             "extract_extract_wikipedia": 1, "punkt": 1, "format_format": 1, "shard": 1, "vocab": 1,
-             "shard_encode_tokenize": 1, "hdf5_dir": 2}
+             "compile_templates": 1, "extract_extract_wikipedia": 1, "punkt": 1, "format_format": 1, "shard": 1,
+             "vocab": 1, "shard_encode_tokenize": 1, "hdf5_dir": 2}
 DATA_RULES = set(DATA_JOBS)  # the rule or group names sacct shows for them
 
 # One xdist worker runs every cluster test in turn (`make test`: --dist loadgroup): the node is shared, and a test
