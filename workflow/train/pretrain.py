@@ -274,12 +274,13 @@ def pretrain(s: TrainSettings) -> dict:
     set_threads(s.threads)
     env = distributed.setup(s.device)
     try:
-        return _pretrain(s, env)
+        return train_phase(s, env)
     finally:
         distributed.cleanup()
 
 
-def _pretrain(s: TrainSettings, env) -> dict:
+def train_phase(s: TrainSettings, env) -> dict:
+    """Train, evaluate and export one phase in the process group `env`; its summary."""
     accumulation = accumulation_steps(s.global_batch_size, s.micro_batch_size, env.world_size, f"pretrain.{s.phase}")
     train_shards = list_shards(s.data_dir, "training")
     test_shards = list_shards(s.data_dir, "test")
