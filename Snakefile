@@ -16,6 +16,7 @@ include: "rules/shard.smk"
 include: "rules/vocab.smk"
 include: "rules/tokenize.smk"
 include: "rules/encode.smk"
+include: "rules/clean.smk"
 include: "rules/pretrain.smk"
 include: "rules/squad.smk"
 include: "rules/glue.smk"
@@ -36,6 +37,7 @@ localrules:
     scaling,
     scaling_table,
     report_scaling_plot,
+    clean_intermediates,
 
 
 rule all:

@@ -1,7 +1,6 @@
-"""Benchmark inputs from the bundled real export, and stage runs measured like a cluster job sees them.
+"""Benchmark inputs from the bundled real export, and stage runs measured like a cluster job sees them (a dump of
+any size: benchmarks/enwiki_pages.py).
 
-- replicate_dump: a MediaWiki dump of any size made of sample/enwiki-sample-pages-articles.xml's pages
-  (articles, redirects, templates, as exported), repeated with fresh page ids; bz2 like the real dump.
 - real_text: Wikipedia text in shard format (one sentence per line, blank line between documents) of about N MB,
   made by the real extract and format stages from that sample, documents repeated in a shuffled order.
 - with_novel_words: that text with a fraction of its words made new (letters shuffled), as a real shard keeps
@@ -9,10 +8,8 @@
 - run_stage: one command in its own process; wall seconds, CPU seconds (its own and its waited-for children's,
   e.g. wikiextractor's workers) and peak RSS from wait4's rusage.
 """
-import bz2
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -22,8 +19,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_XML = ROOT / "sample" / "enwiki-sample-pages-articles.xml"
-PAGE = re.compile(r"  <page>\n.*?</page>\n", re.S)
-PAGE_ID = re.compile(r"(<id>)\d+(</id>)")  # the page's own id comes first, before its revision's
 
 
 @dataclass(frozen=True)
@@ -50,25 +45,6 @@ def run_stage(command: list, env: dict | None = None) -> Measured:
             message = stderr.read().decode(errors="replace")[-2000:]
             raise SystemExit(f"{' '.join(map(str, command))} failed ({process.returncode}):\n{message}")
         return Measured(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, stdout.read().decode())
-
-
-def replicate_dump(megabytes: float, output: Path, source: Path = SAMPLE_XML) -> dict:
-    """Write a bz2 MediaWiki dump of about `megabytes` MB of XML to `output`; returns its sizes and page count."""
-    xml = source.read_text(encoding="utf-8")
-    pages = PAGE.findall(xml)
-    head, tail = xml[: xml.index(pages[0])], xml[xml.rindex(pages[-1]) + len(pages[-1]):]
-    written = len(head.encode()) + len(tail.encode())
-    n_pages = 0
-    with bz2.open(output, "wt", encoding="utf-8", compresslevel=9) as out:
-        out.write(head)
-        while written < megabytes * 1e6:
-            for page in pages:
-                n_pages += 1
-                page = PAGE_ID.sub(rf"\g<1>{n_pages}\g<2>", page, count=1)
-                out.write(page)
-                written += len(page.encode())
-        out.write(tail)
-    return {"xml_bytes": written, "bz2_bytes": output.stat().st_size, "pages": n_pages}
 
 
 def real_text(megabytes: float, output: Path, seed: int = 0) -> Path:

@@ -1,23 +1,25 @@
-# A few-minute check of a new cluster, with the phase-1 job's launcher and a 2-node all-GPU layout (the profile's
-# set-resources cluster_check): world size, rank -> host/GPU/cores, all-reduce bus bandwidth, seq/s on random
-# phase-1 batches. Not part of `all`: `snakemake --profile slurm cluster_check` (README, "A new cluster").
+# A few-minute check of a new cluster, with the phase-1 job's launcher, its real trainer on the configured phase-1
+# data, and a 2-node all-GPU layout (the profile's set-resources cluster_check): world size, rank -> host/GPU/cores,
+# all-reduce bus bandwidth, seq/s, one checkpoint write, packed vs unpacked loss. Not part of `all`:
+# `snakemake --profile slurm cluster_check` after the data half (README, "A new cluster").
 
 
 rule cluster_check:
+    input:
+        data=hdf5_dir("phase1"),
+        vocab="data/vocab.txt",
     output:
         "results/cluster_check.json",
     log:
         "logs/cluster_check/cluster_check.log",
     params:
-        preset=config["model"]["preset"],
-        micro_batch_size=config["pretrain"]["phase1"]["micro_batch_size"],
-        precision=config["pretrain"]["precision"],
+        config=config_sections("seed", "model", "pretrain"),
     threads: 8
     resources:
         gpus=1,
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.slurm.launch -- python -m workflow.slurm.cluster_check --output {output}"
-        " --preset {params.preset} --micro-batch-size {params.micro_batch_size} --precision {params.precision}"
-        " 2> {log}"
+        "python -m workflow.slurm.launch --run-dir runs/cluster_check --"
+        " python -m workflow.slurm.cluster_check --config {params.config:q} --data-dir {input.data}"
+        " --vocab {input.vocab} --run-dir runs/cluster_check --output {output} --threads {threads} 2> {log}"

@@ -96,33 +96,6 @@ def wikipedia_parts(pattern):
     return expand(pattern, part=list(wikipedia_dump_parts()))
 
 
-def all_template_pages(wildcards):
-    """The template pages of every part: each part is extracted with all of them, as in the whole dump."""
-    return wikipedia_parts("data/extracted/wikipedia/{part}.templates.xml")
-
-
-def all_extracted_parts(wildcards):
-    return wikipedia_parts("data/extracted/wikipedia/{part}.jsonl")
-
-
-def format_inputs(wildcards):
-    """What format reads: a part's extracted articles and the corpus' Punkt model, or the books directory."""
-    if wildcards.corpus == "bookcorpus":
-        return {"text": "data/download/bookcorpus"}
-    inputs = {"text": f"data/extracted/{wildcards.corpus}.jsonl"}
-    if not config["format"]["punkt_model"]:
-        inputs["punkt"] = "data/punkt/wikipedia"
-    return inputs
-
-
-def format_punkt_model(wildcards):
-    """The Punkt model format loads: the configured one, else (Wikipedia) the one trained on all parts, else none
-    (books: format trains on them)."""
-    if config["format"]["punkt_model"] or wildcards.corpus == "bookcorpus":
-        return config["format"]["punkt_model"] or ""
-    return "data/punkt/wikipedia"
-
-
 def seq_length(phase):
     return config["encode"][phase]["max_seq_length"]
 

@@ -1,5 +1,9 @@
 # Stage 2: wikiextractor, articles only, into JSON lines {id, title, text}; one job per part of the dump.
-# Templates are expanded with the template pages of every part (collected per part), as in the whole dump.
+# Templates are expanded with the template pages of every part (collected per part, compiled once into the file
+# every extract job loads), as in the whole dump.
+
+
+include: "functions/extract.smk"
 
 
 rule wikipedia_templates:
@@ -15,13 +19,26 @@ rule wikipedia_templates:
         "python -m workflow.data.extract --template-pages-only --input {input:q} --output {output:q} 2> {log}"
 
 
+rule compile_templates:
+    input:
+        all_template_pages,
+    output:
+        "data/extracted/wikipedia/templates.bin",
+    log:
+        "logs/compile_templates/templates.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.data.templates --input {input:q} --output {output:q} 2> {log}"
+
+
 rule extract_wikipedia:
     input:
         dump="data/download/wikipedia/{part}.xml.bz2",
-        templates=all_template_pages,
+        templates="data/extracted/wikipedia/templates.bin",
     output:
         "data/extracted/wikipedia/{part}.jsonl",
-    threads: 4
+    threads: 16  # wikiextractor's processes; its one reader keeps up with ~16 (benchmarks/full_dump_projection.py)
     log:
         "logs/extract_wikipedia/{part}.log",
     conda:

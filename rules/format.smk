@@ -1,10 +1,14 @@
 # Stage 3: one sentence per line (or one article per line), sentence-split with Punkt, offline; one job per part of
-# the Wikipedia dump. Unless format.punkt_model is set, Punkt is trained once on the corpus (all parts, in order).
+# the Wikipedia dump. Unless format.punkt_model is set, Punkt is trained once on the corpus' first characters (the
+# first format.punkt_parts parts, in order), so a part's format waits for its own extract and punkt, no other.
+
+
+include: "functions/format.smk"
 
 
 rule punkt:
     input:
-        all_extracted_parts,
+        punkt_training_parts,
     output:
         directory("data/punkt/wikipedia"),
     log:

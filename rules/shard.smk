@@ -22,7 +22,7 @@ rule shard:
         punkt_model=config["format"]["punkt_model"] or "",
     log:
         "logs/shard/shard.log",
-    threads: 4  # pass 1 measures the parts in parallel; pass 2 streams them in corpus order
+    threads: 16  # both passes run over the parts in parallel (pass 2 writes each part's stretch of every shard)
     conda:
         "../envs/data.yaml"
     shell:

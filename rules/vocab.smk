@@ -1,6 +1,6 @@
 # Stage 5: the WordPiece vocab every later stage reads: a given vocab.file copied, or one trained on the first
-# vocab.training_shards training shards (default 32 of 256: ~12% of the corpus), the same file for the same shards
-# whatever the threads (workflow/data/vocab.py fixes the alphabet and the `##x` numbering).
+# vocab.training_shards training shards (default 8 of 256: ~0.5 GB of full enwiki text), the same file for the same
+# shards whatever the threads (workflow/data/vocab.py fixes the alphabet and the `##x` numbering).
 
 
 include: "functions/vocab.smk"

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,53 @@ def test_pages_skipped_by_wikiextractor_are_counted_by_reason_in_the_log(tmp_pat
     assert result.returncode == 0, result.stderr
     # 48 pages: 42 in namespace 0, one of them "Alderbrook, England" (a redirect); Talk, User, File, Template x2, Category
     assert f"INFO: {PAGES_LOG} 48 read: 41 articles, 1 redirects and 6 pages of other namespaces skipped" in result.stderr
+
+
+def test_a_paragraph_wrapped_over_lines_comes_out_on_one_line_and_paragraphs_stay_apart(tmp_path, repo_env):
+    fixture = (Path(__file__).parent / "fixtures" / "enwiki-real-shaped-pages-articles.xml").read_text(encoding="utf-8")
+    head = fixture[: fixture.index("</siteinfo>") + len("</siteinfo>")]
+    text = ("'''Ellery''' is a town on the\nwest coast.&lt;ref&gt;{{cite web |title=Ports}}&lt;/ref&gt; Its harbour was\n"
+            "dredged in 1890.\n\n\n[[File:Harbour.jpg|thumb|The harbour]]\nThe town grew around\nthe market\n"
+            "* a list item\nand a new paragraph after it\n&lt;blockquote&gt;A quote.&lt;/blockquote&gt;\nAfter the quote.")
+    dump = tmp_path / "wrapped.xml"
+    dump.write_text(f"{head}\n  <page>\n    <title>Ellery</title>\n    <ns>0</ns>\n    <id>1</id>\n    <revision>\n"
+                    f'      <text xml:space="preserve">{text}</text>\n    </revision>\n  </page>\n</mediawiki>\n',
+                    encoding="utf-8")
+    extract(dump, tmp_path / "out.jsonl")
+    record = json.loads((tmp_path / "out.jsonl").read_text(encoding="utf-8"))
+    assert record["text"].split("\n") == [
+        "Ellery is a town on the west coast. Its harbour was dredged in 1890.",
+        "The town grew around the market",
+        "and a new paragraph after it",
+        "A quote.",
+        "After the quote.",
+    ]
+
+
+def test_parts_extracted_with_the_compiled_templates_of_all_parts_read_as_the_whole_dump(tmp_path, sample_dir):
+    from workflow.data.extract import collect_template_pages
+    from workflow.data.templates import compile_templates
+
+    parts = sorted((sample_dir / "parts").glob("*.xml-p*.bz2"))
+    pages = [tmp_path / f"{part.name}.templates.xml" for part in parts]
+    counts = [collect_template_pages(part, page) for part, page in zip(parts, pages)]
+    assert compile_templates(pages, tmp_path / "templates.bin") == sum(counts) == 2
+    extracted = []
+    for part in parts:
+        extract(part, tmp_path / "part.jsonl", templates=tmp_path / "templates.bin")
+        extracted += (tmp_path / "part.jsonl").read_text(encoding="utf-8").splitlines()
+    extract(sample_dir / DUMP, tmp_path / "whole.jsonl")  # wikiextractor's own parse of the dump's templates
+    assert extracted == (tmp_path / "whole.jsonl").read_text(encoding="utf-8").splitlines()
+    assert "Alderbrook lies 16 km south-east" in extracted[0]  # {{convert}} is defined in the last part
+
+
+def test_a_bad_compiled_template_file_is_a_one_line_error(tmp_path, sample_dir, repo_env):
+    templates = tmp_path / "templates.bin"
+    templates.write_bytes(b"<page>not compiled</page>\n")
+    output = tmp_path / "out.jsonl"
+    result = subprocess.run([sys.executable, "-m", "workflow.data.extract", "--input", str(sample_dir / DUMP),
+                             "--output", str(output), "--templates", str(templates)],
+                            capture_output=True, text=True, env=repo_env)
+    assert result.returncode == 1 and not output.exists()
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {templates}: not a compiled template file (python -m workflow.data.templates writes them)")

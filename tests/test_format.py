@@ -162,7 +162,8 @@ def test_missing_punkt_model_is_an_error(extracted, tmp_path):
 REAL_SHAPED = Path(__file__).parent / "fixtures" / "enwiki-real-shaped-pages-articles.xml"
 # Every prose paragraph of REAL_SHAPED's three real articles, as its sentences, word for word: colon-ended paragraphs
 # introducing a quotation, an indented `:` quote block (wikiextractor leaves blank lines around it), a blockquote,
-# lines without final punctuation. Lists, tables, `(...)` lines and empty sections are wikiextractor's to drop.
+# lines without final punctuation, sentences wrapped over lines (MediaWiki reads one newline as a space: format
+# must see one sentence, not two), a paragraph break of two blank lines then an image. Lists, tables, `(...)` lines and empty sections are wikiextractor's to drop.
 KESTREL_FALLS_MILL = [
     ["Kestrel Falls Mill is a former cotton mill on the Alder in the Vale of Marrow.",
      "It was built in 1821 by the engineer Thomas Marsh."],
@@ -192,6 +193,8 @@ MARROW_BRIDGE = [  # opens like a disambiguation page, but is an article
     ["Marrow bridge is a name that refers to:"],
     ["Both bridges were built of local sandstone, and both were repaired after the floods of 1888.",
      "The viaduct carried the last passenger train in 1964, and the packhorse bridge is still used by walkers today."],
+    ["Its arches are unnamed"],  # two blank lines, then an image line: still two paragraphs
+    ["Walkers cross it every day."],
 ]
 ARTICLES = (KESTREL_FALLS_MILL, MARROW_REVIEW, MARROW_BRIDGE)
 HEADINGS = ["History.", "Closure.", "Products.", "Legacy.", "Contributors."]  # as wikiextractor titles them

@@ -27,3 +27,9 @@ def test_a_job_takes_its_threads_on_one_node_capped_at_a_node():
 def test_threads_are_read_from_the_rules():
     assert rule_threads("tokenize") == 1
     assert rule_threads("vocab") >= 2  # of the trained vocab's branch, not the copied one's
+
+
+def test_a_delayed_job_waits_after_its_inputs_without_holding_cores():
+    jobs = [job("part", 10), dict(job("slurm", 5, deps=[0]), delay=30), job("beside", 20, deps=[0])]
+    # one core: the delayed job's gap (10..40) leaves the core to the job beside it (10..30)
+    assert schedule(jobs, nodes=1, cores=1) == {"part": (0, 10), "beside": (10, 30), "slurm": (40, 45)}

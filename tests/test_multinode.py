@@ -14,7 +14,6 @@ import filecmp
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -29,10 +28,19 @@ pytestmark = pytest.mark.xdist_group("slurm")
 
 # 2 nodes x 2 ranks (one per fake GPU), one core each: a node's 2 CPUs.
 TWO_NODES = {"set-resources": {"pretrain": {"nodes": 2, "gres": "gpu:2", "tasks_per_node": 2, "cpus_per_gpu": 1}}}
-# The demo's phase 1 with a micro-batch that 4 ranks divide (32 = 8 x 4; the math does not depend on it).
-FOUR_RANKS = {"pretrain": {"phase1": {"micro_batch_size": 8}}}
+# The demo's phase 1 with a micro-batch that 4 ranks divide (32 = 8 x 4; the math does not depend on it), and its
+# tiny model without dropout: each rank draws its own dropout masks, so only then do 4 ranks and one process agree.
+FOUR_RANKS = {"pretrain": {"phase1": {"micro_batch_size": 8}}, "model": {"bert_config": "tiny_no_dropout.json"}}
 RANK_LINE = re.compile(r"rank (\d+)/(\d+) \(local (\d+)\) on host (\S+), \S+, backend \S+, master (\S+) \((\S+)\):\d+")
 TOLERANCE = 1e-5  # fp32 sums in another order: 4 ranks' all-reduce vs one process
+
+
+def without_dropout(workdir: Path) -> None:
+    """The bert_config.json FOUR_RANKS names, in the workdir its jobs run in."""
+    from workflow.train.model import BertConfig
+
+    BertConfig.preset("tiny", vocab_size=2000, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0).to_json(workdir / "tiny_no_dropout.json")
 
 
 def hosts() -> dict[str, str]:
@@ -49,24 +57,29 @@ def assert_close_weights(actual: dict, expected: dict, what: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def one_process_phase1(demo_data, tmp_path_factory):
-    """Phase 1's weights trained by one process on this machine (no Slurm), same data and global batch."""
+def one_machine(tmp_path_factory):
+    """The demo's data and phase 1 built on this machine without Slurm, phase 1 by one process (same global batch)."""
     from tests.conftest import copy_workflow
 
-    workdir = copy_workflow(tmp_path_factory.mktemp("one_process") / "run")
-    shutil.copytree(demo_data.path / "data", workdir / "data", symlinks=True, copy_function=shutil.copy2)
+    workdir = copy_workflow(tmp_path_factory.mktemp("one_machine") / "run")
     (workdir / "four_ranks.yaml").write_text(json.dumps(FOUR_RANKS))
+    without_dropout(workdir)
     env = {**clean_env(), "SNAKEBERT_LOCAL_RANKS": "1"}
     result = subprocess.run(["timeout", str(SNAKEMAKE_TIMEOUT_S), "snakemake", "--cores", "2",
-                             "results/pretrain/phase1/model", "--configfile", "sample/config.yaml",
+                             "results/pretrain/phase1/model", "data/hdf5_seq512", "--configfile", "sample/config.yaml",
                              str(REPO / "tests" / "slurm" / "config.yaml"), "four_ranks.yaml"], cwd=workdir, env=env,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((workdir / "results" / "pretrain" / "phase1" / "summary.json").read_text())
     assert summary["world_size"] == 1
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def one_process_phase1(one_machine):
     from safetensors.torch import load_file
 
-    return load_file(workdir / "results" / "pretrain" / "phase1" / "model" / "model.safetensors")
+    return load_file(one_machine / "results" / "pretrain" / "phase1" / "model" / "model.safetensors")
 
 
 def rank_lines(log: str) -> list[tuple]:
@@ -79,6 +92,7 @@ def test_a_phase_job_on_two_nodes_runs_its_ranks_on_two_hosts_and_ends_like_one_
     started = time.monotonic()
     run = new_run("two_nodes", profile=TWO_NODES)
     copy_data(demo_data, run)
+    without_dropout(run.path)
     process = run.start("results/pretrain/phase1/model", config=FOUR_RANKS)
     output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
     assert process.returncode == 0, output[-3000:]
@@ -103,6 +117,7 @@ def test_a_node_lost_under_a_two_node_phase_job_is_requeued_and_the_phase_ends_l
     started = time.monotonic()
     run = new_run("two_nodes_lost", profile=TWO_NODES)
     copy_data(demo_data, run)
+    without_dropout(run.path)
     process = run.start("results/pretrain/phase1/model", config=FOUR_RANKS)
     job_id = run.wait_for_phase1_checkpoint(process)
     first_nodes = subprocess.run(["scontrol", "show", "hostnames", job_records(job_id)[0]["NodeList"]],
@@ -123,20 +138,14 @@ def test_a_node_lost_under_a_two_node_phase_job_is_requeued_and_the_phase_ends_l
     print(f"2x2 node failure: {time.monotonic() - started:.0f} s, weights within {worst:.2e} of one process")
 
 
-def test_the_grouped_data_jobs_run_on_several_nodes_and_give_the_bytes_of_one_machine(demo_data, tmp_path):
-    from tests.conftest import copy_workflow
-
+def test_the_grouped_data_jobs_run_on_several_nodes_and_give_the_bytes_of_one_machine(demo_data, one_machine):
     nodes = set()
     for job in demo_data.jobs():
         listed = job_records(job["JobID"])[0]["NodeList"]
         nodes.update(subprocess.run(["scontrol", "show", "hostnames", listed], capture_output=True, text=True,
                                     check=True).stdout.split())
     assert len(nodes) >= 2, nodes
-    workdir = copy_workflow(tmp_path / "one_machine")
-    result = subprocess.run(["timeout", str(SNAKEMAKE_TIMEOUT_S), "snakemake", "--cores", "2", "data/hdf5_seq128",
-                             "data/hdf5_seq512", "--configfile", "sample/config.yaml"], cwd=workdir,
-                            env=clean_env(), capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    workdir = one_machine
     for directory in ("data/hdf5_seq128", "data/hdf5_seq512"):
         ours = sorted(p.relative_to(workdir / directory) for p in (workdir / directory).rglob("*") if p.is_file())
         theirs = sorted(p.relative_to(demo_data.path / directory) for p in (demo_data.path / directory).rglob("*")

@@ -34,11 +34,12 @@ FAIL_AT_STEP = 6  # between the checkpoints at steps 4 and 8 (tests/slurm/config
 SNAKEMAKE_TIMEOUT_S = 900  # the cluster's 2 CPUs are shared: generous
 DATA_TARGETS = ("data/hdf5_seq128", "data/hdf5_seq512")
 # The demo's data half as grouped Slurm jobs (profiles/slurm `groups`; a group job is named <group>_<its rules>):
-# the downloads, the dump parts' templates, their extracts, the one punkt job, the formats (the dump's and the
-# books'), the shard split, the vocab, tokenize+encode of all shards, and one hdf5 directory per sequence length.
+# the downloads, the dump parts' template pages, their one compiled template file, their extracts, the one punkt
+# job, the formats (the dump's and the books'), the shard split, the vocab, tokenize+encode of all shards, and one
+# hdf5 directory per sequence length.
 DATA_JOBS = {"download_download_bookcorpus_download_wikipedia": 1, "templates_wikipedia_templates": 1,
-             "extract_extract_wikipedia": 1, "punkt": 1, "format_format": 1, "shard": 1, "vocab": 1,
-             "shard_encode_tokenize": 1, "hdf5_dir": 2}
+             "compile_templates": 1, "extract_extract_wikipedia": 1, "punkt": 1, "format_format": 1, "shard": 1,
+             "vocab": 1, "shard_encode_tokenize": 1, "hdf5_dir": 2}
 DATA_RULES = set(DATA_JOBS)  # the rule or group names sacct shows for them
 
 # One xdist worker runs every cluster test in turn (`make test`: --dist loadgroup): the node is shared, and a test
@@ -460,16 +461,27 @@ def test_profile_check_on_the_test_cluster_rejects_the_stock_profile_and_accepts
     assert small.returncode == 0, small.stderr
 
 
-def test_cluster_check_runs_one_rank_per_gpu_each_on_its_own_gpu(new_run):
+def test_cluster_check_runs_the_real_phase1_trainer_on_two_nodes_and_checks_packed_against_unpacked(demo_data,
+                                                                                                      new_run):
     run = new_run("cluster_check")
-    result = run.snakemake("cluster_check")  # sample/config.yaml: the tiny model
+    copy_data(demo_data, run)
+    result = run.snakemake("cluster_check")  # sample/config.yaml: the tiny model, the demo's phase-1 data
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((run.path / "results" / "cluster_check.json").read_text())
-    assert report["world_size"] == 2  # tests/slurm/profile.yaml: 1 node x gpu:2
-    assert sorted(r["cuda_visible_devices"] for r in report["ranks"]) == ["0", "1"], report["ranks"]
+    assert report["world_size"] == 4  # tests/slurm/profile.yaml: 2 nodes x gpu:2
+    hosts = {}
+    for rank in report["ranks"]:  # every rank sees its node's GPUs and trains on its local rank's
+        assert rank["cuda_visible_devices"] == "0,1" and rank["slurm_step_gpus"] == "0,1", rank
+        hosts.setdefault(rank["host"], []).append(rank["trains_on_gpu"])
+    assert len(hosts) == 2 and all(sorted(gpus) == [0, 1] for gpus in hosts.values()), report["ranks"]
+    assert report["steps"] == 20 and "lamb" in report["optimizer"].lower(), report
     assert report["allreduce_bus_gbps"] > 0 and report["sequences_per_second"] > 0
+    assert report["checkpoint_bytes"] > 0 and report["checkpoint_write_s"] > 0
+    agreement = report["packed_vs_unpacked"]
+    assert len(agreement) == 4 and all(a["packed"] and a["relative_difference"] <= 1e-4 for a in agreement), agreement
+    assert not (run.path / "runs" / "cluster_check").exists()  # its scratch run is gone
     (job,) = [job for job in run.jobs() if job["rule"] == "cluster_check"]
-    assert "--ntasks-per-node=2" in job["SubmitLine"] and "gres/gpu=2" in job["AllocTRES"], job
+    assert "--ntasks-per-node=2" in job["SubmitLine"] and "gres/gpu=4" in job["AllocTRES"], job
 
 
 def test_a_gpu_job_launched_with_fewer_ranks_than_gpus_stops_with_one_error_line(cluster, tmp_path):

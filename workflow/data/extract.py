@@ -11,9 +11,13 @@ Runs the real wikiextractor 3.1.0 (parallel processes; it keeps only namespace-0
 - its `revid` is the contributor's id, not the revision's, so it is dropped;
 - a truncated or corrupt bz2 dies with a traceback, and a non-MediaWiki XML yields zero articles with exit 0:
   both become a one-line error naming the file, and no output;
+- it keeps the single newlines of the wikitext, which MediaWiki reads as spaces: a sentence wrapped over two lines
+  would reach `format` (one paragraph per line) as two; the lines of a paragraph are joined here (blank lines,
+  headings, list items, table rows, indented lines and block tags such as <p> and <blockquote> still separate);
 - it expands templates with the definitions found in its input file: a dump processed in parts is extracted with
-  the template pages of every part (`--template-pages-only` collects them from one part, `--templates` passes them
-  in, in part order), so each part's articles read exactly as they would in the whole dump.
+  the template pages of every part (`--template-pages-only` collects them from one part, `workflow.data.templates`
+  compiles them all once, `--templates` loads that file in place of wikiextractor's own parse), so each part's
+  articles read exactly as they would in the whole dump.
 """
 import argparse
 import bz2
@@ -22,7 +26,6 @@ import html
 import json
 import logging
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +36,7 @@ from typing import Iterable, Iterator, Sequence
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
+from workflow.data.templates import load_compiled
 
 log = logging.getLogger("extract")
 
@@ -58,18 +62,70 @@ def tally_pages(lines: Iterable[str], fates: collections.Counter) -> Iterator[st
         yield line
 
 
+# Stands for a blank line through wikiextractor's cleaning, which merges a run of blank or punctuation-only lines
+# into one newline (its `\n\W+?\n`); a line it keeps (word characters) and `compact` then drops (a list item).
+PARAGRAPH_BREAK = "*snakebert-paragraph-break"
+
+
+def join_wrapped_lines(source: list[str], kept: list[str]) -> list[str]:
+    """The lines wikiextractor's `compact` kept of `source` (its input lines), each paragraph on one line: two kept
+    lines are joined with a space when they were adjacent lines of `source`; a blank line, a heading, a list item,
+    a table row, a dropped line, or an indented (`:`) or preformatted (` `) line between or on either side keeps
+    them apart, as MediaWiki renders them apart."""
+    joined: list[str] = []
+    previous = None  # source index of the last joined line, while the next one may continue it
+    position = 0
+    for line in kept:
+        index = None
+        if line.strip() and not line.startswith(HEADING_MARK):
+            # compact keeps lines verbatim (indented ones without their colons), so they are found in order
+            index = next((i for i in range(position, len(source))
+                          if source[i] == line or (source[i][:1] == ":" and source[i].lstrip(":") == line)), None)
+        if index is None or source[index][:1] in (":", " "):
+            joined.append(line)
+            previous = None
+        else:
+            if previous is not None and index == previous + 1:
+                joined[-1] += " " + line
+            else:
+                joined.append(line)
+            previous = index
+        position = position if index is None else index + 1
+    return joined
+
+
 def wikiextractor_main() -> None:
-    """wikiextractor's own CLI with its `mark_headers` on (section titles come out as `## Title.` lines), ending
-    with one log line of the pages it read by fate (it skips redirects and other namespaces without a word)."""
+    """wikiextractor's own CLI with its `mark_headers` on (section titles come out as `## Title.` lines), the
+    wrapped lines of a paragraph joined (join_wrapped_lines), ending with one log line of the pages it read by fate
+    (it skips redirects and other namespaces without a word)."""
     from wikiextractor import WikiExtractor
+    from wikiextractor import extract as wikiextract
     from wikiextractor.extract import Extractor
 
-    clean_text = Extractor.clean_text
+    clean_text, compact, substitute = Extractor.clean_text, wikiextract.compact, wikiextract.substituteLineBreakTag
+    # wikiextractor turns <p> and the like into one newline (none next to whitespace); a paragraph break keeps the
+    # paragraphs apart, and <blockquote> (which it drops as an inline tag) is one too
+    paragraph_tags = re.compile("|".join(rf"<{tag}\b.*?>|</\s*{tag}\s*>"
+                                         for tag in (*wikiextract.blockSeparatorTags, "blockquote")), re.I | re.S)
 
     def clean_text_marking_headers(self, text, mark_headers=False, **options):
+        text = "\n".join(line if line.strip() else PARAGRAPH_BREAK for line in text.split("\n"))
         return clean_text(self, text, mark_headers=True, **options)
 
-    Extractor.clean_text = clean_text_marking_headers  # its workers are forked, so they inherit this
+    def compact_paragraphs(text, **options):
+        kept = compact(text, **options)
+        return [line.replace(PARAGRAPH_BREAK, " ") for line in join_wrapped_lines(text.split("\n"), kept)]
+
+    def substitute_paragraph_tags(pattern, text, separator=" "):
+        if pattern is wikiextract.block_separator_tag_pattern:
+            return paragraph_tags.sub(f"\n{PARAGRAPH_BREAK}\n", text)
+        return substitute(pattern, text, separator)
+
+    # its workers are forked, so they inherit these
+    Extractor.clean_text = clean_text_marking_headers
+    WikiExtractor.load_and_compact_templates = load_compiled_templates(WikiExtractor.load_and_compact_templates)
+    wikiextract.compact = compact_paragraphs
+    wikiextract.substituteLineBreakTag = substitute_paragraph_tags
     fates = collections.Counter()
     collect_pages = WikiExtractor.collect_pages  # runs in this (the reading) process
     WikiExtractor.collect_pages = lambda lines: collect_pages(tally_pages(lines, fates))
@@ -77,6 +133,23 @@ def wikiextractor_main() -> None:
     print(f"INFO: {PAGES_LOG} {sum(fates.values())} read: {fates['articles']} articles, "
           f"{fates['redirects']} redirects and {fates['other namespaces']} pages of other namespaces skipped",
           file=sys.stderr)
+
+
+def load_compiled_templates(load_and_compact_templates):
+    """wikiextractor's template loader, taking a `--templates` file as compiled by workflow.data.templates: its
+    blobs go where wikiextractor's parse would have put them (shared memory, `compact_blobs`)."""
+    from wikiextractor import template_blob
+
+    def load(template_file, input_file, input, template_prefix=""):
+        if not template_file:
+            return load_and_compact_templates(template_file, input_file, input, template_prefix)
+        count, templates, redirects = load_compiled(template_file)
+        print(f"INFO: Loaded {count} compiled templates from {template_file}", file=sys.stderr)
+        return template_blob.compact_blobs(*templates), template_blob.compact_blobs(*redirects), input, template_prefix
+
+    return load
+
+
 TEMPLATE_NAMESPACE = "10"  # the only pages wikiextractor takes template definitions from
 
 
@@ -116,7 +189,8 @@ def check_mediawiki_export(path: Path) -> None:
 def collect_template_pages(dump: str | Path, output: str | Path) -> int:
     """Copy the template pages (namespace 10) of `dump`, verbatim and in order, to `output`; return their number.
 
-    The lines are the dump's own, so wikiextractor reads them (`--templates`) exactly as in its pre-scan of a dump.
+    The lines are the dump's own, so wikiextractor's loader (workflow.data.templates) reads them exactly as in its
+    pre-scan of a dump.
     """
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
@@ -172,28 +246,23 @@ def run_wikiextractor(dump: Path, workdir: Path, processes: int, templates: Path
         raise UserError(f"{dump}: wikiextractor failed ({reason.strip()})")
 
 
-def extract(dump: str | Path, output: str | Path, processes: int = 1, templates: Sequence[str | Path] = ()) -> int:
+def extract(dump: str | Path, output: str | Path, processes: int = 1, templates: str | Path | None = None) -> int:
     """Extract the articles of MediaWiki dump `dump` to JSON lines `output`; return the number of articles.
 
-    `templates`: files of template pages (collect_template_pages) to expand templates with, in dump order;
-    none: wikiextractor takes them from `dump` itself.
+    `templates`: the compiled template file (workflow.data.templates) to expand templates with; None:
+    wikiextractor takes them from `dump` itself.
     """
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
         raise UserError(f"{dump}: no such file")
     check_mediawiki_export(dump)
+    if templates is not None:
+        load_compiled(templates)  # a bad file is one error line here, not a traceback from wikiextractor
     count = 0
     with ExitStack() as stack:
         temporary = stack.enter_context(atomic_path(output))
         work = stack.enter_context(tempfile.TemporaryDirectory(dir=output.parent, prefix=".wikiextractor-"))
-        merged = None
-        if templates:  # one file for wikiextractor, on the node's local disk ($TMPDIR), not beside the output
-            merged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wikiextractor-templates-"))) / "t.xml"
-            with open(merged, "wb") as out:
-                for path in templates:
-                    with open(path, "rb") as pages:
-                        shutil.copyfileobj(pages, out)
-        run_wikiextractor(dump, Path(work) / "json", processes, merged)
+        run_wikiextractor(dump, Path(work) / "json", processes, None if templates is None else Path(templates))
         # wikiextractor names its files AA/wiki_00, AA/wiki_01, ..., AB/wiki_00: sorted = written order
         parts = sorted((Path(work) / "json").glob("*/wiki_*"))
         with open(temporary, "w", encoding="utf-8") as out:
@@ -215,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--input", required=True, help="MediaWiki pages-articles XML dump (.xml.bz2 or .xml)")
     parser.add_argument("--output", required=True, help="JSON lines: one {id, title, text} per article")
     parser.add_argument("--processes", type=int, default=1, help="wikiextractor worker processes")
-    parser.add_argument("--templates", nargs="*", default=(), help="template pages of every part of the dump, in order")
+    parser.add_argument("--templates", default=None, help="the dump's compiled templates (workflow.data.templates)")
     parser.add_argument("--template-pages-only", action="store_true",
                         help="write the dump's template pages to --output instead of its articles")
     args = parser.parse_args(argv)

@@ -2,7 +2,9 @@
 
 Every shard is one sentence per line with a blank line between documents (what tokenize reads). Memory stays
 constant in the corpus text: pass 1 only measures document sizes (8 bytes per document), the assignment is
-computed from those, and pass 2 streams each document to its shard through bounded write buffers.
+computed from those, and pass 2 streams each document to its shard through bounded write buffers. Both passes run
+over the inputs (a dump's parts) in parallel: from the sizes, each input's documents have a known byte offset in
+each shard, so every input writes its own stretch of the shards, and the bytes are those of one stream.
 """
 import argparse
 import heapq
@@ -55,17 +57,52 @@ def _document_sizes(path: Path, style: str) -> array:
     return sizes
 
 
-def measure(inputs: Sequence[Path], style: str, processes: int = 1) -> np.ndarray:
-    """Pass 1: the size in bytes of every document, in corpus order; the inputs (a dump's parts) measured in parallel."""
+def _map_inputs(function, arguments: list[tuple], processes: int) -> list:
+    """function(*each of `arguments`), in order; in `processes` forked processes when there are several."""
+    if processes > 1 and len(arguments) > 1:
+        with multiprocessing.get_context("fork").Pool(min(processes, len(arguments))) as pool:
+            return pool.starmap(function, arguments)
+    return [function(*each) for each in arguments]
+
+
+def measure_inputs(inputs: Sequence[Path], style: str, processes: int = 1) -> list[np.ndarray]:
+    """Pass 1: the size in bytes of every document of each input (a dump's part), the inputs measured in parallel."""
     for path in inputs:
         if not path.is_file():
             raise UserError(f"{path}: no such file")
-    if processes > 1 and len(inputs) > 1:
-        with multiprocessing.get_context("fork").Pool(min(processes, len(inputs))) as pool:
-            per_input = pool.starmap(_document_sizes, [(path, style) for path in inputs])  # in input order
-    else:
-        per_input = [_document_sizes(path, style) for path in inputs]
-    return np.concatenate([np.frombuffer(sizes, dtype=np.int64) for sizes in per_input]).astype(np.int64)
+    per_input = _map_inputs(_document_sizes, [(path, style) for path in inputs], processes)
+    return [np.frombuffer(sizes, dtype=np.int64).astype(np.int64) for sizes in per_input]
+
+
+def measure(inputs: Sequence[Path], style: str, processes: int = 1) -> np.ndarray:
+    """The size in bytes of every document, in corpus order."""
+    return np.concatenate(measure_inputs(inputs, style, processes))
+
+
+def _write_input(path: Path, style: str, shard_of: np.ndarray, offsets: np.ndarray, shards: list[Path]) -> None:
+    """Pass 2 for one input: its documents (shard_of: their shards) written into the shard files from `offsets`
+    (per shard, where this input's first document for it goes), through bounded buffers."""
+    cursor = offsets.copy()
+    pending: dict[int, list[bytes]] = {}
+    pending_bytes = 0
+
+    def flush() -> None:
+        for shard, texts in pending.items():
+            data = b"".join(texts)
+            with open(shards[shard], "r+b") as out:
+                out.seek(int(cursor[shard]))
+                out.write(data)
+            cursor[shard] += len(data)
+        pending.clear()
+
+    for index, document in enumerate(tqdm(documents(path, style), desc=f"shard {path.name}", unit=" docs")):
+        text = ("\n".join(document) + "\n\n").encode("utf-8")
+        pending.setdefault(int(shard_of[index]), []).append(text)
+        pending_bytes += len(text)
+        if pending_bytes >= BUFFER_BYTES:
+            flush()
+            pending_bytes = 0
+    flush()
 
 
 def assign(sizes: np.ndarray, n_training: int, n_test: int, test_fraction: float, seed: int) -> np.ndarray:
@@ -99,6 +136,42 @@ def assign(sizes: np.ndarray, n_training: int, n_test: int, test_fraction: float
     return shard_of
 
 
+def _write_in_parallel(inputs: list[Path], style: str, per_input: list[np.ndarray], shard_of: np.ndarray,
+                       shards: list[Path], processes: int) -> None:
+    """Pass 2, the inputs in parallel: each input's stretch of every shard starts where the inputs before it end."""
+    ends = np.cumsum([len(sizes) for sizes in per_input])
+    loads = np.array([np.bincount(shard_of[end - len(sizes):end], weights=sizes, minlength=len(shards))
+                      for end, sizes in zip(ends, per_input)], dtype=np.int64).reshape(len(inputs), len(shards))
+    offsets = np.cumsum(loads, axis=0) - loads
+    _map_inputs(_write_input, [(path, style, shard_of[end - len(sizes):end], offsets[i], shards)
+                               for i, (path, end, sizes) in enumerate(zip(inputs, ends, per_input))], processes)
+
+
+def _append_in_order(inputs: list[Path], style: str, splitter, shard_of: np.ndarray, shards: list[Path]) -> None:
+    """Pass 2 as one stream in corpus order, each document split into sentences by `splitter` (articles style)."""
+    pending: dict[int, list[str]] = {}
+    pending_bytes = 0
+
+    def flush() -> None:
+        for shard, texts in pending.items():
+            with open(shards[shard], "a", encoding="utf-8") as out:
+                out.writelines(texts)
+        pending.clear()
+
+    index = 0
+    for path in inputs:
+        for document in tqdm(documents(path, style), desc=f"shard {path.name}", unit=" docs"):
+            document = [s.strip() for s in splitter.tokenize(document[0]) if s.strip()]
+            text = "\n".join(document) + "\n\n"
+            pending.setdefault(int(shard_of[index]), []).append(text)
+            pending_bytes += len(text)
+            index += 1
+            if pending_bytes >= BUFFER_BYTES:
+                flush()
+                pending_bytes = 0
+    flush()
+
+
 def shard_corpus(
     inputs: Sequence[str | Path],
     training_dir: str | Path,
@@ -113,14 +186,15 @@ def shard_corpus(
 ) -> dict:
     """Write shard_{i}.txt files into `training_dir` and `test_dir`; return their sizes in bytes per split.
 
-    `processes` measure the inputs in parallel (pass 1); the shards are the same bytes for any number.
+    `processes` measure and write the inputs in parallel; the shards are the same bytes for any number.
     """
     inputs = [Path(path) for path in inputs]
     if n_training < 1 or n_test < 1:
         raise UserError(f"need at least one training and one test shard (got {n_training} and {n_test})")
     if not 0 <= test_fraction < 1:
         raise UserError(f"test_fraction {test_fraction}: must be in [0, 1)")
-    sizes = measure(inputs, style, processes)
+    per_input = measure_inputs(inputs, style, processes)
+    sizes = np.concatenate(per_input)
     shard_of = assign(sizes, n_training, n_test, test_fraction, seed)
     splitter = None
     if style == "articles":  # shards are always one sentence per line: split the one-line documents again
@@ -135,28 +209,10 @@ def shard_corpus(
         temporaries = [stack.enter_context(atomic_path(final)) for final in finals]
         for temporary in temporaries:
             temporary.write_bytes(b"")
-        pending: dict[int, list[str]] = {}
-        pending_bytes = 0
-
-        def flush() -> None:
-            for shard, texts in pending.items():
-                with open(temporaries[shard], "a", encoding="utf-8") as out:
-                    out.writelines(texts)
-            pending.clear()
-
-        index = 0
-        for path in inputs:
-            for document in tqdm(documents(path, style), desc=f"shard {path.name}", unit=" docs"):
-                if splitter is not None:
-                    document = [s.strip() for s in splitter.tokenize(document[0]) if s.strip()]
-                text = "\n".join(document) + "\n\n"
-                pending.setdefault(int(shard_of[index]), []).append(text)
-                pending_bytes += len(text)
-                index += 1
-                if pending_bytes >= BUFFER_BYTES:
-                    flush()
-                    pending_bytes = 0
-        flush()
+        if splitter is None:
+            _write_in_parallel(inputs, style, per_input, shard_of, temporaries, processes)
+        else:  # a re-split document's size is known only once split: one stream in corpus order
+            _append_in_order(inputs, style, splitter, shard_of, temporaries)
     loads = np.bincount(shard_of, weights=sizes, minlength=n_training + n_test).astype(np.int64)
     report = {"training": loads[:n_training].tolist(), "test": loads[n_training:].tolist()}
     for split in SPLITS:

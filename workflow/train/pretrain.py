@@ -289,12 +289,13 @@ def pretrain(s: TrainSettings) -> dict:
     set_threads(s.threads)
     env = distributed.setup(s.device)
     try:
-        return _pretrain(s, env)
+        return train_phase(s, env)
     finally:
         distributed.cleanup()
 
 
-def _pretrain(s: TrainSettings, env) -> dict:
+def train_phase(s: TrainSettings, env) -> dict:
+    """Train, evaluate and export one phase in the process group `env`; its summary."""
     train_shards = list_shards(s.data_dir, "training")
     test_shards = list_shards(s.data_dir, "test")
     seq_length = train_shards[0].seq_length
