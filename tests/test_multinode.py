@@ -134,6 +134,11 @@ def test_a_node_lost_under_a_two_node_phase_job_is_requeued_and_the_phase_ends_l
     resumed = re.search(r"resumed from \S+ at step (\d+)/\d+ \(\d+ sequences consumed, (\d+) ranks then, (\d+) now\)",
                         log)
     assert resumed and int(resumed.group(1)) >= 4 and resumed.groups()[1:] == ("4", "4"), log[-3000:]
+    attempts = run.path / "logs" / "pretrain" / "phase1" / "attempts"
+    kept = sorted(p.name for p in attempts.glob("*.log"))
+    assert kept == [f"pretrain.job{job_id}.run0.log", f"pretrain.job{job_id}.run1.log"], kept
+    first = (attempts / kept[0]).read_text()  # the interrupted run's log survives the requeued run's `2> {log}`
+    assert f"Slurm job {job_id} run 0" in first and "resumed from" not in first, first[-2000:]
     worst = assert_close_weights(run.weights("phase1"), one_process_phase1, "node lost + requeued vs one process")
     print(f"2x2 node failure: {time.monotonic() - started:.0f} s, weights within {worst:.2e} of one process")
 
