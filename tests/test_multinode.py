@@ -134,6 +134,11 @@ def test_a_node_lost_under_a_two_node_phase_job_is_requeued_and_the_phase_ends_l
     resumed = re.search(r"resumed from \S+ at step (\d+)/\d+ \(\d+ sequences consumed, (\d+) ranks then, (\d+) now\)",
                         log)
     assert resumed and int(resumed.group(1)) >= 4 and resumed.groups()[1:] == ("4", "4"), log[-3000:]
+    attempts = run.path / "logs" / "pretrain" / "phase1" / "attempts"
+    kept = sorted(p.name for p in attempts.glob("*.log"))
+    assert kept == [f"pretrain.job{job_id}.run0.log", f"pretrain.job{job_id}.run1.log"], kept
+    first = (attempts / kept[0]).read_text()  # the interrupted run's log survives the requeued run's `2> {log}`
+    assert f"Slurm job {job_id} run 0" in first and "resumed from" not in first, first[-2000:]
     worst = assert_close_weights(run.weights("phase1"), one_process_phase1, "node lost + requeued vs one process")
     print(f"2x2 node failure: {time.monotonic() - started:.0f} s, weights within {worst:.2e} of one process")
 
@@ -198,6 +203,8 @@ def test_every_rank_sees_its_nodes_gpus_and_takes_its_local_ranks(cluster, tmp_p
 
 
 def test_a_second_job_on_a_run_directory_refuses_while_the_first_lives_and_takes_a_dead_ones_over(cluster, tmp_path):
+    from workflow.slurm import owner
+
     run_dir = tmp_path / "run"
     launch = f"{sys.executable} -m workflow.slurm.launch --run-dir {run_dir} --"
     first = sbatch(tmp_path, "first.out", f"{launch} sleep 600", "--ntasks=1")
@@ -209,7 +216,8 @@ def test_a_second_job_on_a_run_directory_refuses_while_the_first_lives_and_takes
     assert f"in use by Slurm job {first}" in lines[0] and "still alive" in lines[0], lines
     assert json.loads((run_dir / "owner.json").read_text())["slurm_job"] == first  # untouched
     subprocess.run(["scancel", first], check=True)
-    wait_until(f"job {first} to end", lambda: state(first).startswith("CANCELLED"))
+    # (COMPLETING counts as alive: its processes may still be running)
+    wait_until(f"job {first} to end", lambda: not owner.is_alive({"slurm_job": first}))
     third = sbatch(tmp_path, "third.out", f"{launch} true", "--ntasks=1")
     wait_until(f"job {third}", lambda: state(third) not in ("PENDING", "RUNNING"))
     text = (tmp_path / "third.out").read_text()

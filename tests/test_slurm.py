@@ -1,10 +1,10 @@
-"""The demo DAG on a real single-host Slurm cluster (tests/slurm/start_cluster.sh) through profiles/slurm.
+"""The demo DAG on the real multi-node Slurm test cluster (tests/slurm/start_cluster.sh) through profiles/slurm.
 
 Proves: every job went through sbatch (sacct lists it with its rule, GPU rules with their GPUs); the data half
 is a handful of grouped jobs; a phase-1 job that dies midway is rerun alone on the next invocation and resumes
 from its checkpoint; a phase-1 job stopped by Slurm's warning signal checkpoints and its launcher requeues it;
-a scancel stops the run naming the cancel, never resubmitted; a node failure is requeued by Slurm and resumes
-from the checkpoint with no second job; a GPU job with fewer ranks than GPUs stops with one `error:` line; the
+a scancel stops the run naming the cancel, never resubmitted (a node failure: tests/test_multinode.py); a GPU job
+with fewer ranks than GPUs stops with one `error:` line; cluster_check runs the real trainer on 2 nodes; the
 profile check rejects requests no node can satisfy. The launcher's srun line, rank guard and retry decisions
 are also tested without a cluster. Cluster tests skip where no cluster can be started (not root), never
 under CI=true.
@@ -402,29 +402,8 @@ def take_node_down(node: str, job_id: str, process: subprocess.Popen) -> None:
             subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
 
 
-def test_a_node_failure_during_a_phase_job_resumes_it_from_its_checkpoint(demo_data, new_run):
-    run = new_run("node_failure")
-    copy_data(demo_data, run)
-    # Long enough to still be running when the other jobs on its node have gone.
-    process = run.start("results/pretrain/phase1/model", config={"pretrain": {"phase1": {"total_steps": 80}}})
-    job_id = run.wait_for_phase1_checkpoint(process)
-    node = job_records(job_id)[0]["NodeList"]
-    take_node_down(node, job_id, process)
-    output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
-    assert process.returncode == 0, output[-3000:]
-    assert "None assigned" not in output
-    runs = job_records(job_id)
-    assert [r["State"] for r in runs] == ["NODE_FAIL", "COMPLETED"], runs  # one job id: requeued by Slurm
-    assert [job["JobID"] for job in run.phase_jobs("phase1")] == [job_id]
-    log = run.log_text("phase1")
-    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
-    assert resumed and int(resumed.group(1)) >= 4, log[-2000:]
-    attempts = run.path / "logs" / "pretrain" / "phase1" / "attempts"
-    kept = sorted(p.name for p in attempts.glob("*.log"))
-    assert kept == [f"pretrain.job{job_id}.run0.log", f"pretrain.job{job_id}.run1.log"], kept
-    first = (attempts / kept[0]).read_text()  # the interrupted run's log survives the requeued run's `2> {log}`
-    assert f"Slurm job {job_id} run 0" in first and "resumed from" not in first, first[-2000:]
-    assert not run.active_jobs()
+# A node failure under a running phase job (Slurm requeues it, it resumes from its checkpoint, no second job, its
+# earlier run's log kept): tests/test_multinode.py, on a job of 2 nodes.
 
 
 # ---------------------------------------------------------------- sizing
