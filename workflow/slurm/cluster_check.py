@@ -135,8 +135,10 @@ def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, al
             out_model=str(scratch / "model"), out_metrics=str(scratch / "metrics.jsonl"),
             out_summary=str(scratch / "summary.json"), out_telemetry=None, out_optimizer=None,
             init_from=(config.get("model") or {}).get("init_from"), threads=threads)
-        # steps of one micro-batch per rank: the phase's shapes, without its accumulation
-        s = dataclasses.replace(s, global_batch_size=s.micro_batch_size * env.world_size,
+        # steps of about one micro-batch (micro_batch_size rows) per rank: the phase's shapes, not its accumulation
+        shards = list_shards(data_dir, "training")
+        per_row = sum(shard.n for shard in shards) / sum(shard.rows for shard in shards)
+        s = dataclasses.replace(s, global_batch_size=max(1, int(s.micro_batch_size * per_row)) * env.world_size,
                                 max_steps=min(steps, s.total_steps), checkpoint_every=steps, log_every=max(1, steps // 4))
         summary = train_phase(s, env)
         distributed.barrier()  # rank 0 has exported the model the comparison loads
