@@ -413,7 +413,8 @@ def take_node_down(node: str, job_id: str, process: subprocess.Popen) -> None:
 def test_a_request_no_node_of_its_partition_can_satisfy_is_one_error_line_naming_rule_and_key():
     from workflow.slurm.profile import check, merge, parse_sinfo, read_profile
 
-    nodes = parse_sinfo("cpu* vm 2 21694 (null)\ngpu vm 2 21694 gpu:a100:2(S:0)\n")
+    nodes = parse_sinfo("".join(f"cpu* node{i} 2 21694 (null)\ngpu node{i} 2 21694 gpu:a100:2(S:0)\n"
+                                for i in (1, 2, 3)))
     stock = read_profile(REPO / "profiles" / "slurm")
     problems = check(stock, nodes, where="slurm")
     assert "slurm: set-resources pretrain: gres asks 4 GPUs per node; partition gpu has at most 2" in problems
@@ -454,7 +455,8 @@ def test_cluster_check_runs_the_real_phase1_trainer_on_two_nodes_and_checks_pack
         assert rank["cuda_visible_devices"] == "0,1" and rank["slurm_step_gpus"] == "0,1", rank
         hosts.setdefault(rank["host"], []).append(rank["trains_on_gpu"])
     assert len(hosts) == 2 and all(sorted(gpus) == [0, 1] for gpus in hosts.values()), report["ranks"]
-    assert report["steps"] == 20 and "lamb" in report["optimizer"].lower(), report
+    # 20 steps, or the phase's total_steps when fewer (tests/slurm/config.yaml: 12)
+    assert report["steps"] == 12 and "lamb" in report["optimizer"].lower(), report
     assert report["allreduce_bus_gbps"] > 0 and report["sequences_per_second"] > 0
     assert report["checkpoint_bytes"] > 0 and report["checkpoint_write_s"] > 0
     agreement = report["packed_vs_unpacked"]
