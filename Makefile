@@ -21,7 +21,7 @@ demo: $(INSTALLED)
 	$(RUN) python -m workflow.report.summary --print results/summary.csv
 
 test: $(INSTALLED)
-	$(RUN) python -m pytest -q -n 2 --dist loadgroup --durations=25 tests
+	$(RUN) python -m pytest -q -n 2 --dist load --durations=25 tests
 
 lint: $(INSTALLED)
 	$(RUN) snakemake --lint

@@ -19,6 +19,34 @@ SAMPLE = REPO / "sample"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+# The tests that use the Slurm test cluster: `make test` (pytest-xdist) runs them all in one worker, one after the
+# other, so that none meets another's jobs (a node is taken down under one). By nodeid prefix under tests/.
+CLUSTER_TESTS = ("test_slurm.py::", "test_multinode.py::", "test_scaling.py::test_scaling_on_slurm",
+                 "test_pretrain.py::test_srun_tasks_join")
+
+
+def is_cluster_test(nodeid: str) -> bool:
+    return nodeid.removeprefix("tests/").startswith(CLUSTER_TESTS)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's load scheduling with the cluster tests as one unit of work (its `xdist_group` mark cannot do this
+    under pytest 9: it renames the test's `_nodeid`, which pytest 9 no longer reads)."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ClusterTestsTogether(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "cluster" if is_cluster_test(nodeid) else nodeid
+
+    return ClusterTestsTogether(config, log)
+
+
+def pytest_collection_modifyitems(items):
+    strays = [item.nodeid for item in items if "cluster" in item.fixturenames and not is_cluster_test(item.nodeid)]
+    if strays:
+        raise pytest.UsageError(f"tests using the Slurm cluster but not in tests/conftest.py CLUSTER_TESTS: {strays}")
+
+
 # The workflow's sources: what a user's checkout holds before any run (`slurm` is the bare-name profile link).
 WORKFLOW_TREE = ("Snakefile", "config.yaml", "config.schema.yaml", "rules", "envs", "workflow", "profiles", "report",
                  "sample", "slurm")

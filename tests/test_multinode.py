@@ -24,7 +24,6 @@ import pytest
 from tests.test_slurm import (REPO, SNAKEMAKE_TIMEOUT_S, cluster, clean_env, copy_data, demo_data,  # noqa: F401
                               job_records, new_run, take_node_down)
 
-pytestmark = pytest.mark.xdist_group("slurm")
 
 # 2 nodes x 2 ranks (one per fake GPU), one core each: a node's 2 CPUs.
 TWO_NODES = {"set-resources": {"pretrain": {"nodes": 2, "gres": "gpu:2", "tasks_per_node": 2, "cpus_per_gpu": 1}}}

@@ -695,7 +695,6 @@ def _slurm_answers() -> bool:
 
 
 @pytest.mark.skipif(not _slurm_answers(), reason="no idle Slurm node here")
-@pytest.mark.xdist_group("slurm")  # beside the cluster tests, never during one
 def test_srun_tasks_join_one_process_group_from_slurm_variables(tmp_path):
     script = ("import torch; from workflow.train import distributed as d; e = d.setup('cpu'); t = torch.ones(1) * "
               "(e.rank + 1); d.all_reduce_(t); print(e.rank, e.world_size, int(t.item()), flush=True); d.cleanup()")

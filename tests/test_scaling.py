@@ -137,7 +137,6 @@ def _jobs(workdir: Path, since: str) -> list[dict]:
     return [r for r in rows if Path(r["WorkDir"]).resolve() == workdir.resolve()]
 
 
-@pytest.mark.xdist_group("slurm")  # beside the cluster tests, never during one
 def test_scaling_on_slurm_measures_one_and_two_node_layouts_and_derives_speedup_and_efficiency(tmp_path, cluster):
     workdir = copy_workflow(tmp_path / "study")
     (workdir / "study.yaml").write_text(yaml.safe_dump(STUDY))

@@ -42,9 +42,7 @@ DATA_JOBS = {"download_download_bookcorpus_download_wikipedia": 1, "templates_wi
              "vocab": 1, "shard_encode_tokenize": 1, "hdf5_dir": 2}
 DATA_RULES = set(DATA_JOBS)  # the rule or group names sacct shows for them
 
-# One xdist worker runs every cluster test in turn (`make test`: --dist loadgroup): the node is shared, and a test
-# that takes it down must not meet another test's jobs.
-pytestmark = pytest.mark.xdist_group("slurm")
+# (tests/conftest.py runs every cluster test in one xdist worker, in turn.)
 
 
 def _cluster_answers() -> bool:
