@@ -5,8 +5,9 @@ import json
 import os
 import sys
 
-# the repository root, so that the workflow package is importable whichever Snakefile includes this file
-sys.path.insert(0, os.path.dirname(workflow.current_basedir.get_path_or_uri(secret_free=True)))
+# the repository root, so that the workflow package (and the schema) are found whichever Snakefile includes this file
+REPO_ROOT = os.path.dirname(workflow.current_basedir.get_path_or_uri(secret_free=True))
+sys.path.insert(0, REPO_ROOT)
 from workflow.cli import UserError
 from workflow.config import validate_config
 from workflow.data.download import dump_parts
@@ -14,7 +15,7 @@ from workflow.glue.data import TASKS as GLUE_TASKS
 
 
 try:
-    validate_config(config, f"{workflow.basedir}/config.schema.yaml")  # also fills in the schema's defaults
+    validate_config(config, f"{REPO_ROOT}/config.schema.yaml")  # also fills in the schema's defaults
 except UserError as error:
     raise ValueError(str(error)) from None
 
