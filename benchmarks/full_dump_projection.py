@@ -331,7 +331,7 @@ def vocab_scaling(m: dict) -> tuple[float, float]:
     clock of a shared machine cannot show scaling): s, the serial fraction of the 1-thread run (its main thread's
     CPU), and o, the CPU a second thread adds to the parallel rest (2 threads cost more CPU than 1). At n threads
     the wall is T1 * (s + (1 - s) * (1 + o * (n - 1)) / n): Amdahl, with the measured overhead growing per thread."""
-    one_cpu, two_cpu = m["vocab_threads"][1][0], m["vocab_threads"][2][0]
+    one_cpu = m["vocab_threads"][1][0]
     _, serial, parallel_two = m["vocab_runs"][-1]
     serial = min(serial, 0.95 * one_cpu)
     overhead = max(parallel_two / (one_cpu - serial) - 1, 0.0)
@@ -528,7 +528,7 @@ def report(m: dict, args) -> None:
           f"CPU with that model")
     print(f"  shard     {m['shard'].cpu:7.1f} s CPU on {m['shard_bytes'] / 1e6:.0f} MB, of which pass 1 "
           f"{m['shard_pass1'].cpu:.1f} s; peak RSS {m['shard'].rss_mb:.0f} MB")
-    (one_cpu, one_wall, one_rss), (two_cpu, two_wall, two_rss) = m["vocab_threads"][1], m["vocab_threads"][2]
+    (one_cpu, one_wall, _), (two_cpu, two_wall, _) = m["vocab_threads"][1], m["vocab_threads"][2]
     print(f"  vocab     same input: 1 thread {one_wall:.1f} s wall ({one_cpu:.1f} s CPU), 2 threads {two_wall:.1f} s wall "
           f"({two_cpu:.1f} s CPU): serial fraction {sizes['serial_fraction']:.2f} (Amdahl fit), applied at "
           f"{threads['vocab']} threads; files {'EQUAL' if m['vocab_equal'] else 'DIFFERENT'}")

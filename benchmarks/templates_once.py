@@ -12,14 +12,13 @@ Generates --templates real-shaped template pages (benchmarks/enwiki_pages.py: ne
 Both sides end with the templates wikiextractor's workers read; their counts must match.
 """
 import argparse
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from enwiki_pages import template_set  # noqa: E402
-from wikipedia_sample import ROOT, run_stage  # noqa: E402
+from wikipedia_sample import run_stage  # noqa: E402
 
 PYTHON = sys.executable
 BEFORE = """
