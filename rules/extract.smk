@@ -11,12 +11,14 @@ rule wikipedia_templates:
         "data/download/wikipedia/{part}.xml.bz2",
     output:
         "data/extracted/wikipedia/{part}.templates.xml",
+    threads: 4  # bz2 decompression (block-parallel): the scan itself is a byte search
     log:
         "logs/wikipedia_templates/{part}.log",
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.data.extract --template-pages-only --input {input:q} --output {output:q} 2> {log}"
+        "python -m workflow.data.extract --template-pages-only --input {input:q} --output {output:q}"
+        " --processes {threads} 2> {log}"
 
 
 rule compile_templates:

@@ -177,6 +177,53 @@ def test_parts_extracted_with_the_compiled_templates_of_all_parts_read_as_the_wh
     assert "Alderbrook lies 16 km south-east" in extracted[0]  # {{convert}} is defined in the last part
 
 
+def reference_template_pages(dump: Path) -> bytes:
+    """The template pages of `dump` read line by line (the scan before it searched blocks of bytes)."""
+    pages, page = [], None
+    with bz2.open(dump, "rb") as stream:
+        for line in stream:
+            if line.strip() == b"<page>":
+                page = [line]
+            elif page is not None:
+                page.append(line)
+                if line.strip().startswith(b"<ns>") and line.strip() != b"<ns>10</ns>":
+                    page = None
+                elif line.strip() == b"</page>":
+                    pages.append(b"".join(page))
+                    page = None
+    return b"".join(pages)
+
+
+@pytest.mark.parametrize("block", [4096, 100_003, 1 << 24])
+def test_template_pages_by_block_search_equal_a_line_by_line_reading(tmp_path, sample_dir, monkeypatch, block):
+    from benchmarks.enwiki_pages import dump as generated_dump
+    from workflow.data import extract as extract_module
+
+    monkeypatch.setattr(extract_module, "SCAN_BLOCK", block)  # pages cut across blocks, or whole in one
+    generated = tmp_path / "generated.xml.bz2"
+    generated_dump(1.5, generated, n_templates=400, seed=3)
+    for dump, threads in ((generated, 2), (generated, 1), (sample_dir / DUMP, 2)):
+        output = tmp_path / "templates.xml"
+        count = extract_module.collect_template_pages(dump, output, threads)
+        expected = reference_template_pages(dump)
+        assert output.read_bytes() == expected and count == expected.count(b"<ns>10</ns>") > 0
+
+
+def test_template_pages_of_a_truncated_bz2_are_a_one_line_error(tmp_path, repo_env):
+    from benchmarks.enwiki_pages import dump as generated_dump
+
+    generated_dump(4, tmp_path / "whole.xml.bz2", n_templates=100)
+    dump = tmp_path / "truncated.xml.bz2"
+    whole = (tmp_path / "whole.xml.bz2").read_bytes()
+    dump.write_bytes(whole[: len(whole) * 2 // 3])  # past the first MB, which the export check reads
+    (tmp_path / "whole.xml.bz2").unlink()
+    output = tmp_path / "templates.xml"
+    result = subprocess.run([sys.executable, "-m", "workflow.data.extract", "--template-pages-only", "--input",
+                             str(dump), "--output", str(output), "--processes", "2"],
+                            capture_output=True, text=True, env=repo_env)
+    assert_one_line_error(result, dump, output, r"truncated or corrupt bz2 \(RuntimeError: .*\)")
+
+
 def test_a_bad_compiled_template_file_is_a_one_line_error(tmp_path, sample_dir, repo_env):
     templates = tmp_path / "templates.bin"
     templates.write_bytes(b"<page>not compiled</page>\n")

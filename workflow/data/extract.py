@@ -186,37 +186,60 @@ def check_mediawiki_export(path: Path) -> None:
         raise UserError(f"{path}: not a MediaWiki XML export (root element: {tag})")
 
 
-def collect_template_pages(dump: str | Path, output: str | Path) -> int:
+TEMPLATE_PAGE_NS = b"<ns>" + TEMPLATE_NAMESPACE.encode() + b"</ns>"
+SCAN_BLOCK = 1 << 24  # bytes of XML searched at a time
+
+
+def template_pages(stream) -> Iterator[bytes]:
+    """The template pages of a dump's XML `stream` (binary), each verbatim: its lines from `<page>` to `</page>`.
+
+    Searches blocks of bytes for `<ns>10</ns>` (it cannot occur inside a page's text or title, which are
+    XML-escaped) and cuts out the page around each hit, so the cost is the decompression's, not a loop over lines.
+    """
+    tail = b""
+    while True:
+        block = stream.read(SCAN_BLOCK)
+        data = tail + block
+        last = data.rfind(b"</page>")
+        end = len(data) if not block else (data.find(b"\n", last) + 1 if last >= 0 else 0)
+        if end <= 0 and block:  # no whole page yet: read on
+            tail = data
+            continue
+        position = 0
+        while (hit := data.find(TEMPLATE_PAGE_NS, position, end)) >= 0:
+            start = data.rfind(b"\n", 0, data.rfind(b"<page>", 0, hit)) + 1
+            stop = data.find(b"</page>", hit, end)
+            stop = end if stop < 0 else data.find(b"\n", stop) + 1 or len(data)
+            yield data[start:stop]
+            position = stop
+        if not block:
+            return
+        tail = data[end:]
+
+
+def collect_template_pages(dump: str | Path, output: str | Path, threads: int = 1) -> int:
     """Copy the template pages (namespace 10) of `dump`, verbatim and in order, to `output`; return their number.
 
     The lines are the dump's own, so wikiextractor's loader (workflow.data.templates) reads them exactly as in its
-    pre-scan of a dump.
+    pre-scan of a dump. A bz2 dump is decompressed on `threads` threads (indexed_bzip2, block-parallel).
     """
+    import indexed_bzip2
+
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
         raise UserError(f"{dump}: no such file")
     check_mediawiki_export(dump)
     count = 0
-    with atomic_path(output) as temporary, open(temporary, "w", encoding="utf-8") as out:
+    with open(dump, "rb") as stream:
+        bz2_input = stream.read(3) == b"BZh"
+    with atomic_path(output) as temporary, open(temporary, "wb") as out:
         try:
-            with open_dump(dump) as stream:
-                page: list[str] | None = None
-                for line in (raw.decode("utf-8", errors="replace") for raw in stream):
-                    stripped = line.strip()
-                    if stripped == "<page>":
-                        page = [line]
-                        continue
-                    if page is None:
-                        continue
-                    page.append(line)
-                    if stripped.startswith("<ns>") and stripped != f"<ns>{TEMPLATE_NAMESPACE}</ns>":
-                        page = None  # not a template: skip the rest of it
-                    elif stripped == "</page>":
-                        out.writelines(page)
-                        count += 1
-                        page = None
-        except (EOFError, OSError) as error:
-            raise UserError(f"{dump}: truncated or corrupt bz2 ({error})") from error
+            with (indexed_bzip2.open(str(dump), parallelization=threads) if bz2_input else open(dump, "rb")) as xml:
+                for page in template_pages(xml):
+                    out.write(page.decode("utf-8", errors="replace").encode("utf-8"))
+                    count += 1
+        except (EOFError, OSError, RuntimeError) as error:  # indexed_bzip2 raises RuntimeError
+            raise UserError(f"{dump}: truncated or corrupt bz2 ({type(error).__name__}: {error})") from error
     log.info("%s: %d template pages -> %s", dump, count, output)
     return count
 
@@ -283,13 +306,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m workflow.data.extract", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="MediaWiki pages-articles XML dump (.xml.bz2 or .xml)")
     parser.add_argument("--output", required=True, help="JSON lines: one {id, title, text} per article")
-    parser.add_argument("--processes", type=int, default=1, help="wikiextractor worker processes")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="wikiextractor worker processes (with --template-pages-only: bz2 decompression threads)")
     parser.add_argument("--templates", default=None, help="the dump's compiled templates (workflow.data.templates)")
     parser.add_argument("--template-pages-only", action="store_true",
                         help="write the dump's template pages to --output instead of its articles")
     args = parser.parse_args(argv)
     if args.template_pages_only:
-        collect_template_pages(args.input, args.output)
+        collect_template_pages(args.input, args.output, args.processes)
     else:
         extract(args.input, args.output, args.processes, args.templates)
 
