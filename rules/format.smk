@@ -1,6 +1,7 @@
 # Stage 3: one sentence per line (or one article per line), sentence-split with Punkt, offline; one job per part of
 # the Wikipedia dump. Unless format.punkt_model is set, Punkt is trained once on the corpus' first characters (the
-# first format.punkt_parts parts, in order), so a part's format waits for its own extract and punkt, no other.
+# first pages of the first format.punkt_parts parts, which punkt extracts itself with the compiled templates), so a
+# part's format waits for its own extract and punkt, and punkt for no extract: it runs beside the extracts.
 
 
 include: "functions/format.smk"
@@ -8,15 +9,18 @@ include: "functions/format.smk"
 
 rule punkt:
     input:
-        punkt_training_parts,
+        dumps=punkt_training_parts,
+        templates="data/extracted/wikipedia/templates.bin",
     output:
         directory("data/punkt/wikipedia"),
+    threads: 16  # wikiextractor's processes on the first pages (~110 MB of enwiki XML); the training is serial
     log:
         "logs/punkt/wikipedia.log",
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.data.punkt --input {input:q} --output {output:q} 2> {log}"
+        "python -m workflow.data.punkt --dump {input.dumps:q} --templates {input.templates:q}"
+        " --processes {threads} --output {output:q} 2> {log}"
 
 
 rule format:

@@ -2,8 +2,9 @@
 
 
 def punkt_training_parts(wildcards):
-    """The extracted parts Punkt trains on: the first format.punkt_parts (null: all), in page-id order."""
-    return wikipedia_parts("data/extracted/wikipedia/{part}.jsonl")[: config["format"]["punkt_parts"]]
+    """The parts of the dump Punkt trains on (their first pages, extracted by punkt itself): the first
+    format.punkt_parts (null: all), in page-id order."""
+    return wikipedia_parts("data/download/wikipedia/{part}.xml.bz2")[: config["format"]["punkt_parts"]]
 
 
 def format_inputs(wildcards):

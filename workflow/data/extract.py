@@ -217,24 +217,30 @@ def template_pages(stream) -> Iterator[bytes]:
         tail = data[end:]
 
 
+def open_xml(dump: Path, threads: int = 1):
+    """Binary stream of the XML of `dump`: a bz2 one decompressed on `threads` threads (indexed_bzip2, block-
+    parallel; a truncated or corrupt one raises RuntimeError as it is read), else the file itself."""
+    import indexed_bzip2
+
+    with open(dump, "rb") as stream:
+        bz2_input = stream.read(3) == b"BZh"
+    return indexed_bzip2.open(str(dump), parallelization=threads) if bz2_input else open(dump, "rb")
+
+
 def collect_template_pages(dump: str | Path, output: str | Path, threads: int = 1) -> int:
     """Copy the template pages (namespace 10) of `dump`, verbatim and in order, to `output`; return their number.
 
     The lines are the dump's own, so wikiextractor's loader (workflow.data.templates) reads them exactly as in its
     pre-scan of a dump. A bz2 dump is decompressed on `threads` threads (indexed_bzip2, block-parallel).
     """
-    import indexed_bzip2
-
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
         raise UserError(f"{dump}: no such file")
     check_mediawiki_export(dump)
     count = 0
-    with open(dump, "rb") as stream:
-        bz2_input = stream.read(3) == b"BZh"
     with atomic_path(output) as temporary, open(temporary, "wb") as out:
         try:
-            with (indexed_bzip2.open(str(dump), parallelization=threads) if bz2_input else open(dump, "rb")) as xml:
+            with open_xml(dump, threads) as xml:
                 for page in template_pages(xml):
                     out.write(page.decode("utf-8", errors="replace").encode("utf-8"))
                     count += 1
@@ -269,11 +275,13 @@ def run_wikiextractor(dump: Path, workdir: Path, processes: int, templates: Path
         raise UserError(f"{dump}: wikiextractor failed ({reason.strip()})")
 
 
-def extract(dump: str | Path, output: str | Path, processes: int = 1, templates: str | Path | None = None) -> int:
+def extract(dump: str | Path, output: str | Path, processes: int = 1, templates: str | Path | None = None,
+            require_articles: bool = True) -> int:
     """Extract the articles of MediaWiki dump `dump` to JSON lines `output`; return the number of articles.
 
     `templates`: the compiled template file (workflow.data.templates) to expand templates with; None:
-    wikiextractor takes them from `dump` itself.
+    wikiextractor takes them from `dump` itself. `require_articles`: none is an error (a dump's first pages may
+    hold none: punkt reads on).
     """
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
@@ -296,7 +304,7 @@ def extract(dump: str | Path, output: str | Path, processes: int = 1, templates:
                         record = {"id": article["id"], "title": html.unescape(article["title"]), "text": article["text"]}
                         out.write(json.dumps(record, ensure_ascii=False) + "\n")
                         count += 1
-        if count == 0:
+        if count == 0 and require_articles:
             raise UserError(f"{dump}: no articles (namespace 0) in this MediaWiki export")
     log.info("%s: %d articles -> %s", dump, count, output)
     return count
