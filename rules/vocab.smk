@@ -8,6 +8,9 @@ include: "functions/vocab.smk"
 
 if config["vocab"]["file"]:
 
+    localrules:
+        vocab,  # a copy: no Slurm job, so no wait for the plugin's next status check before tokenize
+
     rule vocab:
         input:
             config["vocab"]["file"],
