@@ -1,12 +1,13 @@
 """Benchmark: every data stage's per-core rate on generated real-shaped pages, projected to full English Wikipedia.
 
     python benchmarks/full_dump_projection.py [--mb 40] [--novel 0.07] [--nodes 1 8] [--cores-per-node 128]
-        [--disk-mb-s 1000] [--slurm-gap 30] [--threads extract=8 ...]
+        [--disk-mb-s 1000] [--submit-s 2] [--group-cores N] [--threads extract=8 ...]
 
 Measures: builds a bz2 dump of --mb MB of XML of real-shaped pages (benchmarks/enwiki_pages.py: its docstring
 states the enwiki figures it matches: ~11 KB of XML per article, XML->text ~0.18, templates nested with parser
 functions, <ref> citations, infoboxes, tables, redirects and other namespaces), then runs each stage's real command
-as its rule does, one process each, on one core: wikipedia_templates (the part's template pages),
+as its rule does, one process each, on one core: wikipedia_templates (the part's template pages; its scan's and
+its decompression threads' CPU apart, from a 2-thread run),
 compile_templates (on --template-sample generated template pages: once per dump, scaled by the count to enwiki's
 ~900k), the compiled file's load (what every extract job pays first, same scaling), extract_wikipedia (real
 wikiextractor with template expansion, --templates compiled), punkt, format (with that model), shard (pass 1 timed
@@ -22,19 +23,24 @@ templates, extract, format; one compile_templates; one punkt; one shard; one voc
 and length: encode; per length: hdf5_dir), each job's threads read from its rule in rules/*.smk, each job paying
 its measured process startup. Parts are of unequal size (ASSUMED: 0.5x to 1.5x the mean; the md5sums list has no
 sizes). The vocab's threads follow a fit from its 1- and 2-thread runs (serial fraction + the CPU each added thread
-costs; Amdahl, applied at the rule's threads). Each job also writes its bytes at --disk-mb-s per node shared by
-its stage's jobs on that node (ASSUMED bandwidth), and a job waiting for inputs starts --slurm-gap seconds after
-they are done (ASSUMED: the Slurm plugin's polling), without holding cores. The jobs are then scheduled as
-Snakemake would on N nodes x C cores: compile waits for every part's templates, each extract for compile, punkt for
-the first part's extract, a part's format for its extract and punkt, shard for every format, vocab for shard,
-tokenize for vocab, each shard's encode for its tokenize, hdf5_dir for its length's encodes. The wall time is that
-schedule's end. Serial parts are modelled where the code has them: wikiextractor's one mapper process reads (and
-bz2-decompresses) its part, whatever --processes; the vocab trainer's main thread.
+costs; Amdahl, applied at the rule's threads); the template scan's decompression divides over its threads, its
+byte search does not. Each job also writes its bytes at --disk-mb-s per node shared by its stage's jobs on that
+node (ASSUMED bandwidth). The jobs are then run as profiles/slurm submits them, on N nodes x C cores
+(benchmarks/slurm_schedule.py): its `groups` packed `group-components` to a Slurm job of up to `cores` CPUs (no
+wait inside one), each Slurm job's end seen by Snakemake only at the Slurm plugin's next status check (its polling,
+as its code does it: first check `slurm-init-seconds-before-status-checks` after a submission, the interval 10 s
+longer after each check that saw nothing end, reset when one did), each submitted job pending --submit-s later
+(ASSUMED), pending jobs started in submission order where they fit; a given vocab is copied on the submit host
+(localrules). Dependencies: compile waits for every part's templates, each extract for compile, punkt for compile
+(it extracts the first part's first pages itself), a part's format for its extract and punkt, shard for every
+format, vocab for shard, tokenize for vocab, each shard's encode for its tokenize, hdf5_dir for its length's
+encodes. The wall time is that schedule's end. Serial parts are modelled where the code has them: wikiextractor's
+one mapper process reads (and bz2-decompresses) its part, whatever --processes; the vocab trainer's main thread;
+Punkt's training.
 """
 import argparse
 import bz2
 import hashlib
-import heapq
 import json
 import math
 import pickle
@@ -52,9 +58,13 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from enwiki_pages import dump as enwiki_dump  # noqa: E402
 from enwiki_pages import template_set  # noqa: E402
+from slurm_schedule import policy_from_profile, schedule, slurm_jobs  # noqa: E402
 from wikipedia_sample import ROOT, SAMPLE_XML, run_stage  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
+from workflow.data.punkt import PREFIX_MB  # noqa: E402
+
+PROFILE = ROOT / "profiles" / "slurm" / "config.v8+.yaml"
 
 PYTHON = sys.executable
 FULL = {  # the full English Wikipedia dump the projection is for (enwiki-20241001; text and tokens follow from
@@ -70,11 +80,12 @@ RULES = {"templates": "wikipedia_templates", "compile": "compile_templates", "ex
          "shard": "shard", "vocab": "vocab", "tokenize": "tokenize", "encode": "encode", "hdf5_dir": "hdf5_dir"}
 # What would bring a held-back stage down (printed with the figures that show it).
 FIXES = {
-    "templates": "Would: one pass per part for templates and articles (the part is decompressed twice now).",
+    "templates": "Would: more threads per job (its bz2 decompression divides over them).",
     "compile": "Would: the compile in parallel per part, merged (the blobs are sorted runs).",
     "extract": "Would: a faster extractor per core (wikiextractor's template expansion and cleaning in Python "
                "are the cost), or more nodes; per job, wikiextractor's one mapper caps it beyond its cap/threads.",
     "punkt": "Would: a supplied format.punkt_model (no training), or training on fewer characters.",
+    "format": "Would: format in its part's extract job (a group job waits for punkt, whose training is serial).",
     "shard": "Would: more threads (both passes split over the parts).",
     "vocab": "Would: a given vocab.file (Google's, as NVIDIA uses), fewer vocab.training_shards, or more threads.",
 }
@@ -111,9 +122,12 @@ measure([Path(p) for p in sys.argv[1:]], "sentences", 1)
 
 
 def vocab_training_shards() -> int:
-    """The schema's default vocab.training_shards: the sample of the training shards a vocab is trained on."""
-    schema = yaml.safe_load((ROOT / "config.schema.yaml").read_text())
-    return schema["properties"]["vocab"]["properties"]["training_shards"]["default"]
+    """config.yaml's vocab.training_shards (what a user runs; else the schema's default): the sample of the
+    training shards a vocab is trained on."""
+    vocab = yaml.safe_load((ROOT / "config.yaml").read_text()).get("vocab") or {}
+    schema = yaml.safe_load((ROOT / "config.schema.yaml").read_text())["properties"]["vocab"]["properties"]
+    shards = vocab.get("training_shards", schema["training_shards"]["default"])
+    return FULL["n_training_shards"] if shards is None else shards  # null: all
 
 
 def rule_threads(rule: str) -> int:
@@ -166,13 +180,7 @@ def bz2_rates(dump: Path, megabytes: float = 20.0) -> dict:
     return rates
 
 
-VOCAB_SPLIT = """
-import json, os, resource, sys
-shard_dir, n_shards, size, threads, output = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-os.environ.update(RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")  # before tokenizers' pool starts
-from workflow.data.vocab import train_vocab
-train_vocab([f"{shard_dir}/shard_{i}.txt" for i in range(n_shards)], output, size, True, threads=threads)
-
+THREAD_SPLIT = """
 def cpu(task):  # user + system seconds of one thread of this process
     fields = open(f"/proc/self/task/{task}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -182,6 +190,19 @@ children = resource.getrusage(resource.RUSAGE_CHILDREN)
 print(json.dumps({"serial": main, "parallel": sum(map(cpu, os.listdir("/proc/self/task"))) - main
                   + children.ru_utime + children.ru_stime}))
 """
+# The CPU of the main thread (serial) and of the others (parallel) of: vocab training; the template scan.
+VOCAB_SPLIT = """
+import json, os, resource, sys
+shard_dir, n_shards, size, threads, output = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+os.environ.update(RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")  # before tokenizers' pool starts
+from workflow.data.vocab import train_vocab
+train_vocab([f"{shard_dir}/shard_{i}.txt" for i in range(n_shards)], output, size, True, threads=threads)
+""" + THREAD_SPLIT
+TEMPLATES_SPLIT = """
+import json, os, resource, sys
+from workflow.data.extract import collect_template_pages
+collect_template_pages(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+""" + THREAD_SPLIT
 
 
 def vocab_run(shard_dir: Path, n_shards: int, size: int, threads: int, output: Path):
@@ -212,6 +233,7 @@ def measure(args, work: Path) -> dict:
     templates, compiled, extracted = work / "part.templates.xml", work / "templates.bin", work / "part.jsonl"
     m["templates"] = run_stage([PYTHON, "-m", "workflow.data.extract", "--template-pages-only", "--input", dump,
                                 "--output", templates])
+    m["templates_split"] = json.loads(run_stage([PYTHON, "-c", TEMPLATES_SPLIT, dump, templates, 2]).stdout)
     run_stage([PYTHON, "-m", "workflow.data.templates", "--input", templates, "--output", compiled])
     # compile_templates (once) and the compiled file's load (every extract job) on a template set of
     # --template-sample generated pages: both scale with the count, projected to FULL["templates"]
@@ -235,7 +257,8 @@ def measure(args, work: Path) -> dict:
     m["punkt"] = run_stage([PYTHON, "-m", "workflow.data.punkt", "--input", extracted, "--output", punkt])
     from workflow.data.format import prose_texts, read_documents
 
-    m["punkt_chars"] = min(FULL["punkt_chars"], sum(map(len, prose_texts(read_documents(extracted)))))
+    m["prose_chars"] = sum(map(len, prose_texts(read_documents(extracted))))
+    m["punkt_chars"] = min(FULL["punkt_chars"], m["prose_chars"])
     formatted = work / "part.txt"
     m["format"] = run_stage([PYTHON, "-m", "workflow.data.format", "--input", extracted, "--output", formatted,
                              "--summary", work / "part.summary.json", "--punkt-model", punkt, "--processes", 1])
@@ -353,8 +376,11 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
     startup = m["startup"]
     # a real dump's bz2 may decompress slower per MB of XML than the generated one: the difference is added
     bz2_extra = max(0.0, 1 / m["bz2"]["real"] - 1 / m["bz2"]["replicated"])  # CPU seconds per MB of XML
+    split = m["templates_split"]  # the scan (main thread) and the decompression (indexed_bzip2's threads)
+    templates_serial = split["serial"] / xml_mb  # CPU s per MB of XML
+    templates_parallel = max(split["parallel"] - m["startup"]["templates"], 0) / xml_mb + bz2_extra
     rate = {  # per CPU second of one core
-        "templates": 1 / (net_cpu(m, "templates", "templates") / xml_mb + bz2_extra),
+        "templates": 1 / (templates_serial + templates_parallel),
         "extract": 1 / (net_cpu(m, "extract", "extract") / xml_mb + bz2_extra),
         "mapper": 1 / (net_cpu(m, "mapper", "mapper") / xml_mb + bz2_extra),
         "punkt": m["punkt_chars"] / net_cpu(m, "punkt", "punkt"),
@@ -380,19 +406,20 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
         stages.append(dict(stage=name, unit=unit, work=work, rate=per_core, jobs=n_jobs, threads=t[name.split()[0]],
                            note=note, cap=cap, written_mb=written_mb))
 
-    def job(name, seconds, deps=(), stage_name=None, written_mb=0.0, siblings=1):
+    def job(name, seconds, deps=(), stage_name=None, written_mb=0.0, siblings=1, local=False):
         """A job's compute `seconds`, plus writing `written_mb` at its node's bandwidth shared by the `siblings` of
-        its stage that fit on the node beside it, plus the Slurm gap when it waits for inputs."""
+        its stage that fit on the node beside it; `local`: a localrules job (on the submit host)."""
         stage_key = stage_name or name.split("[")[0]
         width = min(t[stage_key.split()[0]], args.cores_per_node)
         write = written_mb / args.disk_mb_s * min(siblings, args.cores_per_node // width)
-        jobs.append(dict(stage=stage_key, name=name, seconds=seconds + write, delay=args.slurm_gap if deps else 0.0,
-                         cpu=seconds * width, deps=list(deps), threads=t[stage_key.split()[0]]))
+        jobs.append(dict(stage=stage_key, name=name, rule=RULES[stage_key.split()[0]], seconds=seconds + write,
+                         cpu=seconds * width, deps=list(deps), threads=t[stage_key.split()[0]], local=local))
         return len(jobs) - 1
 
     stage("templates", "MB XML", FULL["xml_gb"] * 1e3, rate["templates"], parts,
-          "template pages of each part (bz2 read)", written_mb=template_mb)
-    template_jobs = [job(f"templates[{p}]", startup["templates"] + mb / rate["templates"],
+          f"template pages of each part: bz2 decompressed on {t['templates']} threads, a byte search for <ns>10</ns>",
+          written_mb=template_mb)
+    template_jobs = [job(f"templates[{p}]", startup["templates"] + mb * (templates_serial + templates_parallel / t["templates"]),
                          written_mb=template_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts)
                      for p, mb in enumerate(part_mb)]
     stage("compile", "k templates", FULL["templates"] / 1e3, FULL["templates"] / 1e3 / compile_s, 1,
@@ -406,9 +433,16 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
     extract_jobs = [job(f"extract[{p}]", startup["extract"] + load_s + mb / extract_speed, [compile_job],
                         written_mb=extracted_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts)
                     for p, mb in enumerate(part_mb)]
+    # punkt extracts the first pages of the first part itself: PREFIX_MB steps of XML until they hold its characters
+    needed_mb = FULL["punkt_chars"] / (m["prose_chars"] / xml_mb)
+    steps = [mb for mb in PREFIX_MB if mb < needed_mb] + [next((mb for mb in PREFIX_MB if mb >= needed_mb), part_mb[0])]
+    prefix_speed = min(rate["extract"] * t["punkt"], rate["mapper"])
+    prefix_s = sum(startup["extract"] + load_s + mb / prefix_speed for mb in steps)
     stage("punkt", "M chars", FULL["punkt_chars"] / 1e6, rate["punkt"] / 1e6, 1,
-          f"one model, trained on the first {FULL['punkt_chars'] / 1e6:.0f} M characters (the first part's)")
-    punkt_job = job("punkt", startup["punkt"] + FULL["punkt_chars"] / rate["punkt"], [extract_jobs[0]])
+          f"one model on the first {FULL['punkt_chars'] / 1e6:.0f} M characters: the first {steps[-1]} MB of XML "
+          f"of the first part extracted in {prefix_s:.0f} s ({needed_mb:.0f} MB needed), then trained (serial)")
+    punkt_job = job("punkt", startup["punkt"] + prefix_s + FULL["punkt_chars"] / rate["punkt"], [compile_job])
+    jobs[punkt_job]["cpu"] = prefix_s * t["punkt"] + FULL["punkt_chars"] / rate["punkt"]
     stage("format", "MB JSON", extracted_mb, rate["format"], parts, "Punkt model loaded, split in processes",
           written_mb=formatted_mb)
     format_jobs = [job(f"format[{p}]", startup["format"] + extracted_mb * mb / FULL["xml_gb"] / 1e3
@@ -422,8 +456,8 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
     shard_job = job("shard", startup["shard"] + pass1 + pass2, format_jobs, written_mb=formatted_mb)
     one_thread = one_thread_cpu * (serial_fixed + parallel_fixed + vocab_mb * (serial_per_mb + parallel_per_mb))
     if given_vocab:
-        stage("vocab", "file", 0, 0, 1, "a given vocab.file, copied")
-        vocab_job = job("vocab", startup["vocab"], [shard_job])
+        stage("vocab", "file", 0, 0, 1, "a given vocab.file, copied on the submit host (localrules)")
+        vocab_job = job("vocab", startup["vocab"], [shard_job], local=True)
     else:
         n = t["vocab"]
         wall = one_thread * (serial_fraction + (1 - serial_fraction) * (1 + overhead * (n - 1)) / n)
@@ -464,50 +498,10 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
     return stages, jobs, sizes
 
 
-def schedule(jobs: list[dict], nodes: int, cores: int) -> dict[str, tuple[float, float]]:
-    """Greedy list scheduling, as Snakemake: a job starts once its inputs exist (plus its `delay`, if any: the
-    Slurm gap, holding no cores) on the first node with `threads` free cores (threads capped at a node's cores), in
-    DAG order. Returns each stage's (first start, last end)."""
-    waiting = [len(j["deps"]) for j in jobs]
-    dependents = [[] for _ in jobs]
-    for index, j in enumerate(jobs):
-        for dep in j["deps"]:
-            dependents[dep].append(index)
-    free = [cores] * nodes
-    ready = [index for index, count in enumerate(waiting) if count == 0]
-    delayed: list[tuple[float, int]] = []  # (ready at, job): inputs done, its delay not yet over
-    running: list[tuple[float, int, int]] = []  # (end, job, node)
-    now, starts, ends = 0.0, {}, {}
-    while ready or running or delayed:
-        while delayed and delayed[0][0] <= now:
-            ready.append(heapq.heappop(delayed)[1])
-        still = []
-        for index in sorted(ready):  # DAG order
-            need = min(jobs[index]["threads"], cores)
-            node = next((n for n in range(nodes) if free[n] >= need), None)
-            if node is None:
-                still.append(index)
-                continue
-            free[node] -= need
-            heapq.heappush(running, (now + jobs[index]["seconds"], index, node))
-            starts.setdefault(jobs[index]["stage"], now)
-        ready = still
-        if delayed and (not running or delayed[0][0] < running[0][0]):
-            now = delayed[0][0]  # a job's delay ends before the next job does
-            continue
-        now, index, node = heapq.heappop(running)
-        free[node] += min(jobs[index]["threads"], cores)
-        ends[jobs[index]["stage"]] = now
-        for other in dependents[index]:
-            waiting[other] -= 1
-            if waiting[other] == 0:
-                heapq.heappush(delayed, (now + jobs[other].get("delay", 0.0), other))
-    return {stage: (starts[stage], ends[stage]) for stage in starts}
-
-
 def report(m: dict, args) -> None:
     threads = {stage: args.threads.get(stage, rule_threads(rule)) for stage, rule in RULES.items()}
     stages, jobs, sizes = model(m, threads, args)
+    policy = policy_from_profile(PROFILE, args.submit_s, args.group_cores)
     d = m["dump"]
     print(f"\nmeasured (1 core each, CPU seconds; machine shared, so wall clock is slower): generated dump "
           f"{d['xml_bytes'] / 1e6:.1f} MB XML, {d['articles']:,} articles ({d['xml_bytes'] / d['articles'] / 1e3:.1f} KB "
@@ -539,11 +533,13 @@ def report(m: dict, args) -> None:
           f"({sizes['template_gb']:.1f} GB) -> {sizes['extracted_gb']:.1f} GB JSON, {sizes['formatted_gb']:.1f} GB text, "
           f"{sizes['tokens'] / 1e9:.1f} B tokens (by the measured ratios); {FULL['n_training_shards']} + "
           f"{FULL['n_test_shards']} shards; vocab on {sizes['vocab_mb'] / 1e3:.1f} GB; download excluded; writes at "
-          f"{args.disk_mb_s:.0f} MB/s per node (assumed), a Slurm gap of {args.slurm_gap:.0f} s before each job "
-          f"that waits for inputs (assumed: the plugin polls 10 s after a submission, then every 10 s longer)")
-    spans = {n: schedule(jobs, n, args.cores_per_node) for n in args.nodes}
+          f"{args.disk_mb_s:.0f} MB/s per node (assumed); run as profiles/slurm submits them (benchmarks/slurm_schedule.py): "
+          f"its groups as Slurm jobs of up to {policy.group_cores} CPUs, each job's end seen at the plugin's next "
+          f"status check (first {policy.first_check_s:.0f} s after a submission, then every 10 s longer while nothing "
+          f"ends, as the plugin does), a job pending {policy.submit_s:.0f} s after its submission (assumed)")
+    spans = {n: schedule(jobs, n, args.cores_per_node, policy) for n in args.nodes}
     given_jobs = model(m, threads, args, given_vocab=True)[1]
-    given = {n: schedule(given_jobs, n, args.cores_per_node) for n in args.nodes}
+    given = {n: schedule(given_jobs, n, args.cores_per_node, policy) for n in args.nodes}
     header = "".join(f" {f'{n} node' + ('s' if n > 1 else '') + ' from-to':>17s}" for n in args.nodes)
     print(f"\n{'stage':12s} {'work':>21s} {'rate/core':>11s} {'jobs':>5s} {'thr':>4s} {'CPU s':>8s} {'written':>9s}"
           f"{header}  note")
@@ -567,6 +563,8 @@ def report(m: dict, args) -> None:
         few, many = min(args.nodes), max(args.nodes)
         print(f"{many} nodes / {few}: {end[many] / end[few]:.2f} (target <= 0.6: "
               f"{'MET' if end[many] / end[few] <= 0.6 else 'MISSED'})")
+    units = slurm_jobs(jobs, policy)
+    print(f"Slurm jobs: {sum(not u['local'] for u in units)} for {len(jobs)} rule jobs (profiles/slurm groups)")
     order = sorted(spans[min(args.nodes)].items(), key=lambda item: item[1])
     print(f"\ncritical path on {min(args.nodes)} node(s), stage spans in start order (stages overlap part by part and "
           f"shard by shard): " + " -> ".join(f"{stage} {stop - start:.0f} s" for stage, (start, stop) in order))
@@ -608,8 +606,10 @@ def main() -> None:
                         help="generated template pages the compile and the per-job load are timed on")
     parser.add_argument("--disk-mb-s", type=float, default=1000.0,
                         help="write bandwidth of one node to the shared filesystem, shared by its running jobs")
-    parser.add_argument("--slurm-gap", type=float, default=30.0,
-                        help="seconds between a job's inputs being done and its start (Slurm plugin's polling)")
+    parser.add_argument("--submit-s", type=float, default=2.0,
+                        help="seconds from a job's submission until Slurm can start it (sbatch, its scheduler)")
+    parser.add_argument("--group-cores", type=int, default=None,
+                        help="CPUs of one group job (default: the Slurm profile's `cores`)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--cores-per-node", type=int, default=128)
     parser.add_argument("--threads", nargs="*", default=[], metavar="STAGE=N",
