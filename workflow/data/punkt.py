@@ -40,7 +40,7 @@ def train_model(inputs: Sequence[str | Path], output: str | Path, train_chars: i
     return Path(output)
 
 
-PREFIX_MB = (128, 512, 2048)  # XML read from a part's start, in turn, until the prose suffices (~20 M chars: ~110 MB)
+PREFIX_MB = (256, 1024, 4096)  # MB of XML from a part's start, in turn, until the prose suffices (20 M chars: ~125 MB)
 BLOCK = 1 << 22
 
 
