@@ -7,7 +7,8 @@ Measures: builds a bz2 dump of --mb MB of XML of real-shaped pages (benchmarks/e
 states the enwiki figures it matches: ~11 KB of XML per article, XML->text ~0.18, templates nested with parser
 functions, <ref> citations, infoboxes, tables, redirects and other namespaces), then runs each stage's real command
 as its rule does, one process each, on one core: wikipedia_templates (the part's template pages; its scan's and
-its decompression threads' CPU apart, from a 2-thread run),
+its decompression threads' CPU apart, from a 2-thread run), compile_templates (its parent's and its worker
+processes' CPU apart, from a 2-process run),
 compile_templates (on --template-sample generated template pages: once per dump, scaled by the count to enwiki's
 ~900k), the compiled file's load (what every extract job pays first, same scaling), extract_wikipedia (real
 wikiextractor with template expansion, --templates compiled), punkt, format (with that model), shard (pass 1 timed
@@ -75,13 +76,14 @@ FULL = {  # the full English Wikipedia dump the projection is for (enwiki-202410
 }
 TARGET_HOURS = {"given": 0.25, "trained": 0.3}  # one node; LDDL: 0.27 h from extracted text on one DGX A100
 PREDICTIONS = {128: 20, 512: 80}
+TEMPLATE_FILES = 8  # the generated template set is compiled from this many files (parts)
 # The rule behind each stage (its `threads:` is read from rules/*.smk).
 RULES = {"templates": "wikipedia_templates", "compile": "compile_templates", "extract": "extract_wikipedia", "punkt": "punkt", "format": "format",
          "shard": "shard", "vocab": "vocab", "tokenize": "tokenize", "encode": "encode", "hdf5_dir": "hdf5_dir"}
 # What would bring a held-back stage down (printed with the figures that show it).
 FIXES = {
     "templates": "Would: more threads per job (its bz2 decompression divides over them).",
-    "compile": "Would: the compile in parallel per part, merged (the blobs are sorted runs).",
+    "compile": "Would: the pages added to the blobs by the workers (the merge of sorted runs; now the parent adds them).",
     "extract": "Would: a faster extractor per core (wikiextractor's template expansion and cleaning in Python "
                "are the cost), or more nodes; per job, wikiextractor's one mapper caps it beyond its cap/threads.",
     "punkt": "Would: a supplied format.punkt_model (no training), or training on fewer characters.",
@@ -190,13 +192,19 @@ children = resource.getrusage(resource.RUSAGE_CHILDREN)
 print(json.dumps({"serial": main, "parallel": sum(map(cpu, os.listdir("/proc/self/task"))) - main
                   + children.ru_utime + children.ru_stime}))
 """
-# The CPU of the main thread (serial) and of the others (parallel) of: vocab training; the template scan.
+# The CPU of the main thread (serial) and of the others (parallel) of: vocab training; the template scan; the
+# template compile (its worker processes: parallel).
 VOCAB_SPLIT = """
 import json, os, resource, sys
 shard_dir, n_shards, size, threads, output = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 os.environ.update(RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")  # before tokenizers' pool starts
 from workflow.data.vocab import train_vocab
 train_vocab([f"{shard_dir}/shard_{i}.txt" for i in range(n_shards)], output, size, True, threads=threads)
+""" + THREAD_SPLIT
+COMPILE_SPLIT = """
+import json, os, resource, sys
+from workflow.data.templates import compile_templates
+compile_templates(sys.argv[3:], sys.argv[1], int(sys.argv[2]))
 """ + THREAD_SPLIT
 TEMPLATES_SPLIT = """
 import json, os, resource, sys
@@ -237,13 +245,18 @@ def measure(args, work: Path) -> dict:
     run_stage([PYTHON, "-m", "workflow.data.templates", "--input", templates, "--output", compiled])
     # compile_templates (once) and the compiled file's load (every extract job) on a template set of
     # --template-sample generated pages: both scale with the count, projected to FULL["templates"]
-    template_pages, sample_compiled = work / "set.templates.xml", work / "set.bin"
-    with open(template_pages, "w", encoding="utf-8") as out:
-        out.writelines(template_set(args.template_sample))
+    # (in TEMPLATE_FILES files, as parts: the compile parses files in parallel)
+    generated = list(template_set(args.template_sample))
+    template_pages = [work / f"set{index}.templates.xml" for index in range(TEMPLATE_FILES)]
+    for index, path in enumerate(template_pages):
+        path.write_text("".join(generated[index::TEMPLATE_FILES]), encoding="utf-8")
+    sample_compiled = work / "set.bin"
     m["template_sample"] = args.template_sample
-    m["template_pages_bytes"] = template_pages.stat().st_size
-    m["compile"] = run_stage([PYTHON, "-m", "workflow.data.templates", "--input", template_pages, "--output",
+    m["template_pages_bytes"] = sum(path.stat().st_size for path in template_pages)
+    m["compile"] = run_stage([PYTHON, "-m", "workflow.data.templates", "--input", *template_pages, "--output",
                               sample_compiled])
+    m["compile_split"] = json.loads(run_stage([PYTHON, "-c", COMPILE_SPLIT, work / "split.bin", 2,
+                                               *template_pages]).stdout)
     m["compiled_bytes"] = sample_compiled.stat().st_size
     m["startup"]["load"] = run_stage([PYTHON, "-c", LOAD_TEMPLATES, compiled]).cpu
     m["load"] = run_stage([PYTHON, "-c", LOAD_TEMPLATES, sample_compiled])
@@ -391,7 +404,9 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
         "tokenize": m["tokens"] / 1e6 / net_cpu(m, "tokenize", "tokenize"),
     }
     per_template = FULL["templates"] / m["template_sample"]
-    compile_s = startup["templates"] + max(m["compile"].cpu - startup["templates"], 0) * per_template
+    compile_cpu = max(m["compile"].cpu - startup["templates"], 0) * per_template
+    compile_serial = min(m["compile_split"]["serial"] / sum(m["compile_split"].values()), 1.0)  # its share
+    compile_s = startup["templates"] + compile_cpu * (compile_serial + (1 - compile_serial) / min(threads["compile"], parts))
     load_s = max(m["load"].cpu - startup["load"], 0) * per_template  # each extract job, before its first page
     template_mb = m["template_pages_bytes"] * per_template / 1e6
     compiled_mb = m["compiled_bytes"] * per_template / 1e6
@@ -424,10 +439,12 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
     template_jobs = [job(f"templates[{p}]", startup["templates"] + mb * (templates_serial + templates_parallel / t["templates"]),
                          written_mb=template_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts)
                      for p, mb in enumerate(part_mb)]
-    stage("compile", "k templates", FULL["templates"] / 1e3, FULL["templates"] / 1e3 / compile_s, 1,
-          f"one job: wikiextractor's parse of all {FULL['templates'] / 1e3:.0f}k template pages, written once",
-          written_mb=compiled_mb)
+    stage("compile", "k templates", FULL["templates"] / 1e3, FULL["templates"] / 1e3 / compile_cpu, 1,
+          f"one job: wikiextractor's parse of all {FULL['templates'] / 1e3:.0f}k template pages, the parts' files "
+          f"in {min(t['compile'], parts)} processes ({compile_serial:.0%} of its CPU serial: the pages added to the "
+          f"blobs in order), written once", written_mb=compiled_mb)
     compile_job = job("compile", compile_s, template_jobs, written_mb=compiled_mb)
+    jobs[compile_job]["cpu"] = compile_cpu
     extract_speed = min(rate["extract"] * t["extract"], rate["mapper"])
     stage("extract", "MB XML", FULL["xml_gb"] * 1e3, rate["extract"], parts,
           f"wikiextractor, bz2 input; each job first loads the compiled templates ({load_s:.1f} s)",

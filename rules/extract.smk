@@ -26,12 +26,13 @@ rule compile_templates:
         all_template_pages,
     output:
         "data/extracted/wikipedia/templates.bin",
+    threads: 16  # the parts' template pages parsed at once; every extract job waits for this one
     log:
         "logs/compile_templates/templates.log",
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.data.templates --input {input:q} --output {output:q} 2> {log}"
+        "python -m workflow.data.templates --input {input:q} --output {output:q} --processes {threads} 2> {log}"
 
 
 rule extract_wikipedia:

@@ -224,6 +224,34 @@ def test_template_pages_of_a_truncated_bz2_are_a_one_line_error(tmp_path, repo_e
     assert_one_line_error(result, dump, output, r"truncated or corrupt bz2 \(RuntimeError: .*\)")
 
 
+def test_templates_compiled_in_parallel_are_the_blobs_of_one_pass(tmp_path):
+    from benchmarks.enwiki_pages import template_set
+    from workflow.data import templates as compiler
+
+    pages = list(template_set(600, seed=4))
+    pages[500] = pages[7]  # a title defined twice, in different files
+    files = []
+    for index, start in enumerate((0, 100, 250, 251, 420)):  # unequal files, one of a single page
+        files.append(tmp_path / f"part{index}.templates.xml")
+        files[-1].write_text("".join(pages[start:(0, 100, 250, 251, 420, 600)[index + 1]]), encoding="utf-8")
+    expected = tmp_path / "one_pass.bin"
+    one = compiler.compile_templates(files, expected, processes=1)
+    for processes in (2, 4):
+        output = tmp_path / f"parallel{processes}.bin"
+        assert compiler.compile_templates(files, output, processes) == one == 600
+        assert output.read_bytes() == expected.read_bytes()
+    # the one-process path is wikiextractor's loader over the files chained, as before the parallel parse
+    from wikiextractor.template_blob import StreamingTemplateBlobBuilder
+    from wikiextractor.WikiExtractor import load_templates
+
+    templates, redirects = StreamingTemplateBlobBuilder(), StreamingTemplateBlobBuilder()
+    lines = (line for path in files for line in open(path, encoding="utf-8"))
+    assert load_templates(lines, blob_builder=templates, redirects_blob_builder=redirects)[0] == 600
+    count, compiled_templates, compiled_redirects = compiler.load_compiled(expected)
+    assert (count, tuple(map(bytes, compiled_templates))) == (600, templates.finish())
+    assert tuple(map(bytes, compiled_redirects)) == redirects.finish()
+
+
 def test_a_bad_compiled_template_file_is_a_one_line_error(tmp_path, sample_dir, repo_env):
     templates = tmp_path / "templates.bin"
     templates.write_bytes(b"<page>not compiled</page>\n")

@@ -4,13 +4,14 @@ wikiextractor expands templates with; every extract job loads that one file read
 wikiextractor 3.1.0 parses the template pages it is given (`--templates`) into a sorted, binary-searchable set of
 byte blobs (its `template_blob`) before it extracts anything: for the full English dump's ~900k template pages,
 a parse of ~1.5-2 GB in every extract job. Here its own parser (`load_templates` with its streaming blob builders)
-runs once over the parts' template pages in part order, and the blobs are saved in one file; `extract` hands them
+runs once over the parts' template pages in part order (the parts' files parsed in parallel processes, their pages
+added to the builders in part order), and the blobs are saved in one file; `extract` hands them
 to wikiextractor where its parse would have produced them (`compact_blobs`), so every article reads the same.
 """
 import argparse
-import itertools
 import logging
 import mmap
+import multiprocessing
 import struct
 from pathlib import Path
 from typing import Sequence
@@ -24,23 +25,64 @@ MAGIC = b"snakebert compiled wikiextractor templates 1\n"
 HEADER = struct.Struct("<7Q")  # template count, then the lengths of the 6 blobs (templates', then redirects')
 
 
-def compile_templates(pages: Sequence[str | Path], output: str | Path) -> int:
-    """Parse the template pages of `pages` (extract --template-pages-only files, in part order) with wikiextractor's
-    own loader and write its blobs to `output`; return the number of template pages."""
-    from wikiextractor.template_blob import StreamingTemplateBlobBuilder
+class AddedPairs:
+    """Stands in for wikiextractor's blob builder in a worker process: keeps the (title, text) pairs its loader adds,
+    for the parent to add to the real builder in the same order."""
+
+    def __init__(self):
+        self.pairs: list[tuple[str, str]] = []
+
+    def add(self, title: str, text: str) -> None:
+        self.pairs.append((title, text))
+
+
+def parse_template_pages(path: str, prefix: str) -> tuple[int, list, list]:
+    """wikiextractor's loader on one file of template pages: (pages counted, templates' pairs, redirects' pairs)."""
     from wikiextractor.WikiExtractor import load_templates
+
+    templates, redirects = AddedPairs(), AddedPairs()
+    with open(path, encoding="utf-8") as lines:
+        count, _prefix = load_templates(lines, blob_builder=templates, redirects_blob_builder=redirects,
+                                        template_prefix=prefix)
+    return count, templates.pairs, redirects.pairs
+
+
+def template_prefix(pages: Sequence[str | Path]) -> str:
+    """The title prefix ("Template:") wikiextractor's loader takes, when not told, from the first title with a colon
+    past its second character; "" when there is none (then every file's loader looks for it alike)."""
+    from wikiextractor.WikiExtractor import tagRE
+
+    for path in pages:
+        with open(path, encoding="utf-8") as lines:
+            for line in lines:
+                match = tagRE.search(line) if "<title" in line else None
+                if match and match.group(2) == "title" and (colon := match.group(3).find(":")) > 1:
+                    return match.group(3)[: colon + 1]
+    return ""
+
+
+def compile_templates(pages: Sequence[str | Path], output: str | Path, processes: int = 1) -> int:
+    """Parse the template pages of `pages` (extract --template-pages-only files, in part order) with wikiextractor's
+    own loader and write its blobs to `output`; return the number of template pages.
+
+    The files are parsed in `processes` processes at once (the loader reads each page on its own); their pages
+    reach wikiextractor's blob builder in file order, so the blobs are those of one pass over all of them.
+    """
+    from wikiextractor.template_blob import StreamingTemplateBlobBuilder
 
     for path in pages:
         if not Path(path).is_file():
             raise UserError(f"{path}: no such file")
+    prefix = template_prefix(pages)
     templates, redirects = StreamingTemplateBlobBuilder(), StreamingTemplateBlobBuilder()
-    files = [open(path, encoding="utf-8") for path in pages]
-    try:  # the title prefix ("Template:") is taken from the first title, as wikiextractor does with --templates
-        count, _prefix = load_templates(itertools.chain.from_iterable(files), blob_builder=templates,
-                                        redirects_blob_builder=redirects)
-    finally:
-        for file in files:
-            file.close()
+    count = 0
+    with multiprocessing.get_context("fork").Pool(max(1, min(processes, len(pages)))) as pool:
+        for pages_read, template_pairs, redirect_pairs in pool.starmap(
+                parse_template_pages, [(str(path), prefix) for path in pages], chunksize=1):
+            count += pages_read
+            for builder, pairs in ((templates, template_pairs), (redirects, redirect_pairs)):
+                for title, text in pairs:
+                    builder.add(title, text)
     blobs = (*templates.finish(), *redirects.finish())
     with atomic_path(output) as temporary, open(temporary, "wb") as out:
         out.write(MAGIC + HEADER.pack(count, *map(len, blobs)))
@@ -77,8 +119,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m workflow.data.templates", description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, help="template pages of every part, in part order")
     parser.add_argument("--output", required=True, help="the compiled file every extract job loads (--templates)")
+    parser.add_argument("--processes", type=int, default=1, help="files parsed at once")
     args = parser.parse_args(argv)
-    compile_templates(args.input, args.output)
+    compile_templates(args.input, args.output, args.processes)
 
 
 if __name__ == "__main__":
