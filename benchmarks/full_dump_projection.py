@@ -571,10 +571,10 @@ def report(m: dict, args) -> None:
     end_given = {n: max(last for _, last in given[n].values()) for n in args.nodes}
     written = sum(row["written_mb"] for row in stages) / 1e3
     print(f"{'total':12s} {'':52s}{sum(j['cpu'] for j in jobs):8.0f} {written:7.1f}GB"
-          + "".join(f" {end[n] / 3600:16.2f}h" for n in args.nodes)
+          + "".join(f" {end[n] / 3600:16.3f}h" for n in args.nodes)
           + f"  trained vocab: target <= {TARGET_HOURS['trained']} h on 1 node: "
           + ("MET" if end[min(args.nodes)] / 3600 <= TARGET_HOURS["trained"] else "MISSED"))
-    print(f"{'given vocab':12s} {'':71s}" + "".join(f" {end_given[n] / 3600:16.2f}h" for n in args.nodes)
+    print(f"{'given vocab':12s} {'':71s}" + "".join(f" {end_given[n] / 3600:16.3f}h" for n in args.nodes)
           + f"  vocab.file given (NVIDIA's recipe: Google's): target <= {TARGET_HOURS['given']} h: "
           + ("MET" if end_given[min(args.nodes)] / 3600 <= TARGET_HOURS["given"] else "MISSED")
           + f"; saves {(end[min(args.nodes)] - end_given[min(args.nodes)]) / 60:.0f} min on 1 node")

@@ -72,4 +72,4 @@ def test_grouped_jobs_run_in_one_slurm_job_per_components_without_waiting_for_a_
 def test_the_policy_is_the_slurm_profiles():
     policy = policy_from_profile(REPO / "profiles" / "slurm" / "config.v8+.yaml", submit_s=2.0)
     assert policy.groups["tokenize"] == policy.groups["encode"] and policy.components[policy.groups["encode"]] > 1
-    assert policy.first_check_s == 10.0 and policy.group_cores == 32
+    assert policy.first_check_s == 5.0 and policy.group_cores == 32
