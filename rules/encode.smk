@@ -45,7 +45,7 @@ rule hdf5_dir:
         n_test_shards=config["shard"]["n_test_shards"],
     log:
         "logs/hdf5_dir/seq{seq}.log",
-    threads: 4
+    threads: 16  # sha256 of the shards (~48 GB per length at full size), one file per thread
     conda:
         "../envs/data.yaml"
     shell:
