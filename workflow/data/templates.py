@@ -36,10 +36,11 @@ class AddedPairs:
         self.pairs.append((title, text))
 
 
-def parse_template_pages(path: str, prefix: str) -> tuple[int, list, list]:
+def parse_template_pages(path_and_prefix: tuple[str, str]) -> tuple[int, list, list]:
     """wikiextractor's loader on one file of template pages: (pages counted, templates' pairs, redirects' pairs)."""
     from wikiextractor.WikiExtractor import load_templates
 
+    path, prefix = path_and_prefix
     templates, redirects = AddedPairs(), AddedPairs()
     with open(path, encoding="utf-8") as lines:
         count, _prefix = load_templates(lines, blob_builder=templates, redirects_blob_builder=redirects,
@@ -77,7 +78,8 @@ def compile_templates(pages: Sequence[str | Path], output: str | Path, processes
     templates, redirects = StreamingTemplateBlobBuilder(), StreamingTemplateBlobBuilder()
     count = 0
     with multiprocessing.get_context("fork").Pool(max(1, min(processes, len(pages)))) as pool:
-        for pages_read, template_pairs, redirect_pairs in pool.starmap(
+        # imap: in file order, each file's pairs added (and let go) while later files are parsed
+        for pages_read, template_pairs, redirect_pairs in pool.imap(
                 parse_template_pages, [(str(path), prefix) for path in pages], chunksize=1):
             count += pages_read
             for builder, pairs in ((templates, template_pairs), (redirects, redirect_pairs)):
