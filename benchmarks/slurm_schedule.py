@@ -3,8 +3,8 @@ cores (for benchmarks/full_dump_projection.py). Jobs are dicts: stage, rule, sec
 earlier jobs), local (a `localrules` job: optional).
 
 - Slurm jobs, as profiles/slurm asks: the connected jobs of one `groups` group, `group-components` of those
-  components per Slurm job (in DAG order), run inside it on min(`cores`, their threads) CPUs one after another as
-  their inputs are done, with no wait between them; a job of no group is a Slurm job of its own; a local job runs
+  components per Slurm job (in DAG order), run inside it on min(`cores`, the threads of its widest toposort level:
+  Snakemake's layered group resources) CPUs as their inputs are done, with no wait between them; a job of no group is a Slurm job of its own; a local job runs
   on the submit host.
 - Polling (the plugin's check_active_jobs): Snakemake learns that a Slurm job ended only at the plugin's next
   status check. The first comes `slurm-init-seconds-before-status-checks` after a submission to an idle queue;
@@ -76,12 +76,24 @@ def slurm_jobs(jobs: list[dict], policy: Policy) -> list[dict]:
     result = []
     for number, members in enumerate(units):
         members = sorted(members)
-        threads = [jobs[m]["threads"] for m in members]
-        cores = min(policy.group_cores, sum(threads)) if group[members[0]] is not None else threads[0]
+        cores = min(policy.group_cores, widest_level(jobs, members)) if group[members[0]] is not None \
+            else jobs[members[0]]["threads"]
         deps = {unit_of[dep] for m in members for dep in jobs[m]["deps"]} - {number}
         result.append(dict(members=members, cores=cores, deps=sorted(deps),
                            local=all(jobs[m].get("local", False) for m in members)))
     return result
+
+
+def widest_level(jobs: list[dict], members: list[int]) -> int:
+    """The CPUs Snakemake asks for a group job: the threads of its widest toposort level (members whose inputs
+    among the members are at the same depth run side by side; a chain asks for its widest link, not the sum)."""
+    level: dict[int, int] = {}
+    for member in sorted(members):  # deps have lower indices
+        level[member] = 1 + max((level[dep] for dep in jobs[member]["deps"] if dep in level), default=-1)
+    widths: dict[int, int] = {}
+    for member, depth in level.items():
+        widths[depth] = widths.get(depth, 0) + jobs[member]["threads"]
+    return max(widths.values())
 
 
 def list_schedule(jobs: list[dict], members: list[int], cores: int) -> dict[int, tuple[float, float]]:

@@ -58,15 +58,25 @@ def test_a_local_job_runs_at_once_and_its_dependents_are_submitted_when_it_ends(
 def test_grouped_jobs_run_in_one_slurm_job_per_components_without_waiting_for_a_check():
     polling = Policy(groups={"tok": "shard", "enc": "shard"}, components={"shard": 2}, group_cores=4,
                      first_check_s=10.0, submit_s=1.0)
-    # 3 shards: tokenize -> encode each; two shards per Slurm job (connected tok+enc = one component)
-    jobs = [job("tok", 2), job("tok", 2), job("tok", 3), job("enc", 4, deps=[0]), job("enc", 4, deps=[1]),
-            job("enc", 1, deps=[2])]
+    # 3 shards: tokenize (2 threads) -> encode each; two shards per Slurm job (connected tok+enc = one component)
+    jobs = [job("tok", 2, threads=2), job("tok", 2, threads=2), job("tok", 3, threads=2), job("enc", 4, deps=[0]),
+            job("enc", 4, deps=[1]), job("enc", 1, deps=[2])]
     units = slurm_jobs(jobs, polling)
+    # a job asks for its widest level, capped at `cores`: 2 + 2 tokenizes (4), then 1 + 1 encodes; 2, then 1
     assert [(u["members"], u["cores"], u["deps"]) for u in units] == [([0, 1, 3, 4], 4, []), ([2, 5], 2, [])]
     # inside a job an encode follows its tokenize at once; the two Slurm jobs run side by side on 6 cores
     assert schedule(jobs, 1, 6, polling) == {"tok": (1, 4), "enc": (3, 7)}
     # a job holds its cores until its last member ends: on 4 cores the second waits for the first (1..7)
     assert schedule(jobs, 1, 4, polling)["enc"] == (3, 11)
+
+
+def test_a_chain_in_one_slurm_job_asks_for_its_widest_link_not_their_sum():
+    policy = Policy(groups={"extract": "x", "format": "x"}, components={"x": 1}, group_cores=32, first_check_s=0.0,
+                    submit_s=0.0)
+    jobs = [job("extract", 10, threads=16), job("format", 2, threads=4, deps=[0])]
+    assert [u["cores"] for u in slurm_jobs(jobs, policy)] == [16]
+    assert schedule(jobs + jobs[:1] + [job("format", 2, threads=4, deps=[2])], 1, 32, policy) == {
+        "extract": (0, 10), "format": (10, 12)}  # two such jobs side by side on 32 cores
 
 
 def test_the_policy_is_the_slurm_profiles():
