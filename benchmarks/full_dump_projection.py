@@ -31,8 +31,9 @@ node (ASSUMED bandwidth). The jobs are then run as profiles/slurm submits them, 
 wait inside one), each Slurm job's end seen by Snakemake only at the Slurm plugin's next status check (its polling,
 as its code does it: first check `slurm-init-seconds-before-status-checks` after a submission, the interval 10 s
 longer after each check that saw nothing end, reset when one did), each submitted job pending --submit-s later
-(ASSUMED), pending jobs started in submission order where they fit; a given vocab is copied on the submit host
-(localrules). Dependencies: compile waits for every part's templates, each extract for compile, punkt for compile
+(ASSUMED), pending jobs started in submission order where they fit, a job's members starting --job-overhead-s after
+the job does (its Snakemake jobstep starting: MEASURED on the test cluster by benchmarks/slurm_polling.py); a given
+vocab is copied on the submit host (localrules). Dependencies: compile waits for every part's templates, each extract for compile, punkt for compile
 (it extracts the first part's first pages itself), a part's format for its extract and punkt, shard for every
 format, vocab for shard, tokenize for vocab, each shard's encode for its tokenize, hdf5_dir for its length's
 encodes. The wall time is that schedule's end. Serial parts are modelled where the code has them: wikiextractor's
@@ -77,6 +78,10 @@ FULL = {  # the full English Wikipedia dump the projection is for (enwiki-202410
 TARGET_HOURS = {"given": 0.25, "trained": 0.3}  # one node; LDDL: 0.27 h from extracted text on one DGX A100
 PREDICTIONS = {128: 20, 512: 80}
 TEMPLATE_FILES = 8  # the generated template set is compiled from this many files (parts)
+# A Slurm job's start inside its allocation before its first member runs: the jobstep's Snakemake parsing the
+# workflow, Slurm's prolog. MEASURED by benchmarks/slurm_polling.py on the test cluster (Elapsed - sleep: 3.0 s
+# with its 5-rule Snakefile), plus the 0.2 s more that a dry run takes to parse this workflow than that one.
+JOB_OVERHEAD_S = 3.2
 # The rule behind each stage (its `threads:` is read from rules/*.smk).
 RULES = {"templates": "wikipedia_templates", "compile": "compile_templates", "extract": "extract_wikipedia", "punkt": "punkt", "format": "format",
          "shard": "shard", "vocab": "vocab", "tokenize": "tokenize", "encode": "encode", "hdf5_dir": "hdf5_dir"}
@@ -520,7 +525,7 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
 def report(m: dict, args) -> None:
     threads = {stage: args.threads.get(stage, rule_threads(rule)) for stage, rule in RULES.items()}
     stages, jobs, sizes = model(m, threads, args)
-    policy = policy_from_profile(Path(args.profile), args.submit_s, args.group_cores)
+    policy = policy_from_profile(Path(args.profile), args.submit_s, args.group_cores, args.job_overhead_s)
     d = m["dump"]
     print(f"\nmeasured (1 core each, CPU seconds; machine shared, so wall clock is slower): generated dump "
           f"{d['xml_bytes'] / 1e6:.1f} MB XML, {d['articles']:,} articles ({d['xml_bytes'] / d['articles'] / 1e3:.1f} KB "
@@ -555,7 +560,8 @@ def report(m: dict, args) -> None:
           f"{args.disk_mb_s:.0f} MB/s per node (assumed); run as profiles/slurm submits them (benchmarks/slurm_schedule.py): "
           f"its groups as Slurm jobs of up to {policy.group_cores} CPUs, each job's end seen at the plugin's next "
           f"status check (first {policy.first_check_s:.0f} s after a submission, then every 10 s longer while nothing "
-          f"ends, as the plugin does), a job pending {policy.submit_s:.0f} s after its submission (assumed)")
+          f"ends, as the plugin does), a job pending {policy.submit_s:.0f} s after its submission (assumed), its "
+          f"members starting {policy.job_overhead_s:.1f} s after it starts (measured: benchmarks/slurm_polling.py)")
     spans = {n: schedule(jobs, n, args.cores_per_node, policy) for n in args.nodes}
     given_jobs = model(m, threads, args, given_vocab=True)[1]
     given = {n: schedule(given_jobs, n, args.cores_per_node, policy) for n in args.nodes}
@@ -627,6 +633,8 @@ def main() -> None:
                         help="write bandwidth of one node to the shared filesystem, shared by its running jobs")
     parser.add_argument("--submit-s", type=float, default=2.0,
                         help="seconds from a job's submission until Slurm can start it (sbatch, its scheduler)")
+    parser.add_argument("--job-overhead-s", type=float, default=JOB_OVERHEAD_S,
+                        help="a Slurm job's start before its first member runs (benchmarks/slurm_polling.py)")
     parser.add_argument("--profile", default=str(PROFILE), help="the Snakemake profile whose groups are scheduled")
     parser.add_argument("--group-cores", type=int, default=None,
                         help="CPUs of one group job (default: the Slurm profile's `cores`)")

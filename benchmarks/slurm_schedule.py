@@ -11,7 +11,8 @@ earlier jobs), local (a `localrules` job: optional).
   the interval resets to that after a check that saw a job end and otherwise grows by 10 s, to 180 s at most (0:
   no polling, each end known at once). A job
   whose inputs are then known to be done is submitted, and is pending `submit_s` later (sbatch and Slurm's
-  scheduler: an assumption). A local job's end is known at once.
+  scheduler: an assumption); once started, its members begin `job_overhead_s` later (the Snakemake jobstep that
+  runs them starting up: benchmarks/slurm_polling.py measures it). A local job's end is known at once.
 - Slurm: a pending job starts on the first node with its cores free, earlier submissions first, a later one beside
   them when it fits (backfill).
 """
@@ -31,15 +32,17 @@ class Policy:
     group_cores: int
     first_check_s: float
     submit_s: float
+    job_overhead_s: float = 0.0  # a Slurm job's own start inside its allocation (the jobstep's Snakemake, prolog)
 
 
-def policy_from_profile(profile: Path, submit_s: float, group_cores: int | None = None) -> Policy:
+def policy_from_profile(profile: Path, submit_s: float, group_cores: int | None = None,
+                        job_overhead_s: float = 0.0) -> Policy:
     """The grouping and polling of a Snakemake profile (profiles/slurm/config.v8+.yaml)."""
     settings = yaml.safe_load(profile.read_text())
     return Policy(groups=settings.get("groups", {}), components=settings.get("group-components", {}),
                   group_cores=group_cores or settings.get("cores", 1),
                   first_check_s=float(settings.get("slurm-init-seconds-before-status-checks", 40)),
-                  submit_s=submit_s)
+                  submit_s=submit_s, job_overhead_s=job_overhead_s)
 
 
 def slurm_jobs(jobs: list[dict], policy: Policy) -> list[dict]:
@@ -124,6 +127,8 @@ def schedule(jobs: list[dict], nodes: int, cores: int, policy: Policy) -> dict[s
     for unit in units:
         unit["need"] = min(unit["cores"], cores)
         unit["times"] = list_schedule(jobs, unit["members"], unit["need"])
+        if not unit["local"]:  # the members start after the job's own start inside its allocation
+            unit["times"] = {m: (a + policy.job_overhead_s, b + policy.job_overhead_s) for m, (a, b) in unit["times"].items()}
         unit["seconds"] = max(end for _, end in unit["times"].values())
     waiting = [len(unit["deps"]) for unit in units]
     dependents = [[] for _ in units]
