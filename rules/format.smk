@@ -13,7 +13,7 @@ rule punkt:
         templates="data/extracted/wikipedia/templates.bin",
     output:
         directory("data/punkt/wikipedia"),
-    threads: 16  # wikiextractor's processes on the first pages (~110 MB of enwiki XML); the training is serial
+    threads: 16  # wikiextractor's processes on the first pages (256 MB of XML at enwiki's size); the training is serial
     log:
         "logs/punkt/wikipedia.log",
     conda:

@@ -7,8 +7,8 @@ when they hold fewer characters than it trains on, its log says so.
 
 From the dump (`--dump`, what the workflow runs): the articles it trains on are extracted here, with the compiled
 templates, from the first pages of the first parts only (a prefix of whole pages, grown until it holds enough
-prose): the same articles, so the same model, as from those parts' whole extracts, without waiting for them. Every
-part's extract and format can then run as one job (profiles/slurm groups them) as soon as this model exists.
+prose): the same articles, so the same model, as from those parts' whole extracts, without waiting for them: a
+part's format waits for its own extract and this model, and this model for no extract.
 """
 import argparse
 import itertools
