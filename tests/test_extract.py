@@ -177,26 +177,10 @@ def test_parts_extracted_with_the_compiled_templates_of_all_parts_read_as_the_wh
     assert "Alderbrook lies 16 km south-east" in extracted[0]  # {{convert}} is defined in the last part
 
 
-def reference_template_pages(dump: Path) -> bytes:
-    """The template pages of `dump` read line by line (the scan before it searched blocks of bytes)."""
-    pages, page = [], None
-    with bz2.open(dump, "rb") as stream:
-        for line in stream:
-            if line.strip() == b"<page>":
-                page = [line]
-            elif page is not None:
-                page.append(line)
-                if line.strip().startswith(b"<ns>") and line.strip() != b"<ns>10</ns>":
-                    page = None
-                elif line.strip() == b"</page>":
-                    pages.append(b"".join(page))
-                    page = None
-    return b"".join(pages)
-
-
 @pytest.mark.parametrize("block", [4096, 100_003, 1 << 24])
 def test_template_pages_by_block_search_equal_a_line_by_line_reading(tmp_path, sample_dir, monkeypatch, block):
     from benchmarks.enwiki_pages import dump as generated_dump
+    from benchmarks.template_scan import line_scan_template_pages
     from workflow.data import extract as extract_module
 
     monkeypatch.setattr(extract_module, "SCAN_BLOCK", block)  # pages cut across blocks, or whole in one
@@ -205,7 +189,7 @@ def test_template_pages_by_block_search_equal_a_line_by_line_reading(tmp_path, s
     for dump, threads in ((generated, 2), (generated, 1), (sample_dir / DUMP, 2)):
         output = tmp_path / "templates.xml"
         count = extract_module.collect_template_pages(dump, output, threads)
-        expected = reference_template_pages(dump)
+        expected = line_scan_template_pages(dump)
         assert output.read_bytes() == expected and count == expected.count(b"<ns>10</ns>") > 0
 
 
