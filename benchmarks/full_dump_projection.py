@@ -92,7 +92,8 @@ FIXES = {
     "extract": "Would: a faster extractor per core (wikiextractor's template expansion and cleaning in Python "
                "are the cost), or more nodes; per job, wikiextractor's one mapper caps it beyond its cap/threads.",
     "punkt": "Would: a supplied format.punkt_model (no training), or training on fewer characters.",
-    "format": "Would: format in its part's extract job (a group job waits for punkt, whose training is serial).",
+    "format": "Would: a faster sentence split (NLTK's Punkt, pure Python, is the cost); the formats run once the "
+              "extracts ahead of them in Slurm's queue have started (in the extract's job, or ahead of them, projects slower).",
     "shard": "Would: more threads (both passes split over the parts).",
     "vocab": "Would: a given vocab.file (Google's, as NVIDIA uses), fewer vocab.training_shards, or more threads.",
 }
