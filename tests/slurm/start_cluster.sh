@@ -50,8 +50,17 @@ stop_nodes() {
     pkill -f "^/usr/sbin/slurmd -N $node( |$)" 2>/dev/null || true
   done
   for _ in $(seq 20); do pgrep -f '^/usr/sbin/slurmd -N node' >/dev/null || break; sleep 0.5; done
+  # The host end of each veth first: deleting it removes the pair at once, where a namespace's deletion tears
+  # its links down asynchronously (a quick restart then met "File exists" adding the same link).
+  for node in $NODES; do ip link del "sbv${node#node}" 2>/dev/null || true; done
   for node in $NODES; do ip netns del "sb$node" 2>/dev/null || true; done
   ip link del "$BRIDGE" 2>/dev/null || true
+  for _ in $(seq 20); do
+    ip -br link | grep -Eq "^($BRIDGE|sbv[0-9]+)[ @]" || return 0
+    sleep 0.5
+  done
+  log "links of a previous cluster are still there: $(ip -br link | grep -E "^($BRIDGE|sbv)" | cut -d' ' -f1 | paste -sd' ')"
+  return 1
 }
 
 if [ "${1:-}" = stop ]; then
