@@ -1,4 +1,6 @@
 """Atomic outputs: write under a temporary name beside the target, rename only when complete."""
+from __future__ import annotations  # also runs on PyPy 3.9 (the extract rule)
+
 import json
 import os
 import shutil

@@ -1,4 +1,6 @@
 """Command-line plumbing shared by every stage: logging to the rule's log and one-line errors."""
+from __future__ import annotations  # also runs on PyPy 3.9 (the extract rule)
+
 import argparse
 import json
 import logging

@@ -19,6 +19,8 @@ Runs the real wikiextractor 3.1.0 (parallel processes; it keeps only namespace-0
   compiles them all once, `--templates` loads that file in place of wikiextractor's own parse), so each part's
   articles read exactly as they would in the whole dump.
 """
+from __future__ import annotations  # also runs on PyPy 3.9 (the extract rule)
+
 import argparse
 import bz2
 import collections

@@ -8,6 +8,8 @@ runs once over the parts' template pages in part order (the parts' files parsed 
 added to the builders in part order), and the blobs are saved in one file; `extract` hands them
 to wikiextractor where its parse would have produced them (`compact_blobs`), so every article reads the same.
 """
+from __future__ import annotations  # also runs on PyPy 3.9 (the extract rule)
+
 import argparse
 import logging
 import mmap
