@@ -214,7 +214,7 @@ compile_templates(sys.argv[3:], sys.argv[1], int(sys.argv[2]))
 """ + THREAD_SPLIT
 TEMPLATES_SPLIT = """
 import json, os, resource, sys
-from workflow.data.extract import collect_template_pages
+from workflow.data.template_pages import collect_template_pages
 collect_template_pages(sys.argv[1], sys.argv[2], int(sys.argv[3]))
 """ + THREAD_SPLIT
 
@@ -240,12 +240,12 @@ def measure(args, work: Path) -> dict:
     m["startup"] = {module: run_stage([PYTHON, "-c", f"import workflow.data.{module}"]).cpu for module in
                     ("format", "punkt", "shard", "vocab", "tokenize", "encode", "hdf5_dir")}
     m["startup"]["mapper"] = run_stage([PYTHON, "-c", "import wikiextractor.WikiExtractor"]).cpu
-    m["startup"]["templates"] = run_stage([PYTHON, "-m", "workflow.data.extract", "--template-pages-only", "--input",
+    m["startup"]["templates"] = run_stage([PYTHON, "-m", "workflow.data.template_pages", "--input",
                                            SAMPLE_XML, "--output", work / "sample.templates.xml"]).cpu
     m["startup"]["extract"] = run_stage([PYTHON, "-m", "workflow.data.extract", "--input", SAMPLE_XML, "--output",
                                          work / "sample.jsonl", "--processes", 1]).cpu
     templates, compiled, extracted = work / "part.templates.xml", work / "templates.bin", work / "part.jsonl"
-    m["templates"] = run_stage([PYTHON, "-m", "workflow.data.extract", "--template-pages-only", "--input", dump,
+    m["templates"] = run_stage([PYTHON, "-m", "workflow.data.template_pages", "--input", dump,
                                 "--output", templates])
     m["templates_split"] = json.loads(run_stage([PYTHON, "-c", TEMPLATES_SPLIT, dump, templates, 2]).stdout)
     run_stage([PYTHON, "-m", "workflow.data.templates", "--input", templates, "--output", compiled])

@@ -1,5 +1,5 @@
 """Benchmark: the template pages of one dump part, found line by line (the scan before) vs by a byte search of
-blocks decompressed block-parallel (`python -m workflow.data.extract --template-pages-only`, now), at 1 and 2 threads.
+blocks decompressed block-parallel (`python -m workflow.data.template_pages`, now), at 1 and 2 threads.
 
     python benchmarks/template_scan.py [--mb 200]
 
@@ -59,8 +59,8 @@ def main() -> None:
                                                    Path(__file__).resolve().parent])}
         for threads in (1, 2):
             runs[f"now: byte search, {threads} thread(s)"] = run_stage(
-                [PYTHON, "-m", "workflow.data.extract", "--template-pages-only", "--input", dump, "--output",
-                 work / f"now{threads}.xml", "--processes", threads])
+                [PYTHON, "-m", "workflow.data.template_pages", "--input", dump, "--output",
+                 work / f"now{threads}.xml", "--threads", threads])
         outputs = {(work / name).read_bytes() for name in ("before.xml", "now1.xml", "now2.xml")}
         print(f"template pages found: {'EQUAL' if len(outputs) == 1 else 'DIFFERENT'} on every side")
         print(f"{'':34s} {'CPU s':>7s} {'wall s':>7s} {'MB XML/CPU s':>13s} {'peak RSS MB':>12s}")

@@ -17,8 +17,7 @@ rule wikipedia_templates:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.data.extract --template-pages-only --input {input:q} --output {output:q}"
-        " --processes {threads} 2> {log}"
+        "python -m workflow.data.template_pages --input {input:q} --output {output:q} --threads {threads} 2> {log}"
 
 
 rule compile_templates:

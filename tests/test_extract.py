@@ -161,7 +161,7 @@ def test_a_paragraph_wrapped_over_lines_comes_out_on_one_line_and_paragraphs_sta
 
 
 def test_parts_extracted_with_the_compiled_templates_of_all_parts_read_as_the_whole_dump(tmp_path, sample_dir):
-    from workflow.data.extract import collect_template_pages
+    from workflow.data.template_pages import collect_template_pages
     from workflow.data.templates import compile_templates
 
     parts = sorted((sample_dir / "parts").glob("*.xml-p*.bz2"))
@@ -181,14 +181,14 @@ def test_parts_extracted_with_the_compiled_templates_of_all_parts_read_as_the_wh
 def test_template_pages_by_block_search_equal_a_line_by_line_reading(tmp_path, sample_dir, monkeypatch, block):
     from benchmarks.enwiki_pages import dump as generated_dump
     from benchmarks.template_scan import line_scan_template_pages
-    from workflow.data import extract as extract_module
+    from workflow.data import template_pages as scan_module
 
-    monkeypatch.setattr(extract_module, "SCAN_BLOCK", block)  # pages cut across blocks, or whole in one
+    monkeypatch.setattr(scan_module, "SCAN_BLOCK", block)  # pages cut across blocks, or whole in one
     generated = tmp_path / "generated.xml.bz2"
     generated_dump(1.5, generated, n_templates=400, seed=3)
     for dump, threads in ((generated, 2), (generated, 1), (sample_dir / DUMP, 2)):
         output = tmp_path / "templates.xml"
-        count = extract_module.collect_template_pages(dump, output, threads)
+        count = scan_module.collect_template_pages(dump, output, threads)
         expected = line_scan_template_pages(dump)
         assert output.read_bytes() == expected and count == expected.count(b"<ns>10</ns>") > 0
 
@@ -202,8 +202,8 @@ def test_template_pages_of_a_truncated_bz2_are_a_one_line_error(tmp_path, repo_e
     dump.write_bytes(whole[: len(whole) * 2 // 3])  # past the first MB, which the export check reads
     (tmp_path / "whole.xml.bz2").unlink()
     output = tmp_path / "templates.xml"
-    result = subprocess.run([sys.executable, "-m", "workflow.data.extract", "--template-pages-only", "--input",
-                             str(dump), "--output", str(output), "--processes", "2"],
+    result = subprocess.run([sys.executable, "-m", "workflow.data.template_pages", "--input", str(dump), "--output",
+                             str(output), "--threads", "2"],
                             capture_output=True, text=True, env=repo_env)
     assert_one_line_error(result, dump, output, r"truncated or corrupt bz2 \(RuntimeError: .*\)")
 

@@ -7,7 +7,8 @@ import pytest
 
 from benchmarks.enwiki_pages import dump as generated_dump
 from workflow.cli import UserError
-from workflow.data.extract import collect_template_pages, extract
+from workflow.data.extract import extract
+from workflow.data.template_pages import collect_template_pages
 from workflow.data.format import prose_texts, read_documents
 from workflow.data.punkt import train_from_dumps, train_model
 from workflow.data.templates import compile_templates

@@ -19,7 +19,8 @@ from typing import Sequence
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
-from workflow.data.extract import check_mediawiki_export, extract, open_xml
+from workflow.data.extract import check_mediawiki_export, extract
+from workflow.data.template_pages import open_xml
 from workflow.data.format import DEFAULT_TRAIN_CHARS, prose_texts, read_documents, train_punkt, write_punkt_tab
 
 log = logging.getLogger("punkt")

@@ -65,7 +65,7 @@ def template_prefix(pages: Sequence[str | Path]) -> str:
 
 
 def compile_templates(pages: Sequence[str | Path], output: str | Path, processes: int = 1) -> int:
-    """Parse the template pages of `pages` (extract --template-pages-only files, in part order) with wikiextractor's
+    """Parse the template pages of `pages` (workflow.data.template_pages files, in part order) with wikiextractor's
     own loader and write its blobs to `output`; return the number of template pages.
 
     The files are parsed in `processes` processes at once (the loader reads each page on its own); their pages
