@@ -4,8 +4,10 @@ VENV := .venv
 BIN := $(abspath $(VENV))/bin
 INSTALLED := $(VENV)/.installed
 RUN := PATH="$(BIN):$$PATH"
+PYPY ?= pypy3
+PYPY_VENV := .venv-pypy
 
-.PHONY: setup demo test lint
+.PHONY: setup pypy-venv demo test lint
 
 $(INSTALLED): requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,14 +15,23 @@ $(INSTALLED): requirements.txt requirements-test.txt
 	$(BIN)/pip install --quiet -r requirements-test.txt
 	touch $@
 
-setup: $(INSTALLED)
+# The extract rule runs on PyPy (envs/extract.yaml): where `pypy3` is installed (Debian: pypy3 pypy3-venv), a venv
+# with wikiextractor for the tests that compare it with CPython and its benchmark; elsewhere they are skipped.
+pypy-venv:
+	@if command -v $(PYPY) >/dev/null 2>&1 && [ ! $(PYPY_VENV)/.installed -nt requirements.txt ]; then \
+	  $(PYPY) -m venv $(PYPY_VENV) && \
+	  $(PYPY_VENV)/bin/pip install --quiet $$(grep '^wikiextractor==' requirements.txt) && \
+	  touch $(PYPY_VENV)/.installed || echo "no PyPy venv ($(PYPY) -m venv failed): the PyPy tests will be skipped"; \
+	fi
+
+setup: $(INSTALLED) pypy-venv
 
 demo: $(INSTALLED)
 	$(RUN) snakemake all --profile profiles/local --configfile sample/config.yaml
 	$(RUN) snakemake all --configfile sample/config.yaml --report report.html
 	$(RUN) python -m workflow.report.summary --print results/summary.csv
 
-test: $(INSTALLED)
+test: $(INSTALLED) pypy-venv
 	$(RUN) python -m pytest -q -n 2 --dist load --durations=25 tests
 
 lint: $(INSTALLED)

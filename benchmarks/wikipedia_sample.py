@@ -7,6 +7,9 @@ any size: benchmarks/enwiki_pages.py).
   meeting new words while the repeated sample does not.
 - run_stage: one command in its own process; wall seconds, CPU seconds (its own and its waited-for children's,
   e.g. wikiextractor's workers) and peak RSS from wait4's rusage.
+- pypy_python: the PyPy interpreter with wikiextractor installed that the extract rule's env provides
+  (envs/extract.yaml), here: $SNAKEBERT_PYPY, or .venv-pypy/bin/python (`make setup` makes it where `pypy3` is
+  installed); None if there is none.
 """
 import os
 import random
@@ -19,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_XML = ROOT / "sample" / "enwiki-sample-pages-articles.xml"
+PYPY_VENV_PYTHON = ROOT / ".venv-pypy" / "bin" / "python"
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,16 @@ def run_stage(command: list, env: dict | None = None) -> Measured:
             message = stderr.read().decode(errors="replace")[-2000:]
             raise SystemExit(f"{' '.join(map(str, command))} failed ({process.returncode}):\n{message}")
         return Measured(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, stdout.read().decode())
+
+
+def pypy_python() -> Path | None:
+    """The PyPy interpreter (with wikiextractor) to run the extract stage on, or None."""
+    candidate = Path(os.environ.get("SNAKEBERT_PYPY") or PYPY_VENV_PYTHON)
+    if not candidate.exists():
+        return None
+    probe = subprocess.run([str(candidate), "-c", "import platform, wikiextractor; print(platform.python_implementation())"],
+                           capture_output=True, text=True)
+    return candidate if probe.returncode == 0 and probe.stdout.strip() == "PyPy" else None
 
 
 def real_text(megabytes: float, output: Path, seed: int = 0) -> Path:

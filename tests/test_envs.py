@@ -144,12 +144,37 @@ def test_rule_env_provides_every_imported_module(rule):
     assert not missing, f"rule {rule}: {Path(env_file).name} lacks {missing}"
 
 
+def pypy_pins_match_the_tested_pypy(pins: dict[str, str]) -> None:
+    """A PyPy env (python `X.Y.*=*_pypy`, pypyX.Y pinned: envs/extract.yaml) pins the PyPy the tests run
+    (benchmarks.wikipedia_sample.pypy_python), and its pip packages that PyPy's versions; without one here, only
+    the pins' form is checked (the pip pins then against this venv's)."""
+    import subprocess
+
+    from benchmarks.wikipedia_sample import pypy_python
+
+    language = re.fullmatch(r"(\d+)\.(\d+)\.\*=\*_pypy", pins["python"])
+    assert language, pins["python"]
+    interpreter = f"pypy{language[1]}-{language[2]}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", pins.get(interpreter, "")), f"{interpreter} is not pinned exactly"
+    pypy = pypy_python()
+    if pypy is None:
+        return
+    probe = ("import sys, importlib.metadata as m; print('.'.join(map(str, sys.version_info[:2])), "
+             "'.'.join(map(str, sys.pypy_version_info[:3])), m.version('wikiextractor'))")
+    python, version, wikiextractor = subprocess.run([str(pypy), "-c", probe], capture_output=True, text=True,
+                                                   check=True).stdout.split()
+    assert (f"{language[1]}.{language[2]}", pins[interpreter], pins["wikiextractor"]) == (python, version, wikiextractor)
+
+
 @pytest.mark.parametrize("env_file", sorted(str(p) for p in (REPO / "envs").glob("*.yaml")))
 def test_env_pins_are_exact_and_match_the_tested_versions(env_file):
     pins = env_packages(env_file)
-    assert pins.get("python") == f"{sys.version_info.major}.{sys.version_info.minor}", pins.get("python")
+    if pins.get("python", "").endswith("_pypy"):
+        pypy_pins_match_the_tested_pypy(pins)
+    else:
+        assert pins.get("python") == f"{sys.version_info.major}.{sys.version_info.minor}", pins.get("python")
     for name, version in pins.items():
-        if name in ("python", "pip"):
+        if name in ("python", "pip") or name.startswith("pypy"):
             continue
         assert re.fullmatch(r"\d+(\.\d+)*", version), f"{Path(env_file).name}: {name} is not pinned exactly"
         installed = importlib.metadata.version(name).split("+")[0]  # 2.13.0+cpu here, the CUDA build there

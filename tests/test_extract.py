@@ -1,4 +1,5 @@
-"""Stage 2: real wikiextractor on the sample dump; its quirks handled; bad dumps fail in one line with no output."""
+"""Stage 2: real wikiextractor on the sample dump; its quirks handled; bad dumps fail in one line with no output, on
+CPython and on PyPy (the extract rule's interpreter, envs/extract.yaml), whose extracts are equal byte for byte."""
 import bz2
 import json
 import re
@@ -8,9 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.wikipedia_sample import pypy_python
 from workflow.data.extract import HEADING_MARK, PAGES_LOG, extract
 
 DUMP = "enwiki-sample-pages-articles.xml.bz2"
+PYPY = pypy_python()
+NO_PYPY = "no PyPy with wikiextractor here (Debian: apt install pypy3 pypy3-venv, then `make setup`)"
+INTERPRETERS = [pytest.param(sys.executable, id="cpython"),
+                pytest.param(PYPY, id="pypy", marks=pytest.mark.skipif(PYPY is None, reason=NO_PYPY))]
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +28,10 @@ def articles(tmp_path_factory, sample_dir):
     return {record["title"]: record for record in records}
 
 
-def run_cli(dump, output, env):
+def run_cli(dump, output, env, python=sys.executable, templates=None):
     return subprocess.run(
-        [sys.executable, "-m", "workflow.data.extract", "--input", str(dump), "--output", str(output), "--processes", "2"],
+        [str(python), "-m", "workflow.data.extract", "--input", str(dump), "--output", str(output), "--processes", "2"]
+        + ([] if templates is None else ["--templates", str(templates)]),
         capture_output=True, text=True, env=env,
     )
 
@@ -70,15 +77,17 @@ def test_markup_is_gone_and_templates_expanded(articles):
     assert "Vale of Marrow district" in articles["Alderbrook"]["text"]  # [[target|label]] -> label
 
 
-def test_truncated_bz2_is_a_one_line_error_and_no_output(tmp_path, sample_dir, repo_env):
+@pytest.mark.parametrize("python", INTERPRETERS)
+def test_truncated_bz2_is_a_one_line_error_and_no_output(tmp_path, sample_dir, repo_env, python):
     dump = tmp_path / "truncated.xml.bz2"
     data = (sample_dir / DUMP).read_bytes()
     dump.write_bytes(data[: len(data) // 2])
     output = tmp_path / "out.jsonl"
-    assert_one_line_error(run_cli(dump, output, repo_env), dump, output, r"truncated bz2 \(.*end-of-stream.*\)")
+    assert_one_line_error(run_cli(dump, output, repo_env, python), dump, output, r"truncated bz2 \(.*end-of-stream.*\)")
 
 
-def test_truncation_past_the_first_megabyte_is_caught_from_wikiextractor(tmp_path, sample_dir, repo_env):
+@pytest.mark.parametrize("python", INTERPRETERS)
+def test_truncation_past_the_first_megabyte_is_caught_from_wikiextractor(tmp_path, sample_dir, repo_env, python):
     # a multistream bz2 (as Wikimedia publishes) whose first stream is intact and > 1 MB, the second cut short
     xml = (sample_dir / "enwiki-sample-pages-articles.xml").read_text(encoding="utf-8")
     head, pages = xml.split("</siteinfo>\n", 1)
@@ -88,16 +97,17 @@ def test_truncation_past_the_first_megabyte_is_caught_from_wikiextractor(tmp_pat
     dump = tmp_path / "multistream.xml.bz2"
     dump.write_bytes(first + second[: len(second) // 2])
     output = tmp_path / "out.jsonl"
-    assert_one_line_error(run_cli(dump, output, repo_env), dump, output, r"truncated or corrupt bz2 \(EOFError: .*\)")
+    assert_one_line_error(run_cli(dump, output, repo_env, python), dump, output, r"truncated or corrupt bz2 \(EOFError: .*\)")
 
 
-def test_corrupt_bz2_is_a_one_line_error(tmp_path, sample_dir, repo_env):
+@pytest.mark.parametrize("python", INTERPRETERS)
+def test_corrupt_bz2_is_a_one_line_error(tmp_path, sample_dir, repo_env, python):
     data = bytearray((sample_dir / DUMP).read_bytes())
     data[5000] ^= 0xFF
     dump = tmp_path / "corrupt.xml.bz2"
     dump.write_bytes(bytes(data))
     output = tmp_path / "out.jsonl"
-    assert_one_line_error(run_cli(dump, output, repo_env), dump, output, r"corrupt bz2 \(Invalid data stream\)")
+    assert_one_line_error(run_cli(dump, output, repo_env, python), dump, output, r"corrupt bz2 \([Ii]nvalid data stream\)")  # PyPy: lower case
 
 
 @pytest.mark.parametrize(
@@ -108,20 +118,22 @@ def test_corrupt_bz2_is_a_one_line_error(tmp_path, sample_dir, repo_env):
         ("this is plain text, not XML at all\n", r"XML error: syntax error: line 1, column 0"),
     ],
 )
-def test_xml_that_is_not_a_mediawiki_export_is_a_one_line_error(tmp_path, repo_env, xml, reason):
+@pytest.mark.parametrize("python", INTERPRETERS)
+def test_xml_that_is_not_a_mediawiki_export_is_a_one_line_error(tmp_path, repo_env, xml, reason, python):
     dump = tmp_path / "other.xml.bz2"
     dump.write_bytes(bz2.compress(xml.encode()))
     output = tmp_path / "out.jsonl"
-    assert_one_line_error(run_cli(dump, output, repo_env), dump, output, rf"not a MediaWiki XML export \({reason}\)")
+    assert_one_line_error(run_cli(dump, output, repo_env, python), dump, output, rf"not a MediaWiki XML export \({reason}\)")
 
 
-def test_export_without_articles_is_an_error(tmp_path, sample_dir, repo_env):
+@pytest.mark.parametrize("python", INTERPRETERS)
+def test_export_without_articles_is_an_error(tmp_path, sample_dir, repo_env, python):
     xml = (sample_dir / "enwiki-sample-pages-articles.xml").read_text(encoding="utf-8")
     head = xml.split("</siteinfo>\n", 1)[0]
     dump = tmp_path / "empty.xml.bz2"
     dump.write_bytes(bz2.compress((head + "</siteinfo>\n</mediawiki>\n").encode()))
     output = tmp_path / "out.jsonl"
-    assert_one_line_error(run_cli(dump, output, repo_env), dump, output, r"no articles \(namespace 0\) in this MediaWiki export")
+    assert_one_line_error(run_cli(dump, output, repo_env, python), dump, output, r"no articles \(namespace 0\) in this MediaWiki export")
 
 
 def test_section_titles_come_out_marked_as_headings_and_empty_sections_not_at_all(articles):
@@ -175,6 +187,29 @@ def test_parts_extracted_with_the_compiled_templates_of_all_parts_read_as_the_wh
     extract(sample_dir / DUMP, tmp_path / "whole.jsonl")  # wikiextractor's own parse of the dump's templates
     assert extracted == (tmp_path / "whole.jsonl").read_text(encoding="utf-8").splitlines()
     assert "Alderbrook lies 16 km south-east" in extracted[0]  # {{convert}} is defined in the last part
+
+
+@pytest.mark.skipif(PYPY is None, reason=NO_PYPY)
+def test_pypy_extracts_equal_cpython_byte_for_byte(tmp_path, sample_dir, repo_env):
+    # the real sample (wikiextractor's own template parse) and a generated real-shaped part (compiled templates:
+    # parser functions, nested templates, citations, infoboxes, tables), both with 2 worker processes
+    from benchmarks.enwiki_pages import dump as generated_dump
+    from workflow.data.template_pages import collect_template_pages
+    from workflow.data.templates import compile_templates
+
+    generated = tmp_path / "generated.xml.bz2"
+    generated_dump(3, generated, seed=5)
+    collect_template_pages(generated, tmp_path / "templates.xml")
+    compile_templates([tmp_path / "templates.xml"], tmp_path / "templates.bin")
+    for dump, templates, articles in ((sample_dir / DUMP, None, 41), (generated, tmp_path / "templates.bin", 279)):
+        outputs = {}
+        for name, python in (("cpython", sys.executable), ("pypy", PYPY)):
+            output = tmp_path / f"{name}.jsonl"
+            result = run_cli(dump, output, repo_env, python, templates)
+            assert result.returncode == 0, result.stderr
+            outputs[name] = (output.read_bytes(), [line for line in result.stderr.splitlines() if PAGES_LOG in line])
+        assert outputs["pypy"] == outputs["cpython"]
+        assert outputs["pypy"][0].count(b"\n") == articles
 
 
 @pytest.mark.parametrize("block", [4096, 100_003, 1 << 24])

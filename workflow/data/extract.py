@@ -205,7 +205,7 @@ def run_wikiextractor(dump: Path, workdir: Path, processes: int, templates: Path
             tail.append(line.rstrip())
     if process.returncode != 0:
         reason = next((line for line in reversed(tail) if line.strip()), f"exit status {process.returncode}")
-        if "EOFError" in reason or "Invalid data stream" in reason or "OSError" in reason:
+        if any(word in reason.lower() for word in ("eoferror", "invalid data stream", "oserror")):  # CPython, PyPy
             raise UserError(f"{dump}: truncated or corrupt bz2 ({reason.strip()})")  # found beyond the first MB
         raise UserError(f"{dump}: wikiextractor failed ({reason.strip()})")
 
