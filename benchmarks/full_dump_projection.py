@@ -11,7 +11,9 @@ its decompression threads' CPU apart, from a 2-thread run), compile_templates (i
 processes' CPU apart, from a 2-process run),
 compile_templates (on --template-sample generated template pages: once per dump, scaled by the count to enwiki's
 ~900k), the compiled file's load (what every extract job pays first, same scaling), extract_wikipedia (real
-wikiextractor with template expansion, --templates compiled), punkt, format (with that model), shard (pass 1 timed
+wikiextractor with template expansion, --templates compiled; on CPython, and on PyPy, the rule's interpreter
+(envs/extract.yaml), where one is here: benchmarks/wikipedia_sample.pypy_python; at 1 and 2 workers, PyPy's
+JIT warming up in each; the JSON of both compared; punkt's own extraction of its first pages runs on CPython), punkt, format (with that model), shard (pass 1 timed
 apart), vocab (trained at two sizes: fixed cost + per MB, its CPU split into the main thread's and the rest; and on
 1 against 2 threads on the same input, whose files must be equal), tokenize and encode (seq 128 and 512) and
 hdf5_dir's checksumming. Text from format on is given --novel of its words new (wikipedia_sample.with_novel_words),
@@ -61,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from enwiki_pages import dump as enwiki_dump  # noqa: E402
 from enwiki_pages import template_set  # noqa: E402
 from slurm_schedule import policy_from_profile, schedule, slurm_jobs  # noqa: E402
-from wikipedia_sample import ROOT, SAMPLE_XML, run_stage  # noqa: E402
+from wikipedia_sample import ROOT, SAMPLE_XML, pypy_python, run_stage  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from workflow.data.punkt import PREFIX_MB  # noqa: E402
@@ -224,6 +226,24 @@ def vocab_run(shard_dir: Path, n_shards: int, size: int, threads: int, output: P
                       "--size", size, "--threads", threads, "--output", output])
 
 
+def extract_runs(python: Path | str, dump: Path, compiled: Path, sample_compiled: Path, output: Path,
+                 work: Path) -> dict:
+    """What an extract job costs on interpreter `python`: process startups (the extract CLI on the sample, the
+    mapper's imports, the compiled templates' load on the sample's), the load of --template-sample templates, the
+    extraction on one and on two wikiextractor workers (a second worker's cost apart: PyPy warms its JIT in each),
+    its mapper alone."""
+    runs = {"startup": run_stage([python, "-m", "workflow.data.extract", "--input", SAMPLE_XML, "--output",
+                                  work / "sample.jsonl", "--processes", 1]).cpu,
+            "startup_mapper": run_stage([python, "-c", "import wikiextractor.WikiExtractor"]).cpu,
+            "startup_load": run_stage([python, "-c", LOAD_TEMPLATES, compiled]).cpu,
+            "load": run_stage([python, "-c", LOAD_TEMPLATES, sample_compiled])}
+    for workers in (2, 1):  # the one-worker output is the one kept
+        runs[f"extract{workers}"] = run_stage([python, "-m", "workflow.data.extract", "--input", dump, "--output",
+                                               output, "--processes", workers, "--templates", compiled])
+    runs["mapper"] = run_stage([python, "-c", MAPPER, dump, compiled])
+    return runs
+
+
 def measure(args, work: Path) -> dict:
     """Run every stage once on the replicated dump; returns sizes and CPU seconds."""
     m = {"novel": args.novel}
@@ -239,11 +259,8 @@ def measure(args, work: Path) -> dict:
     # subtracted from the rates, then paid once per job in the projection.
     m["startup"] = {module: run_stage([PYTHON, "-c", f"import workflow.data.{module}"]).cpu for module in
                     ("format", "punkt", "shard", "vocab", "tokenize", "encode", "hdf5_dir")}
-    m["startup"]["mapper"] = run_stage([PYTHON, "-c", "import wikiextractor.WikiExtractor"]).cpu
     m["startup"]["templates"] = run_stage([PYTHON, "-m", "workflow.data.template_pages", "--input",
                                            SAMPLE_XML, "--output", work / "sample.templates.xml"]).cpu
-    m["startup"]["extract"] = run_stage([PYTHON, "-m", "workflow.data.extract", "--input", SAMPLE_XML, "--output",
-                                         work / "sample.jsonl", "--processes", 1]).cpu
     templates, compiled, extracted = work / "part.templates.xml", work / "templates.bin", work / "part.jsonl"
     m["templates"] = run_stage([PYTHON, "-m", "workflow.data.template_pages", "--input", dump,
                                 "--output", templates])
@@ -264,11 +281,13 @@ def measure(args, work: Path) -> dict:
     m["compile_split"] = json.loads(run_stage([PYTHON, "-c", COMPILE_SPLIT, work / "split.bin", 2,
                                                *template_pages]).stdout)
     m["compiled_bytes"] = sample_compiled.stat().st_size
-    m["startup"]["load"] = run_stage([PYTHON, "-c", LOAD_TEMPLATES, compiled]).cpu
-    m["load"] = run_stage([PYTHON, "-c", LOAD_TEMPLATES, sample_compiled])
-    m["extract"] = run_stage([PYTHON, "-m", "workflow.data.extract", "--input", dump, "--output", extracted,
-                              "--processes", 1, "--templates", compiled])
-    m["mapper"] = run_stage([PYTHON, "-c", MAPPER, dump, compiled])
+    # the extract job's runs on CPython (punkt's own extraction; extract_wikipedia where no PyPy is here) and on
+    # PyPy (extract_wikipedia's env): the same work, the JSON compared
+    m["extract_runs"] = {"CPython": extract_runs(PYTHON, dump, compiled, sample_compiled, extracted, work)}
+    pypy = pypy_python()
+    if pypy is not None:
+        m["extract_runs"]["PyPy"] = extract_runs(pypy, dump, compiled, sample_compiled, work / "part.pypy.jsonl", work)
+        m["pypy_equal"] = (work / "part.pypy.jsonl").read_bytes() == extracted.read_bytes()
     m["extracted_bytes"] = extracted.stat().st_size
     m["articles"] = sum(1 for _ in open(extracted, encoding="utf-8"))
     print(f"extract: {m['articles']:,} articles, {m['extracted_bytes'] / 1e6:.1f} MB JSON", flush=True)
@@ -346,6 +365,20 @@ def measure(args, work: Path) -> dict:
     return m
 
 
+def extract_costs(m: dict, interpreter: str, bz2_extra: float) -> dict:
+    """An extract job's costs on `interpreter` (its runs in m["extract_runs"]): CPU s per MB of XML of the workers
+    (rate: MB per CPU s) and of the one mapper (mapper: MB per s), process startup, a worker's warm-up (the second
+    worker's extra CPU: PyPy's JIT warms in each), the compiled templates' load per template."""
+    runs = m["extract_runs"][interpreter]
+    xml_mb = m["dump"]["xml_bytes"] / 1e6
+    one = max(runs["extract1"].cpu - runs["startup"], 0.1 * runs["extract1"].cpu)
+    mapper = max(runs["mapper"].cpu - runs["startup_mapper"], 0.1 * runs["mapper"].cpu)
+    return {"interpreter": interpreter, "rate": 1 / (one / xml_mb + bz2_extra), "mapper": 1 / (mapper / xml_mb + bz2_extra),
+            "startup": runs["startup"], "warmup": max(runs["extract2"].cpu - runs["extract1"].cpu, 0.0),
+            "load_per_template": max(runs["load"].cpu - runs["startup_load"], 0) / m["template_sample"],
+            "cpu": runs["extract1"].cpu}
+
+
 def net_cpu(m: dict, name: str, startup: str) -> float:
     """CPU seconds of stage run `name` without its process startup (kept >= 10% of the total)."""
     return max(m[name].cpu - m["startup"][startup], 0.1 * m[name].cpu)
@@ -402,8 +435,6 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
     templates_parallel = split["parallel"] / xml_mb + bz2_extra
     rate = {  # per CPU second of one core
         "templates": 1 / (templates_serial + templates_parallel),
-        "extract": 1 / (net_cpu(m, "extract", "extract") / xml_mb + bz2_extra),
-        "mapper": 1 / (net_cpu(m, "mapper", "mapper") / xml_mb + bz2_extra),
         "punkt": m["punkt_chars"] / net_cpu(m, "punkt", "punkt"),
         "format": m["extracted_bytes"] / 1e6 / net_cpu(m, "format", "format"),
         "shard_pass1": m["shard_bytes"] / 1e6 / net_cpu(m, "shard_pass1", "shard"),
@@ -414,7 +445,10 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
     compile_cpu = max(m["compile"].cpu - startup["templates"], 0) * per_template
     compile_serial = min(m["compile_split"]["serial"] / sum(m["compile_split"].values()), 1.0)  # its share
     compile_s = startup["templates"] + compile_cpu * (compile_serial + (1 - compile_serial) / min(threads["compile"], parts))
-    load_s = max(m["load"].cpu - startup["load"], 0) * per_template  # each extract job, before its first page
+    # extract_wikipedia on PyPy where measured (envs/extract.yaml), punkt's own extraction on CPython (envs/data.yaml)
+    cost = extract_costs(m, "PyPy" if "PyPy" in m["extract_runs"] else "CPython", bz2_extra)
+    prefix_cost = extract_costs(m, "CPython", bz2_extra)
+    load_s = cost["load_per_template"] * FULL["templates"]  # each extract job, before its first page
     template_mb = m["template_pages_bytes"] * per_template / 1e6
     compiled_mb = m["compiled_bytes"] * per_template / 1e6
     serial_fixed, serial_per_mb = linear([(b / 1e6, serial) for b, serial, _ in m["vocab_runs"]])
@@ -452,18 +486,21 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
           f"blobs in order), written once", written_mb=compiled_mb)
     compile_job = job("compile", compile_s, template_jobs, written_mb=compiled_mb)
     jobs[compile_job]["cpu"] = compile_cpu
-    extract_speed = min(rate["extract"] * t["extract"], rate["mapper"])
-    stage("extract", "MB XML", FULL["xml_gb"] * 1e3, rate["extract"], parts,
-          f"wikiextractor, bz2 input; each job first loads the compiled templates ({load_s:.1f} s)",
-          cap=rate["mapper"], written_mb=extracted_mb)
-    extract_jobs = [job(f"extract[{p}]", startup["extract"] + load_s + mb / extract_speed, [compile_job],
+    extract_speed = min(cost["rate"] * t["extract"], cost["mapper"])
+    stage("extract", "MB XML", FULL["xml_gb"] * 1e3, cost["rate"], parts,
+          f"wikiextractor on {cost['interpreter']}, bz2 input; each job first loads the compiled templates "
+          f"({load_s:.1f} s), each of its workers warms up ({cost['warmup']:.1f} CPU s)",
+          cap=cost["mapper"], written_mb=extracted_mb)
+    warmup_s = cost["warmup"] * t["extract"] / min(t["extract"], args.cores_per_node)  # the workers at once
+    extract_jobs = [job(f"extract[{p}]", cost["startup"] + load_s + warmup_s + mb / extract_speed, [compile_job],
                         written_mb=extracted_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts)
                     for p, mb in enumerate(part_mb)]
     # punkt extracts the first pages of the first part itself: PREFIX_MB steps of XML until they hold its characters
     needed_mb = FULL["punkt_chars"] / (m["prose_chars"] / xml_mb)
     steps = [mb for mb in PREFIX_MB if mb < needed_mb] + [next((mb for mb in PREFIX_MB if mb >= needed_mb), part_mb[0])]
-    prefix_speed = min(rate["extract"] * t["punkt"], rate["mapper"])
-    prefix_s = sum(startup["extract"] + load_s + mb / prefix_speed for mb in steps)
+    prefix_speed = min(prefix_cost["rate"] * t["punkt"], prefix_cost["mapper"])
+    prefix_load_s = prefix_cost["load_per_template"] * FULL["templates"]
+    prefix_s = sum(prefix_cost["startup"] + prefix_load_s + mb / prefix_speed for mb in steps)
     stage("punkt", "M chars", FULL["punkt_chars"] / 1e6, rate["punkt"] / 1e6, 1,
           f"one model on the first {FULL['punkt_chars'] / 1e6:.0f} M characters: the first {steps[-1]} MB of XML "
           f"of the first part extracted in {prefix_s:.0f} s ({needed_mb:.0f} MB needed), then trained (serial)")
@@ -520,6 +557,7 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
             encoded[length], stage_name=f"hdf5_dir {length}")
     sizes = {"formatted_gb": formatted_mb / 1e3, "extracted_gb": extracted_mb / 1e3, "tokens": tokens,
              "vocab_mb": vocab_mb, "template_gb": template_mb / 1e3, "load_s": load_s, "compile_s": compile_s,
+             "extract": cost,
              "serial_fraction": serial_fraction}
     return stages, jobs, sizes
 
@@ -538,11 +576,21 @@ def report(m: dict, args) -> None:
           f"real export's bz2 ({b['real_ratio']:.1f}:1; the full dump's is {FULL['xml_gb'] / FULL['bz2_gb']:.1f}:1) "
           f"{b['real']:.0f} MB/s per core; a slower real one is charged to templates and extract")
     print("  process startup (paid once per job): " + ", ".join(f"{k} {v:.2f} s" for k, v in m["startup"].items()))
-    print(f"  extract   {m['extract'].cpu:7.1f} s CPU ({d['xml_bytes'] / 1e6 / m['extract'].cpu:.2f} MB XML per CPU s, "
-          f"real wikiextractor with template expansion), of which its mapper (reads the bz2 once): {m['mapper'].cpu:.1f} s")
+    for interpreter, runs in m["extract_runs"].items():
+        print(f"  extract   {runs['extract1'].cpu:7.1f} s CPU on {interpreter} ({d['xml_bytes'] / 1e6 / runs['extract1'].cpu:.2f} "
+              f"MB XML per CPU s, real wikiextractor with template expansion, 1 worker; 2 workers "
+              f"{runs['extract2'].cpu:.1f} s), of which its mapper (reads the bz2 once): {runs['mapper'].cpu:.1f} s; "
+              f"startup {runs['startup']:.2f} s")
+    if "pypy_equal" in m:
+        print(f"  extract on PyPy (extract_wikipedia's env) vs CPython: JSON {'EQUAL' if m['pypy_equal'] else 'DIFFERENT'}, "
+              f"{m['extract_runs']['CPython']['extract1'].cpu / m['extract_runs']['PyPy']['extract1'].cpu:.2f}x less CPU")
+    else:
+        print("  no PyPy here (benchmarks/wikipedia_sample.pypy_python): extract_wikipedia projected on CPython")
+    load = m["extract_runs"][sizes["extract"]["interpreter"]]["load"]
     print(f"  templates {m['template_sample']:,} generated pages ({m['template_pages_bytes'] / 1e6:.0f} MB): compile "
           f"{m['compile'].cpu:.1f} s CPU (peak RSS {m['compile'].rss_mb:.0f} MB); load of the compiled file "
-          f"{m['load'].cpu:.2f} s CPU (peak RSS {m['load'].rss_mb:.0f} MB) -> at {FULL['templates'] / 1e3:.0f}k: compile "
+          f"{load.cpu:.2f} s CPU on {sizes['extract']['interpreter']} (peak RSS {load.rss_mb:.0f} MB) -> at "
+          f"{FULL['templates'] / 1e3:.0f}k: compile "
           f"{sizes['compile_s']:.0f} s once, load {sizes['load_s']:.1f} s per extract job")
     print(f"  punkt     {m['punkt'].cpu:7.1f} s CPU on {m['punkt_chars'] / 1e6:.1f} M chars; format {m['format'].cpu:.1f} s "
           f"CPU with that model")
