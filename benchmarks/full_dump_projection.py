@@ -698,7 +698,11 @@ def main() -> None:
     args = parser.parse_args()
     args.threads = {key: int(value) for key, value in (item.split("=") for item in args.threads)}
     if args.measured:  # re-project earlier measurements (other nodes, cores, threads) without rerunning
-        report(pickle.loads(Path(args.measured).read_bytes()), args)
+        measured = pickle.loads(Path(args.measured).read_bytes())
+        if "extract_runs" not in measured:
+            raise SystemExit(f"{args.measured}: measured by an older version of this benchmark (no extract_runs); "
+                             "measure again (--workdir)")
+        report(measured, args)
         return
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,9 @@ rule extract_wikipedia:
         templates="data/extracted/wikipedia/templates.bin",
     output:
         "data/extracted/wikipedia/{part}.jsonl",
-    threads: 16  # wikiextractor's processes; its one reader keeps up with ~16 (benchmarks/full_dump_projection.py)
+    # wikiextractor's processes: its one reader (bz2 + page parsing) feeds ~14 PyPy workers; more would wait for it
+    # (benchmarks/full_dump_projection.py: 14 projects 0.013 h less on one 128-core node than 16, 9 jobs at once)
+    threads: 14
     log:
         "logs/extract_wikipedia/{part}.log",
     conda:
