@@ -375,8 +375,7 @@ def extract_costs(m: dict, interpreter: str, bz2_extra: float) -> dict:
     mapper = max(runs["mapper"].cpu - runs["startup_mapper"], 0.1 * runs["mapper"].cpu)
     return {"interpreter": interpreter, "rate": 1 / (one / xml_mb + bz2_extra), "mapper": 1 / (mapper / xml_mb + bz2_extra),
             "startup": runs["startup"], "warmup": max(runs["extract2"].cpu - runs["extract1"].cpu, 0.0),
-            "load_per_template": max(runs["load"].cpu - runs["startup_load"], 0) / m["template_sample"],
-            "cpu": runs["extract1"].cpu}
+            "load_per_template": max(runs["load"].cpu - runs["startup_load"], 0) / m["template_sample"]}
 
 
 def net_cpu(m: dict, name: str, startup: str) -> float:
@@ -491,8 +490,7 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
           f"wikiextractor on {cost['interpreter']}, bz2 input; each job first loads the compiled templates "
           f"({load_s:.1f} s), each of its workers warms up ({cost['warmup']:.1f} CPU s)",
           cap=cost["mapper"], written_mb=extracted_mb)
-    warmup_s = cost["warmup"] * t["extract"] / min(t["extract"], args.cores_per_node)  # the workers at once
-    extract_jobs = [job(f"extract[{p}]", cost["startup"] + load_s + warmup_s + mb / extract_speed, [compile_job],
+    extract_jobs = [job(f"extract[{p}]", cost["startup"] + load_s + cost["warmup"] + mb / extract_speed, [compile_job],
                         written_mb=extracted_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts)
                     for p, mb in enumerate(part_mb)]
     # punkt extracts the first pages of the first part itself: PREFIX_MB steps of XML until they hold its characters
