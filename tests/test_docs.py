@@ -1,0 +1,288 @@
+"""Every command in README.md and docs/*.md runs as written, every config snippet is valid, every link resolves.
+
+Commands come from the pages' ```bash blocks and from inline code that starts with `snakemake `, `python `
+or `make `. Each is checked in a scratch copy of the workflow (tests/conftest.py copy_workflow), as follows:
+- `snakemake ...`: run as written plus `-n` (a dry run), on the demo's `sample/config.yaml` unless the command
+  names a config file; a YAML config snippet in the same paragraph (e.g. `model: {preset: bert-base}`) is added
+  when it names no path. The run must plan (exit 0). `--report FILE` needs a finished run: the same command
+  without it is dry-run, and `--report` must be a Snakemake option. Conda is not installed here, so the copy's
+  stock Slurm profile is used without `software-deployment-method` (the pages' "Without conda" way).
+- `python -m workflow.slurm.profile derive ...` runs for real (the profile the other commands use), on the
+  pages' own `my-cluster.yaml` block; `python sample/...py` runs for real and must rewrite the sample byte for
+  byte.
+- any other `python -m MODULE ...` or `python SCRIPT ...`: parsed only (it needs data, a GPU or Slurm): every
+  `--option` of the command must be in the `--help` of its module (or of its subcommand).
+- `make TARGET`: `make -n TARGET` in the checkout (prints, runs nothing).
+- other tools (`sacct`, `less`, `rm`, `sudo`, ...): parsed only: the tool is one the pages may name, and every
+  path into the repository's sources exists.
+A block or paragraph after `<!-- pending: NAME -->` documents a feature another branch adds: skipped, naming it.
+"""
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, copy_workflow, snakemake_env
+from workflow.config import validate_config
+from workflow.slurm.profile import PROFILE_FILE, merge
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SCHEMA_SECTIONS = set(yaml.safe_load((REPO / "config.schema.yaml").read_text())["properties"])
+PENDING = re.compile(r"<!-- pending: ([\w-]+)")
+# Tools a page may name besides snakemake, python and make: the cluster's, the shell's, the system's.
+TOOLS = {"sacct", "sacctmgr", "scontrol", "sinfo", "squeue", "scancel", "srun", "sbatch", "less", "ls", "rm", "sudo",
+         "tensorboard", "apt", "apt-get", "pip", "tmux", "screen", "md5sum", "tests/slurm/start_cluster.sh"}
+SOURCE_DIRS = ("tests/", "workflow/", "profiles/", "sample/", "benchmarks/", "rules/", "envs/")
+
+
+@dataclass(frozen=True)
+class Command:
+    page: str
+    line: int
+    text: str
+    pending: str | None
+    snippets: tuple = ()  # the YAML config snippets of the command's paragraph
+
+    def __str__(self):
+        return f"{self.page}:{self.line}: {self.text}"
+
+
+def _paragraphs(text: str):
+    """(first line number, lines, pending feature or None) per paragraph or fenced block, in page order."""
+    pending, armed, block, start, fenced = None, False, [], 1, False
+    for number, line in enumerate(text.splitlines() + [""], 1):
+        if line.startswith("```"):
+            armed = False
+            block.append(line)
+            if fenced:
+                yield start, block, pending
+                block = []
+            else:
+                if block[:-1]:
+                    yield start, block[:-1], pending
+                block, start = [line], number
+            fenced = not fenced
+            continue
+        if fenced:
+            block.append(line)
+            continue
+        marker = PENDING.search(line)
+        if marker and line.startswith("<!--"):
+            pending, armed = marker[1], True
+            continue
+        if armed and line.strip():  # the marked paragraph: the one right after the marker
+            armed = False
+        elif line.startswith(("**", "#")):  # a new recipe or section ends it
+            pending = None
+        if line.strip():
+            if not block:
+                start = number
+            block.append(line)
+        elif block:
+            yield start, block, pending
+            block = []
+
+
+def _joined(lines):
+    """A bash block's commands: continuation lines joined, comments and blank lines dropped."""
+    commands, current = [], ""
+    for line in lines:
+        current += line.rstrip("\\").rstrip() + " " if line.endswith("\\") else line
+        if not line.endswith("\\"):
+            words = shlex.split(current, comments=True)
+            if words:
+                commands.append(current.split(" #")[0].strip())
+            current = ""
+    return commands
+
+
+def _config_snippets(lines) -> list[dict]:
+    """Inline code and ```yaml blocks that are config snippets: YAML mappings of config sections."""
+    if lines[0].startswith("```"):  # a ```yaml block is a config snippet, whatever its keys, unless it names a file
+        named = len(lines) > 1 and lines[1].startswith("# ") and ".yaml" in lines[1]
+        return [yaml.safe_load("\n".join(lines[1:-1]))] if lines[0] == "```yaml" and not named else []
+    snippets = []
+    for text in re.findall(r"`([^`]+)`", " ".join(lines)):
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            continue
+        if isinstance(value, dict) and value and set(value) <= SCHEMA_SECTIONS and ":" in text:
+            snippets.append(value)
+    return snippets
+
+
+def page_items():
+    """(commands, snippets, named files) of every page."""
+    commands, snippets, files = [], [], {}
+    for page in PAGES:
+        name = str(page.relative_to(REPO))
+        for start, lines, pending in _paragraphs(page.read_text()):
+            found = _config_snippets(lines)
+            snippets += [(f"{name}:{start}", snippet, pending) for snippet in found]
+            if lines[0].startswith("```yaml") and lines[1].startswith("# ") and ".yaml" in lines[1]:
+                files[lines[1][2:].split(":")[0].split()[0]] = "\n".join(lines[1:-1]) + "\n"
+            if lines[0].startswith("```bash"):
+                texts = _joined(lines[1:-1])
+            elif lines[0].startswith("```"):
+                texts = []
+            else:
+                texts = [t for t in re.findall(r"`([^`]+)`", " ".join(lines))
+                         if re.match(r"(snakemake|python3?|make) ", t) and "<" not in t]
+            commands += [Command(name, start, text, pending, tuple(s for s in found if "/" not in str(s)))
+                         for text in texts]
+    unique = {}  # a command repeated with the same config snippets is checked once, where it first appears
+    for command in commands:
+        unique.setdefault((command.text, repr(command.snippets)), command)
+    return list(unique.values()), snippets, files
+
+
+COMMANDS, SNIPPETS, FILES = page_items()
+
+
+def _config_files_in(command: Command, workdir: Path) -> list[str]:
+    files = ["sample/config.yaml"]
+    for number, snippet in enumerate(command.snippets):
+        path = workdir / f"snippet-{command.line}-{number}.yaml"
+        path.write_text(yaml.safe_dump(snippet))
+        files.append(path.name)
+    return files
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A copy of the workflow with the pages' named files (my-cluster.yaml) and the profiles they derive."""
+    workdir = copy_workflow(tmp_path_factory.mktemp("docs"))
+    stock = workdir / "profiles" / "slurm" / PROFILE_FILE
+    stock.write_text(yaml.safe_dump(merge(yaml.safe_load(stock.read_text()), {"software-deployment-method": None}),
+                                    sort_keys=False))
+    for name, text in FILES.items():
+        (workdir / name).write_text(text)
+    for command in COMMANDS:
+        if command.text.startswith("python -m workflow.slurm.profile derive") and not command.pending:
+            result = subprocess.run(shlex.split(command.text.replace("python", sys.executable, 1)), cwd=workdir,
+                                    capture_output=True, text=True, timeout=60)
+            assert result.returncode == 0, f"{command}\n{result.stderr}"
+    return workdir
+
+
+def _help(argv: list[str], workdir: Path) -> str:
+    result = subprocess.run([sys.executable, *argv, "--help"], cwd=workdir, capture_output=True, text=True,
+                            env=snakemake_env(), timeout=120)
+    assert result.returncode == 0, f"{' '.join(argv)} --help: {result.stderr[-2000:]}"
+    return result.stdout
+
+
+def _check_python(command: Command, words: list[str], workdir: Path) -> None:
+    if words[1] != "-m" and words[1].startswith("sample/"):  # regenerates the sample: it must come out the same
+        result = subprocess.run([sys.executable, words[1]], cwd=workdir, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        changed = subprocess.run(["diff", "-r", "-q", str(REPO / "sample"), str(workdir / "sample")],
+                                 capture_output=True, text=True)
+        assert changed.returncode == 0, changed.stdout
+        return
+    target = words[1:3] if words[1] == "-m" else words[1:2]
+    rest = words[len(target) + 1:]
+    if rest and not rest[0].startswith("-") and target[-1] == "workflow.slurm.profile":
+        target.append(rest[0])  # the subcommand's own options
+    if target[-1] == "workflow.slurm.launch":  # `launch [--run-dir D] -- COMMAND`: its own options before `--`
+        rest = rest[:rest.index("--")] if "--" in rest else rest
+    options = {word.split("=")[0] for word in rest if word.startswith("--") and word != "--"}
+    usage = _help(target, workdir)
+    missing = sorted(option for option in options if not re.search(rf"{re.escape(option)}(?![\w-])", usage))
+    assert not missing, f"{command}: no such option(s) {missing} in `{' '.join(target)} --help`"
+
+
+def _check_snakemake(command: Command, words: list[str], workdir: Path) -> None:
+    args = words[1:]
+    if "--report" in args:
+        assert "--report" in _help(["-m", "snakemake"], workdir)
+        index = args.index("--report")
+        del args[index:index + 2]
+    if "--configfile" not in args:
+        args += ["--configfile", *_config_files_in(command, workdir)]
+    if "--lint" in args:  # reads the rules, runs nothing
+        result = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True,
+                                text=True, env=snakemake_env(), timeout=300)
+        assert result.returncode == 0 and "Lints for" not in result.stdout + result.stderr, result.stdout[-3000:]
+        return
+    result = subprocess.run([sys.executable, "-m", "snakemake", *args, "-n"], cwd=workdir, capture_output=True,
+                            text=True, env=snakemake_env(), timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{command}\n{output[-3000:]}"
+    assert "This was a dry-run" in output or "Nothing to be done" in output, output[-2000:]
+
+
+def _check_tool(command: Command, words: list[str]) -> None:
+    tool = words[1] if words[0] == "sudo" else words[0]
+    assert tool in TOOLS, f"{command}: {tool} is not a tool the pages may name (tests/test_docs.py TOOLS)"
+    for word in words:
+        if word.startswith(SOURCE_DIRS):
+            assert (REPO / word).exists(), f"{command}: {word} does not exist"
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=str)
+def test_every_command_in_the_pages_runs_as_written(command, workdir):
+    if command.pending:
+        pytest.skip(f"pending: {command.pending} (the feature's branch adds it; the lead adjusts it on merge)")
+    words = shlex.split(command.text)
+    if words[0] == "snakemake":
+        _check_snakemake(command, words, workdir)
+    elif words[0] in ("python", "python3"):
+        if command.text.startswith("python -m workflow.slurm.profile derive"):
+            assert (workdir / shlex.split(command.text)[-1] / PROFILE_FILE).is_file()  # derived by the fixture
+        else:
+            _check_python(command, words, workdir)
+    elif words[0] == "make":
+        result = subprocess.run(["make", "-n", *words[1:]], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, f"{command}\n{result.stderr}"
+    else:
+        _check_tool(command, words)
+
+
+@pytest.mark.parametrize(("where", "snippet", "pending"), SNIPPETS, ids=[where for where, _, _ in SNIPPETS])
+def test_every_config_snippet_in_the_pages_is_valid(where, snippet, pending):
+    if pending:
+        pytest.skip(f"pending: {pending} (the feature's branch adds its keys)")
+    validate_config(yaml.safe_load(yaml.safe_dump(snippet)))  # raises UserError naming the key
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def links():
+    for page in PAGES:
+        for start, lines, pending in _paragraphs(page.read_text()):
+            for line in lines:
+                for target in re.findall(r"\]\(([^)\s]+)\)", line):
+                    if not target.startswith(("http://", "https://")) and not (pending or PENDING.search(line)):
+                        yield pytest.param(page, target, id=f"{page.relative_to(REPO)}:{start}:{target}")
+
+
+@pytest.mark.parametrize(("page", "target"), list(links()))
+def test_every_link_in_the_pages_resolves(page, target):
+    path, _, anchor = target.partition("#")
+    linked = (page.parent / path).resolve() if path else page
+    assert linked.exists(), f"{target}: no such file"
+    if anchor:
+        assert anchor in _anchors(linked), f"{target}: no heading with that anchor in {linked.name}"
+
+
+def test_the_checks_above_see_the_pages_commands():
+    """The extraction itself: the README's own steps are among the commands checked."""
+    readme = {command.text for command in COMMANDS if command.page == "README.md"}
+    assert {"make demo", "make test", "snakemake --profile profiles/my-cluster all",
+            "python -m workflow.slurm.profile check profiles/my-cluster"} <= readme
+
+
+def test_the_readme_is_a_guide_without_test_names():
+    """Test names are no user documentation (docs/design.md lists the tests behind the guarantees)."""
+    assert re.findall(r"\btest_\w+", (REPO / "README.md").read_text()) == []
