@@ -251,3 +251,13 @@ def test_phase1_starts_from_a_dle_checkpoint_and_exports_one(tmp_path, caplog):
     assert {k: tuple(v.shape) for k, v in exported.items()} == dle_shapes(64)
     assert not torch.equal(exported["bert.encoder.layer.0.intermediate.dense_act.weight"],
                            state["bert.encoder.layer.0.intermediate.dense_act.weight"])  # trained 3 steps
+
+
+def test_the_export_command_writes_an_hf_directorys_weights_in_dles_names(tmp_path):
+    config = BertConfig(vocab_size=64, **TINY)
+    model = BertForPreTraining(config)
+    save_pretrained(model, config, None, tmp_path / "model")
+    run(dle_checkpoint.main, ["export", "--model", str(tmp_path / "model"), "--output", str(tmp_path / "ckpt.pt")])
+    exported = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+    assert {k: tuple(v.shape) for k, v in exported.items()} == dle_shapes(64)
+    assert torch.equal(exported["bert.pooler.dense_act.weight"], model.bert.pooler.dense.weight)

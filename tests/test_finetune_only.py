@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import copy_workflow, official_squad_v11, snakemake_env
+from tests.test_squad_rules import sample_squad_vocab
 from workflow.data.features import load_features, load_tokenizer
 from workflow.squad import data as squad_data
 from workflow.train.dle_checkpoint import save_dle_checkpoint
@@ -24,20 +25,8 @@ SQUAD_JOBS = {"squad_download_train": 1, "squad_download_dev": 1, "squad_featuri
 def workdir(tmp_path_factory):
     """The workflow with a cased WordPiece vocab of the SQuAD sample, a tiny model as an HF directory (cased) and
     as a DLE checkpoint (its vocab rows padded to a multiple of 8, as DLE does) with its bert_config.json."""
-    from tokenizers import BertWordPieceTokenizer
-
     root = copy_workflow(tmp_path_factory.mktemp("finetune_only"))
-    texts = set()
-    for name in ("train-sample.json", "dev-sample.json"):
-        for example in squad_data.load_squad(root / "sample" / "squad" / name, "1.1"):
-            texts.update([example.context, example.question])
-    (root / "corpus.txt").write_text("\n".join(sorted(texts)))
-    trainer = BertWordPieceTokenizer(lowercase=False, strip_accents=False)
-    trainer.train([str(root / "corpus.txt")], vocab_size=1000, min_frequency=1, show_progress=False,
-                  special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
-    (root / "cased").mkdir()
-    trainer.save_model(str(root / "cased"))
-    vocab_size = len((root / "cased" / "vocab.txt").read_text().splitlines())
+    vocab_size = sample_squad_vocab(root, root / "cased", lowercase=False)
     config = BertConfig.preset("tiny", vocab_size=vocab_size)
     config.to_json(root / "bert_config.json")
     torch.manual_seed(0)

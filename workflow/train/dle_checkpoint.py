@@ -68,7 +68,7 @@ def _expected_shapes(config: BertConfig) -> dict:
 
 
 def from_dle(dle_state: dict, source) -> dict:
-    """DLE's state dict in our names; one error lists every tensor that maps to nothing of BERT's."""
+    """DLE's state dict in our names (the tied decoder alias dropped once checked to be the word embeddings)."""
     state = {our_name(name): tensor for name, tensor in dle_state.items() if name != DECODER}
     if DECODER in dle_state and WORD_EMBEDDINGS in dle_state and not torch.equal(dle_state[DECODER],
                                                                                  dle_state[WORD_EMBEDDINGS]):
@@ -144,11 +144,12 @@ def save_dle_checkpoint(model: torch.nn.Module, path: str | os.PathLike) -> None
 def _import(args) -> None:
     config, state = load_dle_checkpoint(args.checkpoint, args.bert_config)
     model = BertForPreTraining(config)
-    missing, _heads = load_weights(model, state)
+    missing, task_heads = load_weights(model, state)
     if any(k.startswith("bert.") for k in missing):
         raise UserError(f"{args.checkpoint}: no BERT encoder tensors {[dle_name(k) for k in missing]}")
-    if missing:  # a fine-tuned checkpoint: the pretraining heads are fresh, the task head left out
-        log.warning("%s: no pretraining heads (a fine-tuned model?); %s freshly initialised", args.checkpoint, missing)
+    if missing or task_heads:  # a fine-tuned checkpoint: its encoder is what fine-tuning starts from
+        log.warning("%s: a fine-tuned model? pretraining heads %s freshly initialised, task head %s left out",
+                    args.checkpoint, missing, task_heads)
     with atomic_path(args.output) as temporary:
         save_pretrained(model, config, args.vocab, temporary, lowercase=args.lowercase)
 
