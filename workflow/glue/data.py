@@ -10,7 +10,7 @@ is one UserError naming file:line.
 A feature row is `[CLS] a [SEP] (b [SEP])`, `max_seq_length` tokens, the longer of a/b truncated first (run_classifier).
 
     python -m workflow.glue.data --task MRPC --input data/download/glue/MRPC/train.tsv --vocab data/vocab.txt \
-        --output data/glue/MRPC/train_features.npz
+        --output data/glue/MRPC/train_features.npz [--tokenizer-config MODEL/tokenizer_config.json]
 """
 import argparse
 import logging

@@ -6,6 +6,7 @@ A training answer outside a window is labelled (0, 0), i.e. [CLS], as the refere
 
     python -m workflow.squad.data --input data/download/squad/train.json --vocab data/vocab.txt \
         --version 1.1 --split train --output data/squad/train_features.npz
+        [--tokenizer-config MODEL/tokenizer_config.json]   (the fine-tuned model's casing; else --[no-]lowercase)
 """
 import argparse
 import json
