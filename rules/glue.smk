@@ -1,14 +1,15 @@
 # GLUE: download each configured task's TSV files, featurize them with the model's WordPiece vocab, fine-tune (GPU),
 # score the dev set(s). Fine-tuning starts from the phase-2 export unless config glue.init_from names another HF BERT
-# directory; it reads the config sections seed and glue whole (params.config, not part of the rerun check);
-# params.recipe holds only what changes the task's model.
+# directory or an NVIDIA DLE checkpoint (then `snakemake glue` plans no pretraining at all); it reads the config
+# sections seed and glue whole (params.config, not part of the rerun check); params.recipe holds only what changes
+# the task's model. Features take the fine-tuned model's vocab and casing.
 
 
 include: "functions/glue.smk"
 
 
-GLUE_INIT = config["glue"]["init_from"] or "results/pretrain/phase2/model"
-GLUE_VOCAB = f"{config['glue']['init_from']}/vocab.txt" if config["glue"]["init_from"] else "data/vocab.txt"
+GLUE_INIT = finetune_init("glue")
+GLUE_VOCAB = finetune_vocab("glue")
 
 
 wildcard_constraints:
@@ -36,12 +37,13 @@ rule glue_download:
 
 rule glue_featurize:
     input:
+        unpack(finetune_tokenizer("glue")),
         tsv="data/download/glue/{glue_task}/{glue_file}.tsv",
         vocab=GLUE_VOCAB,
     output:
         "data/glue/{glue_task}/{glue_file}_features.npz",
     params:
-        lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",
+        tokenizer=tokenizer_args,
         max_seq_length=glue_max_seq_length,
     log:
         "logs/glue_featurize/{glue_task}/{glue_file}.log",
@@ -49,7 +51,7 @@ rule glue_featurize:
         "../envs/data.yaml"
     shell:
         "python -m workflow.glue.data --task {wildcards.glue_task} --input {input.tsv:q} --vocab {input.vocab:q}"
-        " --output {output:q} {params.lowercase} --max-seq-length {params.max_seq_length} 2> {log}"
+        " --output {output:q} {params.tokenizer} --max-seq-length {params.max_seq_length} 2> {log}"
 
 
 rule glue_finetune:

@@ -36,3 +36,26 @@ rule pretrain:
         " --config {params.config:q} --data-dir {input.data} --vocab {input.vocab} {params.lowercase} {params.init}"
         " --run-dir runs/pretrain/{wildcards.phase} --out-dir results/pretrain/{wildcards.phase}"
         " --threads {threads} 2> {log}"
+
+
+# Checkpoints in: a fine-tuning section's init_from naming an NVIDIA DLE checkpoint file (ckpt_*.pt) is imported
+# once into an HF directory (with model.bert_config, vocab.file and vocab.lowercase, what DLE's scripts take as
+# --config_file, --vocab_file and --do_lower_case). Checkpoints out: each phase's model/ holds dle_checkpoint.pt.
+wildcard_constraints:
+    finetune_section="squad|glue",
+
+
+rule import_dle_checkpoint:
+    input:
+        unpack(dle_checkpoint_inputs),
+    output:
+        directory("data/init/{finetune_section}"),
+    params:
+        lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",
+    log:
+        "logs/import_dle_checkpoint/{finetune_section}.log",
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "python -m workflow.train.dle_checkpoint import --checkpoint {input.checkpoint:q}"
+        " --bert-config {input.bert_config:q} --vocab {input.vocab:q} {params.lowercase} --output {output:q} 2> {log}"

@@ -1,19 +1,24 @@
-# SQuAD: download train/dev JSON, featurize with the model's WordPiece vocab, fine-tune (GPU), predict, evaluate.
-# Fine-tuning starts from the phase-2 export unless config squad.init_from names another HF BERT directory; it reads
-# the config sections seed and squad whole (params.config, not part of the rerun check); params.recipe holds
-# only what changes the model.
+# SQuAD: download train/dev JSON, featurize with the model's WordPiece vocab and casing, fine-tune (GPU), predict,
+# evaluate. Fine-tuning starts from the phase-2 export unless config squad.init_from names another HF BERT directory
+# or an NVIDIA DLE checkpoint (then `snakemake squad` plans no pretraining at all); it reads the config sections seed
+# and squad whole (params.config, not part of the rerun check); params.recipe holds only what changes the model.
 
 
 include: "functions/squad.smk"
 
 
 # The HF BERT directory fine-tuning starts from, and its vocab (data/vocab.txt for our own pretraining).
-SQUAD_INIT = config["squad"]["init_from"] or "results/pretrain/phase2/model"
-SQUAD_VOCAB = f"{config['squad']['init_from']}/vocab.txt" if config["squad"]["init_from"] else "data/vocab.txt"
+SQUAD_INIT = finetune_init("squad")
+SQUAD_VOCAB = finetune_vocab("squad")
 
 
 wildcard_constraints:
     squad_split="train|dev",
+
+
+rule squad:
+    input:
+        "results/squad/eval.json",
 
 
 rule squad_download_train:
@@ -44,13 +49,14 @@ rule squad_download_dev:
 
 rule squad_featurize:
     input:
+        unpack(finetune_tokenizer("squad")),
         squad="data/download/squad/{squad_split}.json",
         vocab=SQUAD_VOCAB,
     output:
         "data/squad/{squad_split}_features.npz",
     params:
         version=config["squad"]["version"],
-        lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",
+        tokenizer=tokenizer_args,
         max_seq_length=config["squad"]["max_seq_length"],
         doc_stride=config["squad"]["doc_stride"],
         max_query_length=config["squad"]["max_query_length"],
@@ -60,7 +66,7 @@ rule squad_featurize:
         "../envs/data.yaml"
     shell:
         "python -m workflow.squad.data --input {input.squad:q} --vocab {input.vocab:q} --output {output:q}"
-        " --split {wildcards.squad_split} --version {params.version} {params.lowercase}"
+        " --split {wildcards.squad_split} --version {params.version} {params.tokenizer}"
         " --max-seq-length {params.max_seq_length} --doc-stride {params.doc_stride}"
         " --max-query-length {params.max_query_length} 2> {log}"
 

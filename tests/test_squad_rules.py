@@ -20,8 +20,8 @@ TARGETS = ["results/squad/eval.json", "results/summary.csv", "results/report/pre
            "results/report/gpu_telemetry.png", "results/report/squad_finetune.png", "results/report/config.yaml"]
 
 
-def _upstream(root: Path) -> None:
-    """What the data and pretraining stages leave behind: data/vocab.txt, the phase-2 export, phase metrics."""
+def sample_squad_vocab(root: Path, directory: Path, lowercase: bool = True) -> int:
+    """A 1000-entry WordPiece vocab of the SQuAD sample's texts in `directory`/vocab.txt; its size."""
     from tokenizers import BertWordPieceTokenizer
 
     texts = set()
@@ -29,12 +29,17 @@ def _upstream(root: Path) -> None:
         for example in squad_data.load_squad(root / "sample" / "squad" / name, "1.1"):
             texts.update([example.context, example.question])
     (root / "corpus.txt").write_text("\n".join(sorted(texts)))
-    trainer = BertWordPieceTokenizer(lowercase=True)
+    trainer = BertWordPieceTokenizer(lowercase=lowercase, strip_accents=lowercase)
     trainer.train([str(root / "corpus.txt")], vocab_size=1000, min_frequency=1, show_progress=False,
                   special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
-    (root / "data").mkdir()
-    trainer.save_model(str(root / "data"))
-    vocab_size = len((root / "data" / "vocab.txt").read_text().splitlines())
+    directory.mkdir(parents=True)
+    trainer.save_model(str(directory))
+    return len((directory / "vocab.txt").read_text().splitlines())
+
+
+def _upstream(root: Path) -> None:
+    """What the data and pretraining stages leave behind: data/vocab.txt, the phase-2 export, phase metrics."""
+    vocab_size = sample_squad_vocab(root, root / "data")
     config = BertConfig.preset("tiny", vocab_size=vocab_size)
     torch.manual_seed(0)
     save_pretrained(BertForPreTraining(config), config, root / "data" / "vocab.txt",

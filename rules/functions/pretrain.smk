@@ -31,3 +31,56 @@ def pretrain_recipe(wildcards):
         recipe["carry_optimizer_state"] = pretrain["carry_optimizer_state"]
         recipe["model"] = {k: v for k, v in config["model"].items() if k != "init_from"}  # phase 1's export
     return recipe
+
+
+# ---- Where fine-tuning (squad, glue) starts: checkpoints in (rules/pretrain.smk's import_dle_checkpoint)
+
+
+def finetune_init(section):
+    """The HF directory `section` (squad, glue) fine-tunes: our phase-2 export, its init_from directory, or the import
+    of its init_from file (an NVIDIA DLE checkpoint, with model.bert_config and vocab.file); refused at parse time
+    when such a file lacks either key."""
+    init = config[section]["init_from"]
+    if not init:
+        return "results/pretrain/phase2/model"
+    if not os.path.isfile(init):
+        return init
+    if not (config["model"]["bert_config"] and config["vocab"]["file"]):
+        raise ValueError(f"config key '{section}.init_from': {init} is a file, read as an NVIDIA DLE checkpoint: set "
+                         "model.bert_config to its bert_config.json and vocab.file to its vocab.txt (vocab.lowercase: "
+                         "its casing)")
+    return f"data/init/{section}"
+
+
+def finetune_vocab(section):
+    """The vocab `section`'s features are made with: the fine-tuned model's own."""
+    init = config[section]["init_from"]
+    if not init:
+        return "data/vocab.txt"
+    return config["vocab"]["file"] if os.path.isfile(init) else f"{init}/vocab.txt"
+
+
+def finetune_tokenizer(section):
+    """An input function: {"tokenizer": the fine-tuned directory's tokenizer_config.json} where it has one (its
+    casing wins), else {}."""
+    init = config[section]["init_from"]
+    path = os.path.join(init, "tokenizer_config.json") if init and os.path.isdir(init) else None
+
+    def tokenizer_input(wildcards):
+        return {"tokenizer": path} if path and os.path.isfile(path) else {}
+
+    return tokenizer_input
+
+
+def tokenizer_args(wildcards, input):
+    """A featurizer's casing: the model's tokenizer_config.json (input.tokenizer) if any, else vocab.lowercase (how
+    our own vocab, and a DLE checkpoint's vocab.file, is cased)."""
+    if "tokenizer" in input.keys():
+        return f"--tokenizer-config {input.tokenizer}"
+    return "--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase"
+
+
+def dle_checkpoint_inputs(wildcards):
+    """A DLE checkpoint to import for fine-tuning, with the bert_config.json and vocab.txt it was trained with."""
+    return {"checkpoint": config[wildcards.finetune_section]["init_from"], "bert_config": config["model"]["bert_config"],
+            "vocab": config["vocab"]["file"]}

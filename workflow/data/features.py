@@ -1,11 +1,16 @@
 """Fine-tuning features (SQuAD, GLUE): the WordPiece tokenizer they are made with, and their .npz files.
 
 API:
-    load_tokenizer(vocab, lowercase) -> tokenizers.BertWordPieceTokenizer ([CLS]/[SEP] not added automatically)
+    load_tokenizer(vocab, lowercase, strip_accents=None, tokenize_chinese_chars=True)
+                                        -> tokenizers.BertWordPieceTokenizer ([CLS]/[SEP] not added automatically)
+    add_tokenizer_arguments(parser) / tokenizer_from_args(args)   the featurizers' --vocab, --lowercase and
+                                        --tokenizer-config (the fine-tuned model's tokenizer_config.json, which wins)
     save_features(path, {name: array})  byte-identical .npz for identical arrays, written atomically
     load_features(path) -> {name: array}
 """
+import argparse
 import io
+import json
 import zipfile
 from pathlib import Path
 
@@ -15,14 +20,40 @@ from workflow.atomic import atomic_path
 from workflow.cli import UserError
 
 
-def load_tokenizer(vocab: str | Path, lowercase: bool):
-    """The project's WordPiece tokenizer (BERT normalisation, [CLS]/[SEP] not added automatically)."""
+def load_tokenizer(vocab: str | Path, lowercase: bool, strip_accents: bool | None = None,
+                   tokenize_chinese_chars: bool = True):
+    """The project's WordPiece tokenizer (BERT normalisation, [CLS]/[SEP] not added automatically); accents are
+    stripped as `strip_accents` says, or, when None, exactly when lower-casing (BERT's and HF's rule)."""
     from tokenizers import BertWordPieceTokenizer
 
     try:
-        return BertWordPieceTokenizer(str(vocab), lowercase=lowercase, strip_accents=lowercase)
+        return BertWordPieceTokenizer(str(vocab), lowercase=lowercase, handle_chinese_chars=tokenize_chinese_chars,
+                                      strip_accents=lowercase if strip_accents is None else strip_accents)
     except Exception as error:  # tokenizers raises a bare Exception for a missing/garbled vocab
         raise UserError(f"{vocab}: cannot load WordPiece vocab: {error}") from error
+
+
+def tokenizer_settings(path: str | Path) -> dict:
+    """load_tokenizer's casing keywords from an HF tokenizer_config.json (BertTokenizer's defaults where absent)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(f"{path}: cannot read a tokenizer config: {error}") from None
+    return {"lowercase": bool(data.get("do_lower_case", True)), "strip_accents": data.get("strip_accents"),
+            "tokenize_chinese_chars": bool(data.get("tokenize_chinese_chars", True))}
+
+
+def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
+    parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--tokenizer-config", default=None, help="the fine-tuned model's tokenizer_config.json: its "
+                        "do_lower_case, strip_accents and tokenize_chinese_chars (instead of --lowercase)")
+
+
+def tokenizer_from_args(args: argparse.Namespace):
+    """The tokenizer of the model being fine-tuned: its tokenizer_config.json's casing if given, else --lowercase."""
+    settings = tokenizer_settings(args.tokenizer_config) if args.tokenizer_config else {"lowercase": args.lowercase}
+    return load_tokenizer(args.vocab, **settings)
 
 
 def save_features(path: str | Path, features: dict[str, np.ndarray]) -> None:

@@ -10,7 +10,7 @@ is one UserError naming file:line.
 A feature row is `[CLS] a [SEP] (b [SEP])`, `max_seq_length` tokens, the longer of a/b truncated first (run_classifier).
 
     python -m workflow.glue.data --task MRPC --input data/download/glue/MRPC/train.tsv --vocab data/vocab.txt \
-        --output data/glue/MRPC/train_features.npz
+        --output data/glue/MRPC/train_features.npz [--tokenizer-config MODEL/tokenizer_config.json]
 """
 import argparse
 import logging
@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from workflow.cli import UserError, run
-from workflow.data.features import load_tokenizer, save_features
+from workflow.data.features import add_tokenizer_arguments, save_features, tokenizer_from_args
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +147,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", required=True, choices=sorted(TASKS))
     parser.add_argument("--input", required=True, help="the task's train or dev TSV")
-    parser.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
     parser.add_argument("--output", required=True, help="features .npz")
-    parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
+    add_tokenizer_arguments(parser)
     parser.add_argument("--max-seq-length", type=int, default=128)
     args = parser.parse_args(argv)
     task = task_of(args.task)
     pairs, labels, skipped = read_tsv(args.input, task)
-    features = featurize(pairs, labels, load_tokenizer(args.vocab, args.lowercase), args.max_seq_length)
+    features = featurize(pairs, labels, tokenizer_from_args(args), args.max_seq_length)
     save_features(args.output, features)
     truncated = int((features["attention_mask"][:, -1] == 1).sum())
     log.info("%s %s: %d examples (%d rows skipped, %d filling all %d tokens) -> %s", task.name, args.input, len(pairs),

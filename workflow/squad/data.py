@@ -6,6 +6,7 @@ A training answer outside a window is labelled (0, 0), i.e. [CLS], as the refere
 
     python -m workflow.squad.data --input data/download/squad/train.json --vocab data/vocab.txt \
         --version 1.1 --split train --output data/squad/train_features.npz
+        [--tokenizer-config MODEL/tokenizer_config.json]   (the fine-tuned model's casing; else --[no-]lowercase)
 """
 import argparse
 import json
@@ -18,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from workflow.cli import UserError, run
-from workflow.data.features import load_tokenizer, save_features
+from workflow.data.features import add_tokenizer_arguments, save_features, tokenizer_from_args
 
 log = logging.getLogger(__name__)
 
@@ -251,19 +252,18 @@ def featurize(
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="SQuAD JSON file")
-    parser.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
     parser.add_argument("--output", required=True, help="features .npz")
     parser.add_argument("--version", default="1.1", choices=sorted(FILE_VERSIONS))
     parser.add_argument("--split", choices=["train", "dev"], default="dev",
                         help="train: training features (labels, no offsets); dev: evaluation features")
-    parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
+    add_tokenizer_arguments(parser)
     parser.add_argument("--max-seq-length", type=int, default=384)
     parser.add_argument("--doc-stride", type=int, default=128)
     parser.add_argument("--max-query-length", type=int, default=64)
     args = parser.parse_args(argv)
 
     examples = load_squad(args.input, args.version)
-    tokenizer = load_tokenizer(args.vocab, args.lowercase)
+    tokenizer = tokenizer_from_args(args)
     features = featurize(
         examples, tokenizer, args.max_seq_length, args.doc_stride, args.max_query_length, args.split == "train"
     )

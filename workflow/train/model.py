@@ -12,9 +12,12 @@ API (stable; the SQuAD stage builds on it):
                                     prediction slot; what training passes), [M, V] at the M real slots only, in
                                     row-major slot order (= masked_lm_labels[masked_lm_valid])
     pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict of loss/accuracy tensors
-    save_pretrained(model, config, vocab_path, out_dir, lowercase=None)   HF directory: model.safetensors +
-                                    config.json + vocab.txt (+ tokenizer_config.json for AutoTokenizer, with lowercase)
-    load_pretrained(directory) -> (config, state_dict)     state_dict in BertForPreTraining names (heads may be absent)
+    save_pretrained(model, config, vocab_path, out_dir, lowercase=None, dle_checkpoint=False)   HF directory:
+                                    model.safetensors + config.json + vocab.txt (+ tokenizer_config.json for
+                                    AutoTokenizer, with lowercase; + dle_checkpoint.pt for NVIDIA DLE's scripts)
+    load_pretrained(path, bert_config=None) -> (config, state_dict)   an HF directory, or an NVIDIA DLE checkpoint
+                                    file with its bert_config.json (workflow/train/dle_checkpoint.py); state_dict in
+                                    BertForPreTraining names (heads may be absent)
     encoder_state_dict(state_dict)  the `bert.*` entries with the prefix stripped, for BertModel.load_state_dict
     load_weights(model, state_dict) load what matches; returns (missing, unexpected) key lists
 
@@ -438,10 +441,11 @@ _TIED_ALIASES = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias
 
 
 def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.PathLike | None,
-                    out_dir: str | os.PathLike, lowercase: bool | None = None) -> None:
+                    out_dir: str | os.PathLike, lowercase: bool | None = None, dle_checkpoint: bool = False) -> None:
     """Write an HF directory (model.safetensors, config.json, vocab.txt) into `out_dir` (created); with `lowercase`
     (how the vocab was built), also tokenizer_config.json, so that `AutoTokenizer.from_pretrained` loads BERT's
-    WordPiece tokenizer that lower-cases (and strips accents) exactly when the vocab is uncased."""
+    WordPiece tokenizer that lower-cases (and strips accents) exactly when the vocab is uncased; with
+    `dle_checkpoint`, also dle_checkpoint.pt for NVIDIA DLE's run_squad.py/run_glue.py (--config_file config.json)."""
     from safetensors.torch import save_file
 
     model = getattr(model, "module", model)  # unwrap DDP
@@ -450,6 +454,10 @@ def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.P
     state = {k: v.detach().to("cpu", torch.float32).contiguous().clone()
              for k, v in model.state_dict().items() if k not in _TIED_ALIASES}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if dle_checkpoint:
+        from workflow.train.dle_checkpoint import save_dle_checkpoint
+
+        save_dle_checkpoint(model, out_dir / "dle_checkpoint.pt")
     config.to_json(out_dir / "config.json")
     if vocab_path is not None:
         shutil.copyfile(vocab_path, out_dir / "vocab.txt")
@@ -476,9 +484,15 @@ def _normalise_names(state: dict) -> dict:
     return out
 
 
-def load_pretrained(directory: str | os.PathLike) -> tuple[BertConfig, dict]:
-    """(config, state_dict) of an HF BERT directory; never unpickles arbitrary objects."""
+def load_pretrained(directory: str | os.PathLike, bert_config: str | os.PathLike | None = None
+                    ) -> tuple[BertConfig, dict]:
+    """(config, state_dict) of an HF BERT directory, or of an NVIDIA DLE checkpoint file and the bert_config.json
+    it was trained with; never unpickles arbitrary objects."""
     directory = Path(directory)
+    if directory.is_file():
+        from workflow.train.dle_checkpoint import load_dle_checkpoint  # imports this module
+
+        return load_dle_checkpoint(directory, bert_config)
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise UserError(f"{directory}: not a BERT model directory (no config.json)")

@@ -4,7 +4,8 @@ API:
     TrainSettings.from_config(config, phase, **paths)   the phase's settings from the workflow config (validated)
     pretrain(settings)     train (resuming from `run_dir/checkpoints`), evaluate on the test shards, export;
                            returns the summary dict
-    build_model(...)       (config, BertForPreTraining) from preset / bert_config.json / HF directory
+    build_model(...)       (config, BertForPreTraining) from preset / bert_config.json / HF directory / DLE
+                           checkpoint (workflow/train/dle_checkpoint.py)
     PretrainingTask        the engine's Task: global sequence order, MLM + NSP loss normalised over the global batch
 
     python -m workflow.train.pretrain --phase phase1 --config '{"seed": .., "model": {..}, "pretrain": {..}}' \
@@ -129,13 +130,29 @@ def read_vocab_size(path: str) -> int:
     return size
 
 
-def build_model(preset: str, bert_config: str | None, init_from: str | None, vocab_size: int,
-                seq_length: int) -> tuple[BertConfig, BertForPreTraining]:
-    """Model from (in order of precedence) an HF directory, a bert_config.json, or a preset sized to the vocab."""
+def check_same_vocab(init_from: str, rows: int, vocab_size: int, vocab: str | None) -> None:
+    """Continuing a model needs the data tokenized with its own vocab: as many entries (its rows, or those rows
+    padded to a multiple of 8 as DLE and our presets do) and, where the model has a vocab.txt, the same ones."""
+    if rows not in (vocab_size, (vocab_size + 7) // 8 * 8):
+        raise UserError(f"model.init_from {init_from}: a vocabulary of {rows} entries, the data's has {vocab_size}: "
+                        "tokenize the data with the model's own vocab (vocab.file) or start from random weights "
+                        "(model.init_from: null)")
+    own = Path(init_from) / "vocab.txt"
+    if vocab and own.is_file() and own.read_text(encoding="utf-8").split() != Path(vocab).read_text(
+            encoding="utf-8").split():
+        raise UserError(f"model.init_from {init_from}: its vocab.txt differs from the data's {vocab}: tokenize the "
+                        f"data with it (vocab.file: {own}) or start from random weights (model.init_from: null)")
+
+
+def build_model(preset: str, bert_config: str | None, init_from: str | None, vocab_size: int, seq_length: int,
+                vocab: str | None = None) -> tuple[BertConfig, BertForPreTraining]:
+    """Model from (in order of precedence) an HF directory or a DLE checkpoint (with its bert_config.json), a
+    bert_config.json, or a preset sized to the vocab."""
     state = None
     if init_from:
-        config, state = load_pretrained(init_from)
+        config, state = load_pretrained(init_from, bert_config)
         source = init_from
+        check_same_vocab(init_from, config.vocab_size, vocab_size, vocab)
     elif bert_config:
         config, source = BertConfig.from_json(bert_config), bert_config
     else:
@@ -250,7 +267,7 @@ def _fingerprint(s: TrainSettings, config: BertConfig, data: dict, optimizer_nam
             f"{key}.total_steps": s.total_steps, f"{key}.global_batch_size": s.global_batch_size, "seed": s.seed,
             **{f"pretrain.lamb.{k}": getattr(s, k) for k in LAMB_KEYS}, "optimizer": optimizer_name,
             "model": config.to_dict(), "init weights": _file_digest(s.init_from, ("model.safetensors",
-                                                                                  "pytorch_model.bin")),
+                                                                                  "pytorch_model.bin", "")),
             "init optimizer state": _file_digest(s.init_optimizer, ("",)), "vocab": _file_digest(s.vocab, ("",)),
             **data, "data order": ORDER}
 
@@ -302,7 +319,8 @@ def train_phase(s: TrainSettings, env) -> dict:
     precision = resolve_precision(s.precision, env.device, "pretrain.precision")
 
     torch.manual_seed(s.seed)  # identical initial weights on every rank
-    config, model = build_model(s.preset, s.bert_config, s.init_from, read_vocab_size(s.vocab), seq_length)
+    config, model = build_model(s.preset, s.bert_config, s.init_from, read_vocab_size(s.vocab), seq_length,
+                                s.vocab)
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank (as NVIDIA seeds seed + rank); weights stay identical
         torch.manual_seed(s.seed + env.rank)
@@ -356,7 +374,7 @@ def _evaluate_and_export(s: TrainSettings, env, model, config, optimizer, optimi
     if env.is_main:
         run_dir = Path(s.run_dir)
         with atomic_path(s.out_model) as temporary:
-            save_pretrained(model, config, s.vocab, temporary, lowercase=s.lowercase)
+            save_pretrained(model, config, s.vocab, temporary, lowercase=s.lowercase, dle_checkpoint=True)
         with atomic_path(s.out_metrics) as temporary:
             shutil.copyfile(run_dir / "metrics.jsonl", temporary)
         if s.out_telemetry and (run_dir / "gpu_telemetry.csv").exists():
