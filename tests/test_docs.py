@@ -37,6 +37,9 @@ PENDING = re.compile(r"<!-- pending: ([\w-]+)")
 # Tools a page may name besides snakemake, python and make: the cluster's, the shell's, the system's.
 TOOLS = {"sacct", "sacctmgr", "scontrol", "sinfo", "squeue", "scancel", "srun", "sbatch", "less", "ls", "rm", "sudo",
          "tensorboard", "apt", "apt-get", "pip", "tmux", "screen", "md5sum", "tests/slurm/start_cluster.sh"}
+# The user's own files that the pages' examples name (a released model, a DLE checkpoint): the dry runs get stand-ins.
+USER_FILES = ("models/bert-base-uncased/vocab.txt", "models/bert-base-cased/vocab.txt", "checkpoints/ckpt_8601.pt",
+              "bert_configs/large.json", "vocab/vocab.txt")
 SOURCE_DIRS = ("tests/", "workflow/", "profiles/", "sample/", "benchmarks/", "rules/", "envs/")
 
 
@@ -163,6 +166,9 @@ def workdir(tmp_path_factory):
                                     sort_keys=False))
     for name, text in FILES.items():
         (workdir / name).write_text(text)
+    for path in USER_FILES:  # the user's own files the pages' examples name: stand-ins, a dry run only looks
+        (workdir / path).parent.mkdir(parents=True, exist_ok=True)
+        (workdir / path).write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n" if path.endswith("vocab.txt") else "")
     for command in COMMANDS:
         if command.text.startswith("python -m workflow.slurm.profile derive") and not command.pending:
             result = subprocess.run(shlex.split(command.text.replace("python", sys.executable, 1)), cwd=workdir,
@@ -188,12 +194,14 @@ def _check_python(command: Command, words: list[str], workdir: Path) -> None:
         return
     target = words[1:3] if words[1] == "-m" else words[1:2]
     rest = words[len(target) + 1:]
-    if rest and not rest[0].startswith("-") and target[-1] == "workflow.slurm.profile":
-        target.append(rest[0])  # the subcommand's own options
     if target[-1] == "workflow.slurm.launch":  # `launch [--run-dir D] -- COMMAND`: its own options before `--`
         rest = rest[:rest.index("--")] if "--" in rest else rest
     options = {word.split("=")[0] for word in rest if word.startswith("--") and word != "--"}
     usage = _help(target, workdir)
+    subcommands = {name for group in re.findall(r"\{([\w,-]+)\}", usage) for name in group.split(",")}
+    if rest and rest[0] in subcommands:  # the subcommand's own options
+        target.append(rest[0])
+        usage = _help(target, workdir)
     missing = sorted(option for option in options if not re.search(rf"{re.escape(option)}(?![\w-])", usage))
     assert not missing, f"{command}: no such option(s) {missing} in `{' '.join(target)} --help`"
 
@@ -206,6 +214,8 @@ def _check_snakemake(command: Command, words: list[str], workdir: Path) -> None:
         del args[index:index + 2]
     if "--configfile" not in args:
         args += ["--configfile", *_config_files_in(command, workdir)]
+    else:  # the page's own config file, over the demo's (later files override earlier ones)
+        args.insert(args.index("--configfile") + 1, "sample/config.yaml")
     if "--lint" in args:  # reads the rules, runs nothing
         result = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True,
                                 text=True, env=snakemake_env(), timeout=300)
