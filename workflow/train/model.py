@@ -173,9 +173,12 @@ class VarlenAttention:
         return context.transpose(1, 2).values()
 
 
-def row_attention(attention_mask, packed: bool) -> RowAttention:
-    """The rows' attention: no mask when no token is padding and each row is one sequence."""
-    if attention_mask is None or bool((attention_mask == 1).all()):
+def row_attention(attention_mask, packed: bool, mask_needed: bool | None = None) -> RowAttention:
+    """The rows' attention: no mask when no token is padding and each row is one sequence (`mask_needed`: whether
+    some is, as host_indices found; else read from the mask, a host sync on CUDA)."""
+    if mask_needed is None and attention_mask is not None:
+        mask_needed = not bool((attention_mask == 1).all())
+    if not mask_needed:
         return RowAttention()
     if packed:
         # Block diagonal: a token sees its own sequence only; padding (0) sees padding only, so no row is empty.
@@ -216,12 +219,14 @@ def host_indices(batch: dict) -> dict:
     """`batch` (on the host, as the loader builds it) plus every index its forward would otherwise read back from the
     device, so that no host sync remains in the forward of a micro-batch: masked_lm_index [M] (row-major positions of
     the real prediction slots in the [B, L] rows) and masked_lm_targets [M] (their labels); for packed rows also
-    Unpadded's fields (UNPADDED_KEYS; min_seqlen and max_seqlen as ints)."""
+    Unpadded's fields (UNPADDED_KEYS; min_seqlen and max_seqlen as ints); mask_needed (a bool): whether some token is
+    padding or some row holds several sequences (else attention runs without a mask: SDPA may pick flash)."""
     labels = batch["masked_lm_labels"]
     valid = labels >= 0
     length = batch["input_ids"].shape[1]
     rows = torch.arange(len(labels)).unsqueeze(1) * length
-    extra = {"masked_lm_index": (batch["masked_lm_positions"].long() + rows)[valid], "masked_lm_targets": labels[valid]}
+    extra = {"masked_lm_index": (batch["masked_lm_positions"].long() + rows)[valid], "masked_lm_targets": labels[valid],
+             "mask_needed": not bool((batch["attention_mask"] == 1).all())}
     if "cls_positions" in batch:
         extra.update(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))
     return {**batch, **extra}
@@ -371,10 +376,11 @@ class BertModel(nn.Module):
         return sequence_output, self.pooler(first)
 
     def encode(self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None, packed=False,
-               unpadded: Unpadded | None = None):
+               unpadded: Unpadded | None = None, mask_needed: bool | None = None):
         """The last layer's output (hidden, tokens): rows [B, L, H] and None, or, for packed rows on the devices of
         VARLEN_DEVICE_TYPES, the real tokens [T, H] and their ascending row-major positions [T] in the rows
-        (`unpadded`: those tokens as host_indices computed them, else computed here with host syncs). Rows holding
+        (`unpadded`: those tokens as host_indices computed them, else computed here with host syncs; `mask_needed`
+        likewise, see row_attention). Rows holding
         no token at all (an empty micro-batch) run as rows: every parameter still takes part (DDP needs it)."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
@@ -389,7 +395,7 @@ class BertModel(nn.Module):
             attention = VarlenAttention(unpadded.offsets, unpadded.min_seqlen, unpadded.max_seqlen)
             return self.encoder(x, attention), tokens
         x = self.embeddings(input_ids, token_type_ids, position_ids)
-        return self.encoder(x, row_attention(attention_mask, packed)), None
+        return self.encoder(x, row_attention(attention_mask, packed, mask_needed)), None
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -433,12 +439,14 @@ class BertForPreTraining(nn.Module):
         self.cls.apply(lambda m: _init_weights(m, config.initializer_range))
 
     def forward(self, input_ids, token_type_ids, attention_mask, masked_lm_positions, position_ids=None,
-                cls_positions=None, masked_lm_valid=None, masked_lm_index=None, unpadded: Unpadded | None = None):
+                cls_positions=None, masked_lm_valid=None, masked_lm_index=None, unpadded: Unpadded | None = None,
+                mask_needed: bool | None = None):
         """(mlm_logits, nsp_logits); the MLM head runs at the prediction slots only (the vocab projection dominates a
         small model's cost): [B, P, V] at every slot of `masked_lm_positions` [B, P], or, with `masked_lm_valid`
         [B, P], [M, V] at its M real slots (row-major order), never at empty ones (~12% at seq 128, ~25% at 512);
         `masked_lm_index` [M] (host_indices) gives those slots as row-major positions without a host sync, as
-        `unpadded` gives the real tokens of packed rows. Both are gathered straight from the encoder's rows or tokens."""
+        `unpadded` the real tokens of packed rows and `mask_needed` whether the rows need a mask (see encode). Both
+        are gathered straight from the encoder's rows or tokens."""
         batch, length = input_ids.shape
         rows = torch.arange(batch, device=input_ids.device).unsqueeze(1) * length
         flat = masked_lm_positions.long() + rows
@@ -447,7 +455,7 @@ class BertForPreTraining(nn.Module):
         else:  # M depends on the data: without masked_lm_index the selection syncs once with the host on CUDA
             predicted = flat.flatten() if masked_lm_valid is None else flat[masked_lm_valid]
         hidden, tokens = self.bert.encode(input_ids, token_type_ids, attention_mask, position_ids,
-                                          cls_positions is not None, unpadded)
+                                          cls_positions is not None, unpadded, mask_needed)
         first = rows.squeeze(1) if cls_positions is None else cls_positions.long() + rows
         mlm_logits, nsp_logits = self._heads(at_positions(hidden, tokens, predicted),
                                              self.bert.pooler(at_positions(hidden, tokens, first)))

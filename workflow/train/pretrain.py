@@ -222,7 +222,8 @@ def forward(model, batch: dict):
         return mlm_logits, nsp_logits, batch["masked_lm_labels"][valid]
     mlm_logits, nsp_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
                                    batch["masked_lm_positions"], batch.get("position_ids"), batch.get("cls_positions"),
-                                   masked_lm_index=batch["masked_lm_index"], unpadded=unpadded_of(batch))
+                                   masked_lm_index=batch["masked_lm_index"], unpadded=unpadded_of(batch),
+                                   mask_needed=batch["mask_needed"])
     return mlm_logits, nsp_logits, batch["masked_lm_targets"]
 
 
