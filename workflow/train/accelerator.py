@@ -16,6 +16,8 @@ API:
     attention_kernel(device, dtype, head_size) -> "flash" | "efficient" | "math" | "cudnn"   SDPA's first usable kernel
                                   for nested (varlen) attention on `device`; "math" off CUDA
     peak_flops(device_name, precision) -> float | None   the card's datasheet dense peak (FLOP/s) for that dtype
+    host_syncs(device, run) -> str | None   what made `run()` wait for the device (CUDA's sync debug mode "error"):
+                                  "" none, else the error; None off CUDA (nothing to wait for)
 """
 from __future__ import annotations
 
@@ -139,3 +141,18 @@ def peak_flops(name: str | None, precision: str) -> float | None:
         if name and fragment in name and precision in peaks:
             return peaks[precision] * 1e12
     return None
+
+
+def host_syncs(device: torch.device, run) -> str | None:
+    """"" when `run()` never waits for `device`, else what CUDA's sync debug mode reports; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)  # work queued before is not `run`'s
+    cuda.set_sync_debug_mode("error")
+    try:
+        run()
+        return ""
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    finally:
+        cuda.set_sync_debug_mode("default")

@@ -7,6 +7,7 @@ API (generic: pretraining and SQuAD fine-tuning both use it):
     load_latest_checkpoint(directory) -> (state, path) | (None, None)
         newest checkpoint that loads (weights_only=True, sha256 matches); a corrupt one -> warning, next older.
     load_checkpoint(path) -> state      one checkpoint, verified (raises when unusable)
+    flat_tensors(state) -> {path: tensor}   every tensor of a nested state (to compare a save with its load)
     rng_state(device) -> dict / set_rng_state(dict, device)   python, numpy, torch CPU and the CUDA generator of
                     `device` (this rank's own: a resume may see fewer GPUs than the run that saved it)
     StopSignals()   context manager: SIGTERM/SIGUSR1 set `.received` (the signal number) instead of killing us;
@@ -94,6 +95,14 @@ def load_latest_checkpoint(directory: str | os.PathLike, map_location="cpu") -> 
         except Exception as error:  # any failure to read means: not usable, try the previous one
             log.warning("checkpoint %s is unreadable (%s); falling back to the previous one", path, error)
     return None, None
+
+
+def flat_tensors(state, prefix: str = "") -> dict:
+    """Every tensor of a nested state (dicts, lists) by its path, e.g. "optimizer.state.3.exp_avg"."""
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
+    return {path: tensor for key, value in items for path, tensor in flat_tensors(value, f"{prefix}{key}.").items()}
 
 
 def rng_state(device: torch.device = torch.device("cpu")) -> dict:
