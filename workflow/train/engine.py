@@ -22,6 +22,11 @@ micro-batch size, threads, cadence and max_steps may change between runs; a chan
 Input pipeline: `loader_workers` processes (a torch DataLoader over the steps' positions) read each step's
 micro-batches `prefetch_steps` steps ahead of the training thread, into pinned memory on CUDA.
 
+Optimizer step: the module's zero_grad (apex FusedLAMB's own takes no argument): gradients set to None, or under DDP
+zeroed in place so they stay views of its buckets (gradient_as_bucket_view). The logged gradient norm is the step's
+own, also when fp16's scaler skips the step. Each rank's checkpointed RNG state holds the CUDA generator of its own
+device only (workflow/train/accelerator.py), so a resume may see fewer GPUs per node.
+
 Checkpoints: `run_dir/checkpoints/step_*.pt` (never deleted on a settings change; only the newest
 `keep_checkpoints` of the run are kept). Rank 0 chooses the newest valid one and every rank loads that one.
 A stop signal (SIGTERM, SIGUSR1) on any rank: every rank finishes the step, the checkpoint is written, all ranks meet
