@@ -15,7 +15,7 @@ device, on a few sequences of the phase-1 data and the configured model (no drop
 (when it runs here) against the torch LAMB for one step, the unpadded (varlen) attention of packed rows against the
 same rows with a block-diagonal mask, the training precision's loss against fp32's, a checkpoint's save -> load
 (identical weights and optimizer state), the RNG state's restore, and (on CUDA) a packed forward with no host sync.
-Each rank prints which optimizer, attention kernel (flash / efficient / cudnn / math) and precision it uses; a
+Each rank prints which optimizer, attention kernel (flash / efficient / math) and precision it uses; a
 fast path that disagrees with its reference stops the check with one `error:` line naming the config key that turns
 it off (FAST_PATHS).
 """

@@ -13,7 +13,7 @@ API:
     synchronize(device)           wait for the queued kernels (nothing on CPU)
     reset_peak_memory(device) / peak_memory_bytes(device)
     fused_lamb(device) -> (class | None, reason)   apex FusedLAMB where it can run (CUDA, apex importable)
-    attention_kernel(device, dtype, head_size) -> "flash" | "efficient" | "math" | "cudnn"   SDPA's first usable kernel
+    attention_kernel(device, dtype, head_size) -> "flash" | "efficient" | "math"   SDPA's first usable kernel
                                   for nested (varlen) attention on `device`; "math" off CUDA
     peak_flops(device_name, precision) -> float | None   the card's datasheet dense peak (FLOP/s) for that dtype
     host_syncs(device, run) -> str | None   what made `run()` wait for the device (CUDA's sync debug mode "error"):
@@ -118,7 +118,7 @@ def fused_lamb(device: torch.device):
 
 def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, heads: int = 2) -> str:
     """The first kernel SDPA can run for nested (variable-length) q, k, v of this dtype and head size on `device`,
-    in SDPA's own order of preference: what the unpadded attention path runs on."""
+    in the order nested tensors' SDPA prefers them (torch/nested/_internal/sdpa.py): what the unpadded path runs on."""
     if device.type != "cuda":
         return "math"
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -127,8 +127,7 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, h
     values = torch.zeros(6, heads, head_size, device=device, dtype=dtype)
     offsets = torch.tensor([0, 2, 6], device=device)
     q = torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=2, max_seqlen=4).transpose(1, 2)
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         with contextlib.suppress(RuntimeError), sdpa_kernel([backend]):
             F.scaled_dot_product_attention(q, q, q)
             return name
