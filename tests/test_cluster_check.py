@@ -124,8 +124,8 @@ def test_unpadded_attention_that_disagrees_with_the_masked_rows_stops_the_check_
     monkeypatch.setattr(model_module.VarlenAttention, "__call__", lambda *a: attention(*a).flip(0))  # tokens swapped
     error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "scratch")])
     assert re.match(r"rank 0: unpadded attention differs from the same packed rows with a block-diagonal mask \(fp32 "
-                    r"logits\) by \S+ \(relative; at most 0.0001\) on this cluster; set encode.packing.enabled: false until it "
-                    r"is fixed$", str(error))
+                    r"logits\) by \S+ \(relative; at most 0.0001\) on this cluster; set encode.packing.enabled: false "
+                    r"until it is fixed$", str(error))
 
 
 def test_a_checkpoint_that_does_not_round_trip_names_no_key_but_what_is_at_stake():

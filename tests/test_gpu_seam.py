@@ -275,7 +275,8 @@ def test_a_token_id_beyond_the_models_vocabulary_is_named_with_its_shard_at_star
     vocab = str(tmp_path / "vocab.txt")
     check_token_ids(shards, vocab, 64)
     with pytest.raises(UserError, match=rf"^{shards[0].path}: input_ids holds token id \d+, beyond the model's "
-                                        rf"vocab_size 48; encode the data with {vocab} \(or use a model of that vocabulary\)$"):
+                                        rf"vocab_size 48; encode the data with {vocab} \(or use a model of that "
+                                        rf"vocabulary\)$"):
         check_token_ids(shards, vocab, 48)
     for shard in shards:  # encoded with this vocab file: ids below its size by construction, nothing read
         with h5py.File(shard.path, "a") as handle:

@@ -135,7 +135,7 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, h
 
 
 def peak_flops(name: str | None, precision: str) -> float | None:
-    """FLOP/s of the card called `name` at `precision` (bf16, fp16, fp32 as tf32) from its datasheet; None if unknown."""
+    """FLOP/s of the card called `name` at `precision` (bf16, fp16, fp32 as tf32) from its datasheet (None: unknown)."""
     for fragment, peaks in DATASHEET_TFLOPS:
         if name and fragment in name and precision in peaks:
             return peaks[precision] * 1e12

@@ -375,8 +375,8 @@ def _optimizer_step(model, optimizer, scaler, clip: float | None, keep_grads: bo
         scaler.update()
     else:
         optimizer.step()
-    if grad_norm is None:
-        grad_norm = optimizer.last_grad_norm
+    if grad_norm is None:  # LAMB's own (None only if it never saw a gradient)
+        grad_norm = optimizer.last_grad_norm if optimizer.last_grad_norm is not None else torch.tensor(float("nan"))
     # The module's zero_grad, not the optimizer's: apex FusedLAMB.zero_grad() takes no argument.
     model.zero_grad(set_to_none=not keep_grads)
     return grad_norm.detach().float().to(next(model.parameters()).device)

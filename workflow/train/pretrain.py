@@ -43,6 +43,7 @@ import h5py
 import torch
 import torch.nn.functional as F
 
+from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
@@ -50,7 +51,6 @@ from workflow.cli import UserError, config_sections, run
 from workflow.config import load_config
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.lamb import make_optimizer, make_scheduler
-from workflow.train import accelerator
 from workflow.train.model import (VARLEN_DEVICE_TYPES, BertConfig, BertForPreTraining, count_parameters,
                                   flops_per_sequence, host_indices, load_pretrained, load_weights, pretraining_loss,
                                   save_pretrained, unpadded_of)
@@ -112,7 +112,8 @@ class TrainSettings:
         try:
             section = config["pretrain"]
             values = {key: section[phase].get(key) for key in PHASE_KEYS}
-            values.update({key: section["lamb"][key] for key in LAMB_KEYS}, fused_lamb=section["lamb"].get("fused", True))
+            values.update({key: section["lamb"][key] for key in LAMB_KEYS})
+            values["fused_lamb"] = section["lamb"].get("fused", True)
             values.update({key: section[key] for key in ("precision", "checkpoint_every", "keep_checkpoints",
                                                          "log_every", "eval_max_sequences", "compile",
                                                          "loader_workers")})
