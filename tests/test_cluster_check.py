@@ -16,7 +16,9 @@ from workflow.data.hdf5 import read_encoded
 from workflow.data.pack import pack_shard
 from tests.fixtures.gpu_standins import install_apex
 from tests.fixtures.pretraining_shards import write_synthetic_shards
-from workflow.slurm.cluster_check import FAST_PATHS, disagreement, fast_paths, report, report_fast_paths, unpacked
+from tests.test_pretrain import config_of, packed_data, settings  # noqa: F401  (the packed_data fixture)
+from workflow.slurm.cluster_check import (AGREEMENT, FAST_PATHS, check, disagreement, fast_paths, report,
+                                          report_fast_paths, unpacked)
 from workflow.train import model as model_module
 from workflow.train.distributed import DistEnv
 from workflow.train.model import BertConfig
@@ -133,3 +135,15 @@ def test_a_checkpoint_that_does_not_round_trip_names_no_key_but_what_is_at_stake
     assert str(error) == ("rank 3: checkpoint differs from the weights and optimizer state saved by inf (relative; at "
                           "most 0) on this cluster; training cannot resume exactly here; check the device and the run "
                           "directory's filesystem")
+
+
+def test_the_whole_check_runs_on_one_cpu_process_with_its_fast_paths_in_the_result(packed_data, tmp_path,  # noqa: F811
+                                                                                    capsys):
+    s = settings(packed_data, tmp_path / "out", eval_max_sequences=16, micro_batch_size=4)
+    result = check(config_of(s), s.data_dir, s.vocab, tmp_path / "scratch", steps=2, allreduce_mb=1, threads=1)
+    assert [(r["rank"], r["optimizer"], r["precision"]) for r in result["fast_paths"]] == [(0, "torch.Lamb", "fp32")]
+    assert set(result["fast_paths"][0]["paths"]) == {"unpadded attention", "checkpoint", "rng restore"}
+    assert result["steps"] == 2 and result["packed_vs_unpacked"][0]["relative_difference"] <= AGREEMENT
+    assert re.search(r"^rank   0: optimizer torch.Lamb, attention rows \(SDPA with a mask\), precision fp32; ",
+                     capsys.readouterr().err, re.M)
+    assert not (tmp_path / "scratch").exists()
