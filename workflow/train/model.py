@@ -31,8 +31,8 @@ through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEV
 tokens gathered to [T, H] for every layer and variable-length flash attention (nested jagged SDPA);
 BertForPreTraining takes the MLM and [CLS] inputs straight from those [T, H] (no re-padded rows). The
 pooler and NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot).
-Without packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; checking costs one device
-sync per forward on CUDA); padding queries still attend to real keys, as in HF.
+Without packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; host_indices checks it on the
+host, else the check costs one device sync per forward on CUDA); padding queries still attend to real keys, as in HF.
 """
 from __future__ import annotations
 
@@ -380,8 +380,8 @@ class BertModel(nn.Module):
         """The last layer's output (hidden, tokens): rows [B, L, H] and None, or, for packed rows on the devices of
         VARLEN_DEVICE_TYPES, the real tokens [T, H] and their ascending row-major positions [T] in the rows
         (`unpadded`: those tokens as host_indices computed them, else computed here with host syncs; `mask_needed`
-        likewise, see row_attention). Rows holding
-        no token at all (an empty micro-batch) run as rows: every parameter still takes part (DDP needs it)."""
+        likewise, see row_attention). Rows holding no token at all (an empty micro-batch) run as rows: every parameter
+        still takes part (DDP needs it), with nothing to unpad."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         if packed and (attention_mask is None or position_ids is None):
