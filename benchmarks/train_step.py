@@ -2,8 +2,9 @@
 
     python benchmarks/train_step.py                 # CPU: the three comparisons below
     python benchmarks/train_step.py --step-only --seq 512 --predictions 80 --micro-batch 4   # CPU: 1. at seq 512
-    python benchmarks/train_step.py --gpu           # CUDA (an H100/H200): the GPU mode below; without a CUDA device
-                                                    # it prints "no CUDA device: GPU benchmark skipped" and exits 0
+    python benchmarks/train_step.py --gpu           # CUDA (an H100/H200): the GPU mode below, at config.yaml's
+                                                    # micro-batches; without a CUDA device it prints
+                                                    # "no CUDA device: GPU benchmark skipped" and exits 0
     python benchmarks/train_step.py --gpu --device cpu --preset tiny --vocab 1024 --steps 2 --warmup 1 \
         --gpu-micro-batch1 8 --gpu-micro-batch2 4   # the GPU mode's code rehearsed on CPU (tests/test_benchmarks.py)
 
@@ -25,8 +26,9 @@ hits them alike (medians printed):
    forward + MLM/NSP loss + backward (MLM head at the real slots, as in training); real tokens per second of each,
    fill beside (expect the ratio ~ fill packed / fill padded).
 
-GPU mode (--gpu): BERT-large (--preset) phase 1 (seq 128, 20 predictions, micro-batch --gpu-micro-batch1 = 256)
-and phase 2 (seq 512, 80 predictions, --gpu-micro-batch2 = 32), bf16 autocast, on the same --steps micro-batches of
+GPU mode (--gpu): BERT-large (--preset) phase 1 and phase 2 as --configfile (config.yaml) configures them: sequence
+length and predictions (encode.phaseN), rows per micro-batch (pretrain.phaseN.micro_batch_size: 64 and 16; or
+--gpu-micro-batch1/2), bf16 autocast, on the same --steps micro-batches of
 Wikipedia-like instances (the generator of 3.): three sides, each timed over all its micro-batches after --warmup
 untimed steps, a step being forward, MLM + NSP loss, backward and one LAMB step (workflow.train.lamb.Lamb) per
 micro-batch (NVIDIA accumulates many micro-batches per LAMB step, so this charges both sides more optimizer time
@@ -36,12 +38,14 @@ than a real run):
    - ours padded: our model on the same padded rows;
    - ours packed: our model on the same instances packed as the pack stage packs them (PackSettings), through the
      unpadded varlen attention path (model.VARLEN_DEVICE_TYPES; forced on CPU by --device cpu).
+Our batches carry the indices training's loader computes on the host (model.host_indices), as in training.
 Printed per phase and side: fill, seq/s, real tokens/s, MFU, peak memory; then our speedups over HF. All
 device-specific calls sit in `Device` (CUDA, or CPU stand-ins: no sync, peak RSS, MFU "n/a"). NVIDIA's
 DeepLearningExamples BERT (DLE) cannot be installed here: the issue's goal of >= 1.5x DLE's seq/s on the same GPU
 needs DLE's published figure for that GPU beside this run's "ours" figures; no DLE figure is measured here.
 
-GPU MFU = seq/s x FLOPs per sequence / peak, peak = 790 TFLOP/s (measured dense bf16 matmul on an H200).
+GPU MFU = seq/s x FLOPs per sequence / peak, peak = the card's datasheet dense bf16 peak (accelerator.peak_flops:
+989.4 TFLOP/s on an H100 SXM or H200, 312 on an A100; "n/a" for a card not in its table).
 FLOPs per sequence (workflow.train.model.flops_per_sequence, matmuls only, training = 3 x forward):
     3 x [ n_layers x L x (2 (4h^2 + 2 h i) + 4 L h)  +  P (2 h^2 + 2 h V)  +  2 h^2 ]
 with L the sequence length, h hidden, i intermediate, V vocab, P masked positions per sequence (the GPU mode
@@ -68,15 +72,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from workflow.config import load_config  # noqa: E402
 from workflow.data.pack import PackSettings, pack_arrays  # noqa: E402
+from workflow.train import accelerator  # noqa: E402
 import workflow.train.model as model_module  # noqa: E402
 from workflow.train.lamb import Lamb, param_groups  # noqa: E402
 from workflow.train.pretraining_data import make_batch as data_batch, padded as padded_rows  # noqa: E402
-from workflow.train.model import BertConfig, BertForPreTraining, flops_per_sequence, pretraining_loss  # noqa: E402
+from workflow.train.model import (BertConfig, BertForPreTraining, flops_per_sequence, host_indices,  # noqa: E402
+                                  pretraining_loss)
 from workflow.train.precision import autocast as precision_autocast  # noqa: E402
 from workflow.train.pretrain import forward as pretraining_forward  # noqa: E402
 
-PEAK_BF16_FLOPS = 790e12
+CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
+
+
+def configured_phases(path, micro_batch1: int | None = None, micro_batch2: int | None = None) -> list[tuple]:
+    """(phase, sequence length, predictions per sequence, rows per micro-batch) of both phases as the config file
+    sets them (encode.phaseN, pretrain.phaseN.micro_batch_size), a given micro-batch size overriding."""
+    config = load_config(path)
+    return [(phase, config["encode"][phase]["max_seq_length"], config["encode"][phase]["max_predictions_per_seq"],
+             micro or config["pretrain"][phase]["micro_batch_size"])
+            for phase, micro in (("phase1", micro_batch1), ("phase2", micro_batch2))]
 
 
 def make_batch(config: BertConfig, batch: int, seq: int, predictions: int, device, seed: int = 0) -> dict:
@@ -240,7 +256,8 @@ def row_batches(arrays: dict, rows_per_batch: int, device) -> list[dict]:
     n = len(arrays["input_ids"])
     def batch(start):
         rows = {name: values[start:start + rows_per_batch] for name, values in arrays.items()}
-        return {k: v.to(device) for k, v in data_batch(*padded_rows(rows, rows_per_batch)).items()}
+        b = host_indices(data_batch(*padded_rows(rows, rows_per_batch)))
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
 
     return [batch(start) for start in range(0, n, rows_per_batch)]
 
@@ -286,8 +303,8 @@ def packed_vs_padded(model, seq, predictions, args) -> None:
 
 
 class Device:
-    """Every device-specific call of the --gpu mode, in one place: CUDA's, or their CPU stand-ins, so the rest of the
-    mode runs (and is tested) on a machine without a GPU."""
+    """The --gpu mode's device: CUDA (through workflow.train.accelerator, where every CUDA call lives), or the CPU
+    with its stand-ins (no sync, peak RSS, MFU "n/a"), so the rest of the mode runs (and is tested) without a GPU."""
 
     def __init__(self, kind: str):
         self.type = kind
@@ -295,7 +312,7 @@ class Device:
         self.torch = torch.device(kind)
 
     def available(self) -> bool:
-        return torch.cuda.is_available() if self.is_cuda else True
+        return accelerator.available() if self.is_cuda else True
 
     def prepare(self, threads: int) -> None:
         if self.is_cuda:
@@ -305,28 +322,30 @@ class Device:
 
     def name(self) -> str:
         if self.is_cuda:
-            return f"GPU {torch.cuda.get_device_name()}"
+            return f"GPU {accelerator.device_name(self.torch)}"
         return f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
 
     def sync(self) -> None:
         """Wait for the queued kernels (CUDA runs asynchronously; CPU ops are done when they return)."""
-        if self.is_cuda:
-            torch.cuda.synchronize()
+        accelerator.synchronize(self.torch)
 
     def reset_peak_memory(self) -> None:
         """Free the cache and restart the peak (CUDA); a process's peak RSS cannot be restarted (CPU)."""
-        if self.is_cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+        accelerator.reset_peak_memory(self.torch)
 
     def peak_memory(self) -> str:
         if self.is_cuda:
-            return f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated"
+            return f"peak {accelerator.peak_memory_bytes(self.torch) / 2**30:.1f} GiB allocated"
         return f"process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB"
 
+    def peak_flops(self) -> float | None:
+        """The card's datasheet dense bf16 peak (None: a CPU, or a card not in accelerator's table)."""
+        return accelerator.peak_flops(accelerator.device_name(self.torch), "bf16") if self.is_cuda else None
+
     def mfu(self, flops_per_second: float) -> str:
-        """Model FLOPs utilisation of PEAK_BF16_FLOPS, a GPU figure: n/a on CPU."""
-        return f"{flops_per_second / PEAK_BF16_FLOPS:.1%}" if self.is_cuda else "n/a"
+        """Model FLOPs utilisation of the card's datasheet bf16 peak: n/a on CPU or an unknown card."""
+        peak = self.peak_flops()
+        return f"{flops_per_second / peak:.1%}" if peak else "n/a"
 
     @contextlib.contextmanager
     def packed_path(self):
@@ -370,8 +389,9 @@ def gpu_benchmark(args) -> None:
     def bf16():
         return precision_autocast(device.torch, "bf16")
 
-    for phase, seq, predictions, micro in (("phase1", 128, 20, args.gpu_micro_batch1),
-                                           ("phase2", 512, 80, args.gpu_micro_batch2)):
+    peak = device.peak_flops()
+    for phase, seq, predictions, micro in configured_phases(args.configfile, args.gpu_micro_batch1,
+                                                            args.gpu_micro_batch2):
         config = BertConfig.preset(args.preset, vocab_size=(args.vocab + 7) // 8 * 8)  # padded to 8, as pretrain does
         n = micro * args.steps
         padded, packed, real, fill_padded, fill_packed = padded_and_packed(config, seq, predictions, n, micro,
@@ -381,7 +401,8 @@ def gpu_benchmark(args) -> None:
         warmup = f"{args.warmup} warmup steps" + (" (ours compiled: a full pass)" if args.compile else "")
         print(f"{device.name()}: {args.preset} {phase}, bf16 autocast, seq {seq}, {n} instances ({real / n:.1f} real "
               f"tokens, {mean_predictions:.1f} predictions each), micro-batches of {micro} rows, step = forward + "
-              f"MLM/NSP loss + backward + LAMB, {warmup}; MFU of {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s at "
+              f"MLM/NSP loss + backward + LAMB, {warmup}; MFU of "
+              f"{f'{peak / 1e12:.1f} TFLOP/s (datasheet dense bf16)' if peak else 'n/a (no datasheet peak)'} at "
               f"{flops / 1e9:.1f} GFLOP per sequence (real tokens and slots)")
         seq_per_s = {}
 
@@ -443,8 +464,11 @@ def main(argv=None) -> None:
     p.add_argument("--instances", type=int, default=64, help="instances of the packed vs padded comparison")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--gpu-micro-batch1", type=int, default=256, help="--gpu: rows per micro-batch, phase 1")
-    p.add_argument("--gpu-micro-batch2", type=int, default=32, help="--gpu: rows per micro-batch, phase 2")
+    p.add_argument("--gpu-micro-batch1", type=int, default=None,
+                   help="--gpu: rows per micro-batch, phase 1 (default: --configfile's pretrain.phase1)")
+    p.add_argument("--gpu-micro-batch2", type=int, default=None,
+                   help="--gpu: rows per micro-batch, phase 2 (default: --configfile's pretrain.phase2)")
+    p.add_argument("--configfile", default=str(CONFIG), help="--gpu: the workflow config whose phases are timed")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="--gpu: where it runs; cpu rehearses the GPU run's code (packed rows on the varlen path)")
     p.add_argument("--preset", choices=("bert-large", "bert-base", "tiny"), default="bert-large",

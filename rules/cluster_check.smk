@@ -1,6 +1,7 @@
 # A few-minute check of a new cluster, with the phase-1 job's launcher, its real trainer on the configured phase-1
 # data, and a 2-node all-GPU layout (the profile's set-resources cluster_check): world size, rank -> host/GPU/cores,
-# all-reduce bus bandwidth, seq/s, one checkpoint write, packed vs unpacked loss. Not part of `all`:
+# all-reduce bus bandwidth, seq/s, one checkpoint write, packed vs unpacked loss, and first each fast path of each
+# rank against its reference (docs/gpu.md). Not part of `all`:
 # `snakemake --profile slurm cluster_check`: needs only the phase-1 data and the vocab (built first if missing;
 # docs/cluster.md, "A new cluster").
 

@@ -11,7 +11,7 @@ import torch
 import torch.nested._internal.nested_tensor as nested_internals
 
 import workflow.train.model as model_module
-from benchmarks.train_step import Device, instances, ours_step, row_batches
+from benchmarks.train_step import Device, configured_phases, instances, ours_step, row_batches
 from tests.conftest import REPO
 from workflow.data.pack import PackSettings, pack_arrays
 from workflow.train.lamb import Lamb, param_groups
@@ -62,6 +62,11 @@ def test_gpu_mode_on_cpu_times_hf_and_ours_padded_and_packed_on_the_same_instanc
                          result.stdout, re.M), result.stdout
 
 
+def test_gpu_mode_times_the_micro_batches_the_config_file_sets():
+    assert configured_phases(REPO / "config.yaml") == [("phase1", 128, 20, 64), ("phase2", 512, 80, 16)]
+    assert configured_phases(REPO / "config.yaml", 8, None)[0][3] == 8  # an explicit size overrides
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the default run would be the real benchmark")
 def test_gpu_mode_without_a_gpu_says_it_skipped_and_exits_0():
     result = subprocess.run([sys.executable, str(SCRIPT), "--gpu"], capture_output=True, text=True, timeout=120)
@@ -85,12 +90,13 @@ def test_packed_rows_on_the_cpu_rehearsal_take_the_varlen_path_and_match_the_row
             mlm, nsp, labels = forward(model, batch)
             return pretraining_loss(mlm, nsp, labels, batch["next_sentence_labels"])["loss"].item()
 
-    with mock.patch.object(model_module, "unpad", wraps=unpad) as unpadded:
+    varlen_call = model_module.VarlenAttention.__call__
+    with mock.patch.object(model_module.VarlenAttention, "__call__", autospec=True, side_effect=varlen_call) as varlen:
         row_path = loss()
-        assert unpadded.call_count == 0
+        assert varlen.call_count == 0
         with device.packed_path():
             varlen_path = loss()
-        assert unpadded.call_count == 1
+        assert varlen.call_count == config.num_hidden_layers
     assert model_module.VARLEN_DEVICE_TYPES == ("cuda",)  # restored
     assert varlen_path == pytest.approx(row_path, rel=2e-2)  # bf16 rounding only
 
@@ -106,8 +112,9 @@ def test_packed_rows_on_the_cpu_rehearsal_take_the_varlen_path_and_match_the_row
 
 def test_varlen_attention_hands_sdpa_both_sequence_length_extremes_so_cuda_never_reads_them_back():
     mask = torch.tensor([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0]])  # sequences of 3, 2 and 4 tokens
-    tokens, attention = unpad(mask)
-    nested = attention._nested(torch.randn(len(tokens), 2, 4))
+    unpadded = unpad(mask)
+    attention = model_module.VarlenAttention(unpadded.offsets, unpadded.min_seqlen, unpadded.max_seqlen)
+    nested = attention._nested(torch.randn(len(unpadded.tokens), 2, 4))
     # CUDA's SDPA asks a nested tensor for both; computing one reads the lengths back from the device (a sync).
     with mock.patch.object(nested_internals, "_get_sdpa_extreme_seqlen", side_effect=AssertionError("device sync")):
         assert (nested._get_min_seqlen(), nested._get_max_seqlen()) == (2, 4)

@@ -459,6 +459,9 @@ def test_cluster_check_runs_the_real_phase1_trainer_on_two_nodes_and_checks_pack
     assert report["checkpoint_bytes"] > 0 and report["checkpoint_write_s"] > 0
     agreement = report["packed_vs_unpacked"]
     assert len(agreement) == 4 and all(a["packed"] and a["relative_difference"] <= 1e-4 for a in agreement), agreement
+    # every rank checked its fast paths against their references first (on these CPUs: unpadded attention and more)
+    checked = [(r["rank"], "unpadded attention" in r["paths"]) for r in report["fast_paths"]]
+    assert checked == [(rank, True) for rank in range(4)], report["fast_paths"]
     assert not (run.path / "runs" / "cluster_check").exists()  # its scratch run is gone
     (job,) = [job for job in run.jobs() if job["rule"] == "cluster_check"]
     assert "--ntasks-per-node=2" in job["SubmitLine"] and "gres/gpu=4" in job["AllocTRES"], job

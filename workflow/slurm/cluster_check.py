@@ -9,10 +9,20 @@ scratch run directory (`--run-dir`, emptied before and after; never a phase's); 
 model and LAMB state is timed on that filesystem; and the loss of packed rows is compared with the loss of the same
 sequences read unpacked (one per row), which must agree: the packed attention path on this device. Rank 0 prints
 the table to stderr (the rule's log) and writes it as JSON.
+
+First, before the trainer, every rank proves each fast path it will train with against its reference on its own
+device, on a few sequences of the phase-1 data and the configured model (no dropout; `fast_paths`): apex FusedLAMB
+(when it runs here) against the torch LAMB for one step, the unpadded (varlen) attention of packed rows against the
+same rows with a block-diagonal mask, the training precision's loss against fp32's, a checkpoint's save -> load
+(identical weights and optimizer state), the RNG state's restore, and (on CUDA) a packed forward with no host sync.
+Each rank prints which optimizer, attention kernel (flash / efficient / math) and precision it uses; a
+fast path that disagrees with its reference stops the check with one `error:` line naming the config key that turns
+it off (FAST_PATHS).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,16 +36,33 @@ import torch
 
 from workflow.atomic import write_text
 from workflow.cli import UserError, config_sections
+from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
-from workflow.train.pretrain import PretrainingTask, TrainSettings, build_model, read_vocab_size, train_phase
+from workflow.train import model as model_module
+from workflow.train.lamb import Lamb, make_optimizer, param_groups
+from workflow.train.model import BertConfig, BertForPreTraining, host_indices
+from workflow.train.precision import autocast, autocast_dtype, resolve_precision
+from workflow.train.pretrain import (PretrainingTask, TrainSettings, build_model, forward, read_vocab_size,
+                                     train_phase)
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
 AGREEMENT = 1e-4  # relative difference of the packed and unpacked losses in fp32 (summation order only)
+# Each fast path: its reference, the largest relative difference allowed, and what to set when it is exceeded
+# (None: no key turns it off; the message says what is wrong instead).
+FAST_PATHS = {
+    "unpadded attention": ("the same packed rows with a block-diagonal mask (fp32 logits)", AGREEMENT,
+                           "encode.packing.enabled: false"),
+    "precision": ("the same loss in fp32", 2e-2, "pretrain.precision: fp32"),
+    "apex FusedLAMB": ("one torch LAMB step from the same gradients (relative to the update)", 1e-3,
+                       "pretrain.lamb.fused: false"),
+    "checkpoint": ("the weights and optimizer state saved", 0.0, None),
+    "rng restore": ("the draws after the saved state", 0.0, None),
+}
 
 
 def placement(env: distributed.DistEnv) -> dict:
-    gpu = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
+    gpu = accelerator.device_name(env.device)
     return {"rank": env.rank, "local_rank": env.local_rank, "host": socket.gethostname(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "slurm_step_gpus": os.environ.get("SLURM_STEP_GPUS"), "device": str(env.device),
@@ -43,21 +70,16 @@ def placement(env: distributed.DistEnv) -> dict:
             "cores": sorted(os.sched_getaffinity(0))}
 
 
-def synchronize(env: distributed.DistEnv) -> None:
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)
-
-
 def allreduce_bus_gbps(env: distributed.DistEnv, megabytes: int, repeats: int = 5) -> float | None:
     if not env.distributed:
         return None
     tensor = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=env.device)
     distributed.all_reduce_(tensor)  # warm-up: the first call sets up the communicators
-    synchronize(env)
+    accelerator.synchronize(env.device)
     start = time.perf_counter()
     for _ in range(repeats):
         distributed.all_reduce_(tensor)
-    synchronize(env)
+    accelerator.synchronize(env.device)
     seconds = (time.perf_counter() - start) / repeats
     n = env.world_size
     return 2 * (n - 1) / n * tensor.numel() * 4 / seconds / 1e9
@@ -108,6 +130,99 @@ def packed_unpacked_losses(s: TrainSettings, model_dir: Path, env, sequences: in
             "relative_difference": abs(losses["packed"] - losses["unpacked"]) / abs(losses["unpacked"])}
 
 
+@contextlib.contextmanager
+def attention_path(device: torch.device, unpadded: bool):
+    """Packed rows on `device` take the unpadded (varlen) path, or the rows with a block-diagonal mask."""
+    saved = model_module.VARLEN_DEVICE_TYPES
+    others = tuple(kind for kind in saved if kind != device.type)
+    model_module.VARLEN_DEVICE_TYPES = (*others, device.type) if unpadded else others
+    try:
+        yield
+    finally:
+        model_module.VARLEN_DEVICE_TYPES = saved
+
+
+def relative(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value.double() - reference.double()).abs().max() / reference.double().abs().max().clamp(min=1e-30))
+
+
+def fast_paths(config: BertConfig, batch: dict, env, precision: str, fused: bool, scratch: Path) -> dict:
+    """This rank's fast paths on its device, each against its reference (FAST_PATHS), on `batch` (host tensors, as
+    the data reader gives them) and a fresh model of `config` in eval mode (no dropout: both sides compute one
+    function): {"rank", "optimizer", "attention", "precision", "paths": {name: relative difference}, "syncs"}."""
+    device, packed = env.device, "cls_positions" in batch
+    task = PretrainingTask(None, batch["input_ids"].shape[1])
+    host = host_indices(batch)
+    on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in host.items()}
+    training_path = packed and device.type in model_module.VARLEN_DEVICE_TYPES
+    torch.manual_seed(0)
+    model = BertForPreTraining(config).to(device).eval()
+
+    def loss(network, unpadded: bool, dtype: str):
+        with attention_path(device, unpadded), autocast(device, dtype):
+            return task.loss(network, on_device, task.count(on_device))["loss"].float()
+
+    def outputs(unpadded: bool):  # the logits at every labelled slot (the loss of a fresh model hardly varies)
+        with attention_path(device, unpadded):
+            mlm_logits, nsp_logits, _ = forward(model, on_device)
+        return torch.cat([mlm_logits.flatten(), nsp_logits[on_device["next_sentence_labels"] >= 0].flatten()])
+
+    paths = {}
+    with torch.no_grad():
+        if packed:
+            paths["unpadded attention"] = relative(outputs(True), outputs(False))
+        if precision != "fp32":
+            paths["precision"] = relative(loss(model, training_path, precision), loss(model, training_path, "fp32"))
+    optimizer, name = make_optimizer(model, 1e-3, fused=fused)
+    if name != "torch.Lamb":
+        twin = BertForPreTraining(config).to(device).eval()
+        twin.load_state_dict(model.state_dict())
+        before = [p.detach().clone() for p in model.parameters()]
+        for network, step in ((model, optimizer), (twin, Lamb(param_groups(twin), lr=1e-3))):
+            loss(network, training_path, "fp32").backward()
+            step.step()
+        paths["apex FusedLAMB"] = max(relative(p - b, q - b) for p, q, b in zip(model.parameters(),
+                                                                                twin.parameters(), before))
+    else:
+        loss(model, training_path, "fp32").backward()
+        optimizer.step()
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    loaded = ckpt.load_checkpoint(ckpt.save_checkpoint(scratch / f"rank{env.rank}", 0, saved, keep=1))
+    expected, got = ckpt.flat_tensors(saved), ckpt.flat_tensors(loaded)
+    paths["checkpoint"] = 0.0 if expected.keys() == got.keys() and all(
+        torch.equal(got[k].to(device), v) for k, v in expected.items()) else float("inf")
+    state = ckpt.rng_state(device)
+    first = torch.rand(64, device=device)
+    ckpt.set_rng_state(state, device)
+    paths["rng restore"] = 0.0 if torch.equal(torch.rand(64, device=device), first) else float("inf")
+    kernel = (accelerator.attention_kernel(device, autocast_dtype(precision),
+                                           config.hidden_size // config.num_attention_heads)
+              if training_path else "rows (SDPA with a mask)")
+    return {"rank": env.rank, "optimizer": name, "attention": kernel, "precision": precision, "paths": paths,
+            "syncs": accelerator.host_syncs(device, lambda: loss(model, training_path, precision))}
+
+
+def disagreement(results: list[dict]) -> UserError | None:
+    """The error of the first fast path of any rank beyond its tolerance (None: all agree)."""
+    for result in results:
+        for path, difference in result["paths"].items():
+            reference, tolerance, key = FAST_PATHS[path]
+            if not difference <= tolerance:
+                fix = (f"set {key} until it is fixed" if key else
+                       "training cannot resume exactly here; check the device and the run directory's filesystem")
+                return UserError(f"rank {result['rank']}: {path} differs from {reference} by {difference:.2e} "
+                                 f"(relative; at most {tolerance:g}) on this cluster; {fix}")
+    return None
+
+
+def report_fast_paths(results: list[dict]) -> None:
+    for r in results:
+        checks = ", ".join(f"{path} {difference:.1e}" for path, difference in r["paths"].items())
+        syncs = "" if r["syncs"] is None else f"; host syncs in a packed forward: {r['syncs'] or 'none'}"
+        print(f"rank {r['rank']:>3}: optimizer {r['optimizer']}, attention {r['attention']}, precision "
+              f"{r['precision']}; against the references: {checks}{syncs}", file=sys.stderr, flush=True)
+
+
 def checkpoint_write(run_dir: Path, scratch: Path) -> dict:
     """Seconds to write (and fsync, checksum) the newest checkpoint's model and LAMB state once more, on the run
     directory's filesystem: what every checkpoint of the phase costs, and what the time-limit margin must cover."""
@@ -118,6 +233,28 @@ def checkpoint_write(run_dir: Path, scratch: Path) -> dict:
     return {"checkpoint_bytes": path.stat().st_size, "checkpoint_write_s": seconds}
 
 
+def gather(env, value) -> list:
+    """Every rank's `value`, in rank order, on every rank."""
+    if not env.distributed:
+        return [value]
+    gathered = [None] * env.world_size
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def check_fast_paths(s: TrainSettings, shards, env, scratch: Path, sequences: int = 16) -> dict:
+    """fast_paths with the phase-1 settings: the configured model (fresh weights), this rank's first sequences."""
+    config, _ = build_model(s.preset, s.bert_config, None, read_vocab_size(s.vocab), shards[0].seq_length)
+    config = dataclasses.replace(config, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    reader = PretrainingSequences(shards, s.seed)
+    try:
+        batch = reader.read(env.rank * sequences, sequences)
+    finally:
+        reader.close()
+    return fast_paths(config, batch, env, resolve_precision(s.precision, env.device, "pretrain.precision"),
+                      s.fused_lamb, scratch)
+
+
 def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, allreduce_mb: int,
           threads: int | None) -> dict | None:
     env = distributed.setup()
@@ -125,31 +262,31 @@ def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, al
         if env.is_main:
             shutil.rmtree(scratch, ignore_errors=True)
         distributed.barrier()
-        ranks = [placement(env)]
-        if env.distributed:
-            ranks = [None] * env.world_size
-            torch.distributed.all_gather_object(ranks, placement(env))
+        ranks = gather(env, placement(env))
         bandwidth = allreduce_bus_gbps(env, allreduce_mb)
         s = TrainSettings.from_config(
             config, "phase1", data_dir=data_dir, vocab=vocab, run_dir=str(scratch / "run"),
             out_model=str(scratch / "model"), out_metrics=str(scratch / "metrics.jsonl"),
             out_summary=str(scratch / "summary.json"), out_telemetry=None, out_optimizer=None,
             init_from=(config.get("model") or {}).get("init_from"), threads=threads)
-        # steps of about one micro-batch (micro_batch_size rows) per rank: the phase's shapes, not its accumulation
         shards = list_shards(data_dir, "training")
+        fast = gather(env, check_fast_paths(s, shards, env, scratch / "fast_paths"))
+        if env.is_main:
+            report_fast_paths(fast)
+        failure = disagreement(fast)  # every rank has every result: all stop together
+        if failure:
+            raise failure
+        # steps of about one micro-batch (micro_batch_size rows) per rank: the phase's shapes, not its accumulation
         per_row = sum(shard.n for shard in shards) / sum(shard.rows for shard in shards)
         s = dataclasses.replace(s, global_batch_size=max(1, int(s.micro_batch_size * per_row)) * env.world_size,
                                 max_steps=min(steps, s.total_steps), checkpoint_every=steps, log_every=max(1, steps // 4))
         summary = train_phase(s, env)
         distributed.barrier()  # rank 0 has exported the model the comparison loads
         losses = packed_unpacked_losses(s, scratch / "model", env, sequences=16)
-        gathered = [losses]
-        if env.distributed:
-            gathered = [None] * env.world_size
-            torch.distributed.all_gather_object(gathered, losses)
+        gathered = gather(env, losses)
         result = None
         if env.is_main:
-            result = {"world_size": env.world_size, "ranks": ranks, "allreduce_mb": allreduce_mb,
+            result = {"world_size": env.world_size, "ranks": ranks, "fast_paths": fast, "allreduce_mb": allreduce_mb,
                       "allreduce_bus_gbps": bandwidth, "preset": s.preset, "precision": summary["precision"],
                       "optimizer": summary["optimizer"], "seq_length": summary["seq_length"], "steps": summary["steps"],
                       "sequences_per_second": summary["seq_per_s"], "real_tokens_per_s": summary["real_tokens_per_s"],

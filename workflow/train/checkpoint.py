@@ -7,7 +7,9 @@ API (generic: pretraining and SQuAD fine-tuning both use it):
     load_latest_checkpoint(directory) -> (state, path) | (None, None)
         newest checkpoint that loads (weights_only=True, sha256 matches); a corrupt one -> warning, next older.
     load_checkpoint(path) -> state      one checkpoint, verified (raises when unusable)
-    rng_state() -> dict / set_rng_state(dict)   python, numpy, torch CPU and CUDA generators
+    flat_tensors(state) -> {path: tensor}   every tensor of a nested state (to compare a save with its load)
+    rng_state(device) -> dict / set_rng_state(dict, device)   python, numpy, torch CPU and the CUDA generator of
+                    `device` (this rank's own: a resume may see fewer GPUs than the run that saved it)
     StopSignals()   context manager: SIGTERM/SIGUSR1 set `.received` (the signal number) instead of killing us;
                     the engine checks it after each step, checkpoints, and returns 128 + signal as the exit code.
     fail_at_step(step)   fault injection: SIGKILL ourselves right after `step` when SNAKEBERT_FAIL_AT_STEP == step.
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from workflow.atomic import atomic_path
+from workflow.train import accelerator
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
@@ -94,7 +97,15 @@ def load_latest_checkpoint(directory: str | os.PathLike, map_location="cpu") -> 
     return None, None
 
 
-def rng_state() -> dict:
+def flat_tensors(state, prefix: str = "") -> dict:
+    """Every tensor of a nested state (dicts, lists) by its path, e.g. "optimizer.state.3.exp_avg"."""
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
+    return {path: tensor for key, value in items for path, tensor in flat_tensors(value, f"{prefix}{key}.").items()}
+
+
+def rng_state(device: torch.device = torch.device("cpu")) -> dict:
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
@@ -102,19 +113,19 @@ def rng_state() -> dict:
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    cuda = accelerator.rng_state(device)
+    if cuda is not None:
+        state["cuda"] = cuda
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device = torch.device("cpu")) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    accelerator.set_rng_state(state.get("cuda"), device)
 
 
 class StopSignals:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from workflow.cli import UserError
+from workflow.train import accelerator
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,10 @@ def setup(device: str = "auto", timeout_s: int = 1800) -> DistEnv:
     """Read the environment, pick the device, and join the process group when world_size > 1."""
     rank, world, local = read_environment()
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if accelerator.available() else "cpu"
     if device == "cuda":
-        torch_device = torch.device("cuda", local % max(torch.cuda.device_count(), 1))
-        torch.cuda.set_device(torch_device)
+        torch_device = torch.device("cuda", local % max(accelerator.device_count(), 1))
+        accelerator.set_device(torch_device)
     else:
         torch_device = torch.device(device)
     backend = None

@@ -22,6 +22,11 @@ micro-batch size, threads, cadence and max_steps may change between runs; a chan
 Input pipeline: `loader_workers` processes (a torch DataLoader over the steps' positions) read each step's
 micro-batches `prefetch_steps` steps ahead of the training thread, into pinned memory on CUDA.
 
+Optimizer step: the module's zero_grad (apex FusedLAMB's own takes no argument): gradients set to None, or under DDP
+zeroed in place so they stay views of its buckets (gradient_as_bucket_view). The logged gradient norm is the step's
+own, also when fp16's scaler skips the step. Each rank's checkpointed RNG state holds the CUDA generator of its own
+device only (workflow/train/accelerator.py), so a resume may see fewer GPUs per node.
+
 Checkpoints: `run_dir/checkpoints/step_*.pt` (never deleted on a settings change; only the newest
 `keep_checkpoints` of the run are kept). Rank 0 chooses the newest valid one and every rank loads that one.
 A stop signal (SIGTERM, SIGUSR1) on any rank: every rank finishes the step, the checkpoint is written, all ranks meet
@@ -166,7 +171,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def _gather_rng(env) -> list:
-    state = ckpt.rng_state()
+    state = ckpt.rng_state(env.device)
     if not env.distributed:
         return [state]
     gathered = [None] * env.world_size
@@ -176,7 +181,7 @@ def _gather_rng(env) -> list:
 
 def _restore_rng(states: list, env, seed: int, step: int) -> None:
     if env.rank < len(states):
-        ckpt.set_rng_state(states[env.rank])
+        ckpt.set_rng_state(states[env.rank], env.device)
     else:  # the run grew: a new rank draws its own stream, reproducibly
         torch.manual_seed(hash((seed, env.rank, step)) % 2**63)
 
@@ -189,7 +194,8 @@ def _stop_signal(stop, env) -> int:
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """Tensors to `device`; plain values (lengths the task computed on the host) stay host values."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def sequence_micro_batches(task: Task, start: int, count: int, rank: int, world: int, size: int) -> list[dict]:
@@ -270,6 +276,8 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
 
     train_model = model
     if env.distributed:
+        # Gradients as views of DDP's buckets (no copy, one gradient's memory less), kept between steps: zeroed in
+        # place rather than set to None, which would drop the views and make DDP rebuild them every step.
         train_model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
                                               else None, gradient_as_bucket_view=True)
     if s.compile:
@@ -315,7 +323,7 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
                     (scaler.scale(loss) if scaler is not None else loss).backward()
                 for key, value in out.items():
                     window[key] = window.get(key, 0) + value.detach().float()
-            grad_norm = _optimizer_step(model, optimizer, scaler, s.clip_grad_norm)
+            grad_norm = _optimizer_step(model, optimizer, scaler, s.clip_grad_norm, keep_grads=env.distributed)
             scheduler.step()
             step += 1
             consumed += s.global_batch_size
@@ -350,14 +358,16 @@ def _sum_counts(task: Task, batches: list, env) -> dict:
     return {k: v.clamp(min=1).float() for k, v in zip(keys, values)}  # exact in fp32 up to 2^24
 
 
-def _optimizer_step(model, optimizer, scaler, clip: float | None) -> torch.Tensor:
-    """Unscale (fp16), clip, step; returns the pre-clip global gradient norm."""
+def _optimizer_step(model, optimizer, scaler, clip: float | None, keep_grads: bool = False) -> torch.Tensor:
+    """Unscale (fp16), clip, step, zero the gradients (in place with `keep_grads`: DDP's bucket views, else None);
+    returns this step's pre-clip global gradient norm, also when fp16's scaler skips the step."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = None
     if clip:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    elif not hasattr(optimizer, "last_grad_norm"):  # apex FusedLAMB clips inside but does not expose the norm
+    elif scaler is not None or not hasattr(optimizer, "last_grad_norm"):
+        # LAMB's own norm is last step's when the scaler skips this one; apex FusedLAMB does not expose its norm.
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     if scaler is not None:
@@ -365,9 +375,10 @@ def _optimizer_step(model, optimizer, scaler, clip: float | None) -> torch.Tenso
         scaler.update()
     else:
         optimizer.step()
-    if grad_norm is None:  # LAMB's own (None when fp16's scaler skipped the step before LAMB ever ran)
+    if grad_norm is None:  # LAMB's own (None only if it never saw a gradient)
         grad_norm = optimizer.last_grad_norm if optimizer.last_grad_norm is not None else torch.tensor(float("nan"))
-    optimizer.zero_grad(set_to_none=True)
+    # The module's zero_grad, not the optimizer's: apex FusedLAMB.zero_grad() takes no argument.
+    model.zero_grad(set_to_none=not keep_grads)
     return grad_norm.detach().float().to(next(model.parameters()).device)
 
 

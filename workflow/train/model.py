@@ -11,6 +11,9 @@ API (stable; the SQuAD stage builds on it):
                                     the given positions only, or, with masked_lm_valid [B, P] (True = a real
                                     prediction slot; what training passes), [M, V] at the M real slots only, in
                                     row-major slot order (= masked_lm_labels[masked_lm_valid])
+    host_indices(batch) -> batch    plus the indices the forward would read back from the device (real prediction
+                                    slots, packed rows' real tokens and sequence offsets), computed where the batch is
+                                    built: no host sync remains in the forward (what the training task passes)
     pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict of loss/accuracy tensors
     save_pretrained(model, config, vocab_path, out_dir, lowercase=None, dle_checkpoint=False)   HF directory:
                                     model.safetensors + config.json + vocab.txt (+ tokenizer_config.json for
@@ -31,8 +34,8 @@ through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEV
 tokens gathered to [T, H] for every layer and variable-length flash attention (nested jagged SDPA);
 BertForPreTraining takes the MLM and [CLS] inputs straight from those [T, H] (no re-padded rows). The
 pooler and NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot).
-Without packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; checking costs one device
-sync per forward on CUDA); padding queries still attend to real keys, as in HF.
+Without packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; host_indices checks it on the
+host, else the check costs one device sync per forward on CUDA); padding queries still attend to real keys, as in HF.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -172,9 +176,12 @@ class VarlenAttention:
         return context.transpose(1, 2).values()
 
 
-def row_attention(attention_mask, packed: bool) -> RowAttention:
-    """The rows' attention: no mask when no token is padding and each row is one sequence."""
-    if attention_mask is None or bool((attention_mask == 1).all()):
+def row_attention(attention_mask, packed: bool, mask_needed: bool | None = None) -> RowAttention:
+    """The rows' attention: no mask when no token is padding and each row is one sequence (`mask_needed`: whether
+    some is, as host_indices found; else read from the mask, a host sync on CUDA)."""
+    if mask_needed is None and attention_mask is not None:
+        mask_needed = not bool((attention_mask == 1).all())
+    if not mask_needed:
         return RowAttention()
     if packed:
         # Block diagonal: a token sees its own sequence only; padding (0) sees padding only, so no row is empty.
@@ -183,8 +190,18 @@ def row_attention(attention_mask, packed: bool) -> RowAttention:
     return RowAttention(attention_mask.bool()[:, None, None, :])
 
 
-def unpad(attention_mask) -> tuple[torch.Tensor, VarlenAttention]:
-    """(flat indices of the real tokens [T], their attention) of packed rows of sequence numbers (0 = padding)."""
+class Unpadded(NamedTuple):
+    """The real tokens of packed rows: their ascending row-major positions [T], the offsets of their sequences
+    (cu_seqlens [N + 1]) and the shortest and longest sequence (host ints: SDPA would read them from the device)."""
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    min_seqlen: int
+    max_seqlen: int
+
+
+def unpad(attention_mask) -> Unpadded:
+    """The real tokens of packed rows of sequence numbers (0 = padding). Reads the mask's values: on the host where the
+    batch is built (host_indices), or, given a device's mask, with host syncs."""
     length = attention_mask.shape[1]
     flat = attention_mask.flatten()
     tokens = flat.nonzero().squeeze(1)
@@ -193,8 +210,34 @@ def unpad(attention_mask) -> tuple[torch.Tensor, VarlenAttention]:
     first[1:] = sequence[1:] != sequence[:-1]
     offsets = torch.cat([first.nonzero().squeeze(1), tokens.new_tensor([len(tokens)])])
     lengths = offsets[1:] - offsets[:-1]
-    shortest, longest = torch.stack([lengths.min(), lengths.max()]).tolist()  # one host sync for both
-    return tokens, VarlenAttention(offsets, shortest, longest)
+    # An all-padding micro-batch (a rank given no rows of a step) has no sequence: no extremes to take.
+    shortest, longest = torch.stack([lengths.min(), lengths.max()]).tolist() if len(lengths) else (0, 0)
+    return Unpadded(tokens, offsets, shortest, longest)
+
+
+UNPADDED_KEYS = ("unpadded_tokens", "cu_seqlens", "min_seqlen", "max_seqlen")  # host_indices' entries of Unpadded
+
+
+def host_indices(batch: dict) -> dict:
+    """`batch` (on the host, as the loader builds it) plus every index its forward would otherwise read back from the
+    device, so that no host sync remains in the forward of a micro-batch: masked_lm_index [M] (row-major positions of
+    the real prediction slots in the [B, L] rows) and masked_lm_targets [M] (their labels); for packed rows also
+    Unpadded's fields (UNPADDED_KEYS; min_seqlen and max_seqlen as ints); mask_needed (a bool): whether some token is
+    padding or some row holds several sequences (else attention runs without a mask: SDPA may pick flash)."""
+    labels = batch["masked_lm_labels"]
+    valid = labels >= 0
+    length = batch["input_ids"].shape[1]
+    rows = torch.arange(len(labels)).unsqueeze(1) * length
+    extra = {"masked_lm_index": (batch["masked_lm_positions"].long() + rows)[valid], "masked_lm_targets": labels[valid],
+             "mask_needed": not bool((batch["attention_mask"] == 1).all())}
+    if "cls_positions" in batch:
+        extra.update(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))
+    return {**batch, **extra}
+
+
+def unpadded_of(batch: dict) -> Unpadded | None:
+    """The Unpadded that host_indices put into `batch` (None: not computed there)."""
+    return Unpadded(*(batch[key] for key in UNPADDED_KEYS)) if UNPADDED_KEYS[0] in batch else None
 
 
 def gather_positions(x, positions):
@@ -335,20 +378,27 @@ class BertModel(nn.Module):
         first = sequence_output[:, 0] if cls_positions is None else gather_positions(sequence_output, cls_positions)
         return sequence_output, self.pooler(first)
 
-    def encode(self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None, packed=False):
+    def encode(self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None, packed=False,
+               unpadded: Unpadded | None = None, mask_needed: bool | None = None):
         """The last layer's output (hidden, tokens): rows [B, L, H] and None, or, for packed rows on the devices of
-        VARLEN_DEVICE_TYPES, the real tokens [T, H] and their ascending row-major positions [T] in the rows."""
+        VARLEN_DEVICE_TYPES, the real tokens [T, H] and their ascending row-major positions [T] in the rows
+        (`unpadded`: those tokens as host_indices computed them, else computed here with host syncs; `mask_needed`
+        likewise, see row_attention). Rows holding no token at all (an empty micro-batch) run as rows: every parameter
+        still takes part (DDP needs it), with nothing to unpad."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         if packed and (attention_mask is None or position_ids is None):
             raise ValueError("packed rows need attention_mask (sequence numbers) and position_ids")
-        if packed and input_ids.device.type in VARLEN_DEVICE_TYPES:
+        if packed and unpadded is None and input_ids.device.type in VARLEN_DEVICE_TYPES:
+            unpadded = unpad(attention_mask)
+        if packed and unpadded is not None and input_ids.device.type in VARLEN_DEVICE_TYPES and unpadded.max_seqlen:
             # Every layer runs on the real tokens only: [T, H].
-            tokens, attention = unpad(attention_mask)
+            tokens = unpadded.tokens
             x = self.embeddings(*(t.flatten()[tokens] for t in (input_ids, token_type_ids, position_ids)))
+            attention = VarlenAttention(unpadded.offsets, unpadded.min_seqlen, unpadded.max_seqlen)
             return self.encoder(x, attention), tokens
         x = self.embeddings(input_ids, token_type_ids, position_ids)
-        return self.encoder(x, row_attention(attention_mask, packed)), None
+        return self.encoder(x, row_attention(attention_mask, packed, mask_needed)), None
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -392,23 +442,28 @@ class BertForPreTraining(nn.Module):
         self.cls.apply(lambda m: _init_weights(m, config.initializer_range))
 
     def forward(self, input_ids, token_type_ids, attention_mask, masked_lm_positions, position_ids=None,
-                cls_positions=None, masked_lm_valid=None):
+                cls_positions=None, masked_lm_valid=None, masked_lm_index=None, unpadded: Unpadded | None = None,
+                mask_needed: bool | None = None):
         """(mlm_logits, nsp_logits); the MLM head runs at the prediction slots only (the vocab projection dominates a
         small model's cost): [B, P, V] at every slot of `masked_lm_positions` [B, P], or, with `masked_lm_valid`
-        [B, P], [M, V] at its M real slots (row-major order), never at empty ones (~12% at seq 128, ~25% at 512).
-        Both are gathered straight from the encoder's rows or real tokens."""
+        [B, P], [M, V] at its M real slots (row-major order), never at empty ones (~12% at seq 128, ~25% at 512);
+        `masked_lm_index` [M] (host_indices) gives those slots as row-major positions without a host sync, as
+        `unpadded` the real tokens of packed rows and `mask_needed` whether the rows need a mask (see encode). Both
+        are gathered straight from the encoder's rows or tokens."""
         batch, length = input_ids.shape
         rows = torch.arange(batch, device=input_ids.device).unsqueeze(1) * length
         flat = masked_lm_positions.long() + rows
-        # M depends on the data: the selection syncs once with the host on CUDA (as NVIDIA's DLE does), placed before
-        # the encoder is queued, beside the attention's own checks, so the GPU has no queued work to wait out.
-        predicted = flat.flatten() if masked_lm_valid is None else flat[masked_lm_valid]
+        if masked_lm_index is not None:
+            predicted = masked_lm_index
+        else:  # M depends on the data: without masked_lm_index the selection syncs once with the host on CUDA
+            predicted = flat.flatten() if masked_lm_valid is None else flat[masked_lm_valid]
         hidden, tokens = self.bert.encode(input_ids, token_type_ids, attention_mask, position_ids,
-                                          cls_positions is not None)
+                                          cls_positions is not None, unpadded, mask_needed)
         first = rows.squeeze(1) if cls_positions is None else cls_positions.long() + rows
         mlm_logits, nsp_logits = self._heads(at_positions(hidden, tokens, predicted),
                                              self.bert.pooler(at_positions(hidden, tokens, first)))
-        return (mlm_logits if masked_lm_valid is not None else mlm_logits.view(*flat.shape, -1)), nsp_logits
+        selected = masked_lm_valid is not None or masked_lm_index is not None
+        return (mlm_logits if selected else mlm_logits.view(*flat.shape, -1)), nsp_logits
 
     def _heads(self, predicted, pooled_output):
         """(MLM logits of the `predicted` hidden states, NSP logits of the pooled outputs)."""
@@ -540,5 +595,5 @@ def flops_per_sequence(config: BertConfig, seq_length: int, max_predictions: flo
     return 3.0 * forward
 
 
-__all__ = ["BertConfig", "BertModel", "BertForPreTraining", "pretraining_loss", "save_pretrained",
+__all__ = ["BertConfig", "BertModel", "BertForPreTraining", "pretraining_loss", "save_pretrained", "host_indices",
            "load_pretrained", "encoder_state_dict", "load_weights", "count_parameters", "flops_per_sequence"]

@@ -40,9 +40,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import h5py
 import torch
 import torch.nn.functional as F
 
+from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
@@ -50,10 +52,12 @@ from workflow.cli import UserError, config_sections, run
 from workflow.config import load_config
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.lamb import make_optimizer, make_scheduler
-from workflow.train.model import (BertConfig, BertForPreTraining, count_parameters, flops_per_sequence, load_pretrained,
-                                  load_weights, pretraining_loss, save_pretrained)
+from workflow.train.model import (VARLEN_DEVICE_TYPES, BertConfig, BertForPreTraining, count_parameters,
+                                  flops_per_sequence, host_indices, load_pretrained, load_weights, pretraining_loss,
+                                  save_pretrained, unpadded_of)
 from workflow.train.precision import autocast, resolve_precision
-from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, iterate_in_order, list_shards
+from workflow.train.pretraining_data import (ORDER, PretrainingSequences, data_identity, datasets, iterate_in_order,
+                                            list_shards)
 
 # A stop signal after the last checkpoint: the job is minutes from done, and a rerun would redo this part anyway.
 FINISH_AFTER_TRAINING = "the last checkpoint is written; finishing the evaluation and export first"
@@ -90,6 +94,7 @@ class TrainSettings:
     beta2: float = 0.999
     eps: float = 1e-6
     max_grad_norm: float = 1.0
+    fused_lamb: bool = True             # apex FusedLAMB where it runs (config pretrain.lamb.fused)
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     log_every: int = 10
@@ -109,6 +114,7 @@ class TrainSettings:
             section = config["pretrain"]
             values = {key: section[phase].get(key) for key in PHASE_KEYS}
             values.update({key: section["lamb"][key] for key in LAMB_KEYS})
+            values["fused_lamb"] = section["lamb"].get("fused", True)
             values.update({key: section[key] for key in ("precision", "checkpoint_every", "keep_checkpoints",
                                                          "log_every", "eval_max_sequences", "compile",
                                                          "loader_workers")})
@@ -184,7 +190,8 @@ class PretrainingTask:
         return self.sequences.read(start, count)
 
     def micro_batches(self, start: int, count: int, rank: int, world: int, rows: int) -> list[dict]:
-        return self.sequences.micro_batches(start, count, rank, world, rows)
+        # In the loader's worker: the indices the forward needs are computed here, so it never waits on the device.
+        return [host_indices(batch) for batch in self.sequences.micro_batches(start, count, rank, world, rows)]
 
     def count(self, batch: dict) -> dict:
         return {"masked": (batch["masked_lm_labels"] >= 0).sum(), "sequences": (batch["next_sentence_labels"] >= 0).sum()}
@@ -222,14 +229,20 @@ def count_real_tokens(batch: dict) -> torch.Tensor:
 
 def forward(model, batch: dict):
     """(mlm_logits [M, V], nsp_logits, mlm_labels [M]) of a batch, packed (position_ids, cls_positions given) or
-    not: the MLM head runs at the M labelled prediction slots only (row-major order), never at empty ones."""
-    valid = batch["masked_lm_labels"] >= 0
-    # Like the model's own slot selection, a host sync on CUDA: both happen before any of this forward is queued.
-    labels = batch["masked_lm_labels"][valid]
+    not: the MLM head runs at the M labelled prediction slots only (row-major order), never at empty ones. A batch
+    through model.host_indices (training's) carries those slots and its real tokens: no host sync; any other batch
+    selects them here (a host sync on CUDA)."""
+    if "masked_lm_index" not in batch:
+        valid = batch["masked_lm_labels"] >= 0
+        mlm_logits, nsp_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
+                                       batch["masked_lm_positions"], batch.get("position_ids"),
+                                       batch.get("cls_positions"), masked_lm_valid=valid)
+        return mlm_logits, nsp_logits, batch["masked_lm_labels"][valid]
     mlm_logits, nsp_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
                                    batch["masked_lm_positions"], batch.get("position_ids"), batch.get("cls_positions"),
-                                   masked_lm_valid=valid)
-    return mlm_logits, nsp_logits, labels
+                                   masked_lm_index=batch["masked_lm_index"], unpadded=unpadded_of(batch),
+                                   mask_needed=batch["mask_needed"])
+    return mlm_logits, nsp_logits, batch["masked_lm_targets"]
 
 
 def pretraining_forward(model, batch: dict) -> dict:
@@ -245,7 +258,7 @@ def evaluate(model, shards, env, precision, batch_size, limit) -> dict:
     per_rank = None if limit is None else -(-limit // env.world_size)
     sums = torch.zeros(6, dtype=torch.float64, device=env.device)
     for batch in iterate_in_order(mine, batch_size, per_rank):
-        batch = {k: v.to(env.device) for k, v in batch.items()}
+        batch = {k: v.to(env.device) if isinstance(v, torch.Tensor) else v for k, v in host_indices(batch).items()}
         with autocast(env.device, precision):
             out = pretraining_forward(model, batch)
         sums += torch.stack([out["mlm_correct"], out["mlm_count"], out["nsp_correct"], out["nsp_count"],
@@ -300,9 +313,35 @@ def carry_optimizer_state(optimizer, path: str) -> None:
     optimizer.load_state_dict(fresh)
 
 
+def check_token_ids(shards, vocab: str, vocab_size: int) -> None:
+    """Every token id of the shards < the model's vocab_size (on CUDA, a larger one is an opaque device-side assert
+    hours later). Shards encoded with this very vocab file (their vocab_sha256 attribute) hold ids below its size by
+    construction; others (another vocab, NVIDIA's own files) are read through once."""
+    digest = ckpt.file_sha256(Path(vocab))
+    for shard in shards:
+        with h5py.File(shard.path, "r") as handle:
+            if handle.attrs.get("vocab_sha256") == digest:
+                continue
+            arrays = datasets(handle, shard)
+            for name in ("input_ids", "masked_lm_ids"):
+                largest = max((int(arrays[name][a:a + 65536].max(initial=0)) for a in range(0, len(arrays[name]),
+                                                                                              65536)), default=0)
+                if largest >= vocab_size:
+                    raise UserError(f"{shard.path}: {name} holds token id {largest}, beyond the model's vocab_size "
+                                    f"{vocab_size}; encode the data with {vocab} (or use a model of that vocabulary)")
+
+
+def refuse_compile(s: TrainSettings, packed: bool, device: torch.device) -> None:
+    """`compile: true` where torch.compile cannot give the packed forward static shapes: one error line."""
+    if s.compile and packed and device.type in VARLEN_DEVICE_TYPES:
+        raise UserError("config pretrain.compile: true cannot run on packed data on a GPU: every micro-batch has its "
+                        "own number of real tokens (the unpadded attention's nested tensors, dynamic shapes), and "
+                        "torch.compile of nested tensors under DDP fails (pytorch/pytorch#152068, #155421, #126472); "
+                        "set pretrain.compile: false (packing gains more than compiling would)")
+
+
 def pretrain(s: TrainSettings) -> dict:
-    if s.deterministic:
-        torch.use_deterministic_algorithms(True)
+    accelerator.configure_process(s.deterministic)
     set_threads(s.threads)
     env = distributed.setup(s.device)
     try:
@@ -317,15 +356,17 @@ def train_phase(s: TrainSettings, env) -> dict:
     test_shards = list_shards(s.data_dir, "test")
     seq_length = train_shards[0].seq_length
     precision = resolve_precision(s.precision, env.device, "pretrain.precision")
+    refuse_compile(s, train_shards[0].packed, env.device)
 
     torch.manual_seed(s.seed)  # identical initial weights on every rank
     config, model = build_model(s.preset, s.bert_config, s.init_from, read_vocab_size(s.vocab), seq_length,
                                 s.vocab)
+    check_token_ids(train_shards + test_shards, s.vocab, config.vocab_size)
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank (as NVIDIA seeds seed + rank); weights stay identical
         torch.manual_seed(s.seed + env.rank)
     optimizer, optimizer_name = make_optimizer(model, s.learning_rate, s.weight_decay, s.max_grad_norm,
-                                               (s.beta1, s.beta2), s.eps)
+                                               (s.beta1, s.beta2), s.eps, s.fused_lamb)
     if s.init_optimizer:
         carry_optimizer_state(optimizer, s.init_optimizer)
         log.info("LAMB moments carried over from %s (step and learning rate reset)", s.init_optimizer)

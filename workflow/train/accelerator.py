@@ -1,0 +1,157 @@
+"""The one place of the CUDA-only calls of training (torch.cuda, apex, SDPA's kernel choice, datasheet peaks), so that
+every branch behind them runs on CPU in tests with stand-ins keeping the real APIs' signatures and device counts
+(tests/test_gpu_seam.py); everything outside this module calls these functions, never torch.cuda itself.
+
+API:
+    cuda                          the torch.cuda module (a test swaps in a stand-in with N visible devices)
+    configure_process(deterministic)   before CUDA starts: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the token
+                                  count changes every micro-batch), and for deterministic runs CUBLAS_WORKSPACE_CONFIG
+                                  plus torch.use_deterministic_algorithms; a value the user set wins
+    available() / device_count() / set_device(device) / device_name(device) / bf16_native(device)
+    rng_state(device) / set_rng_state(state, device)   the CUDA generator of this rank's own device only: a
+                                  checkpoint restores onto any number of visible devices
+    synchronize(device)           wait for the queued kernels (nothing on CPU)
+    reset_peak_memory(device) / peak_memory_bytes(device)
+    fused_lamb(device) -> (class | None, reason)   apex FusedLAMB where it can run (CUDA, apex importable)
+    attention_kernel(device, dtype, head_size) -> "flash" | "efficient" | "math"   SDPA's first usable kernel
+                                  for nested (varlen) attention on `device`; "math" off CUDA
+    peak_flops(device_name, precision) -> float | None   the card's datasheet dense peak (FLOP/s) for that dtype
+    host_syncs(device, run) -> str | None   what made `run()` wait for the device (CUDA's sync debug mode "error"):
+                                  "" none, else the error; None off CUDA (nothing to wait for)
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+cuda = torch.cuda
+FUSED_LAMB_DEVICE_TYPES = ("cuda",)  # apex's kernels are CUDA kernels; a test adds "cpu" beside a stand-in FusedLAMB
+ALLOCATOR = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+CUBLAS = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what cuBLAS needs for reproducible matmuls (CUDA >= 10.2)
+
+# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, in TFLOP/s: bf16/fp16, and tf32 for fp32 runs.
+# The first name fragment found in torch.cuda.get_device_name() wins (so "H100 PCIe" before "H100").
+DATASHEET_TFLOPS = (
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 378.0}),
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
+    ("GH200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
+    ("B200", {"bf16": 2250.0, "fp16": 2250.0, "fp32": 1100.0}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}),
+    ("A800", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}),
+    ("L40S", {"bf16": 362.1, "fp16": 362.1, "fp32": 183.0}),
+    ("A10", {"bf16": 125.0, "fp16": 125.0, "fp32": 62.5}),
+    ("V100", {"fp16": 125.0, "fp32": 15.7}),
+)
+
+
+def configure_process(deterministic: bool) -> None:
+    """Environment of CUDA's allocator and cuBLAS (read when CUDA starts: call this first), deterministic kernels."""
+    os.environ.setdefault(*ALLOCATOR)
+    if deterministic:
+        os.environ.setdefault(*CUBLAS)
+        torch.use_deterministic_algorithms(True)
+
+
+def available() -> bool:
+    return cuda.is_available()
+
+
+def device_count() -> int:
+    return cuda.device_count()
+
+
+def set_device(device: torch.device) -> None:
+    cuda.set_device(device)
+
+
+def device_name(device: torch.device) -> str | None:
+    return cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def bf16_native(device: torch.device) -> bool:
+    # Not emulated bf16 (V100 "supports" it at a fraction of fp32 speed): native on compute capability >= 8.
+    return device.type == "cuda" and cuda.is_bf16_supported(including_emulation=False)
+
+
+def rng_state(device: torch.device):
+    """The CUDA generator state of `device` (this rank's), None off CUDA. Never all visible devices' states: a
+    resume may see fewer (8-GPU nodes, then 4), and set_rng_state_all would raise IndexError there."""
+    return cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_rng_state(state, device: torch.device) -> None:
+    if state is not None and device.type == "cuda":
+        cuda.set_rng_state(state, device)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        cuda.empty_cache()
+        cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    return cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def fused_lamb(device: torch.device):
+    """(apex's FusedLAMB class, "") where it can run, else (None, why not)."""
+    if device.type not in FUSED_LAMB_DEVICE_TYPES:
+        return None, f"apex FusedLAMB runs on CUDA only (the model is on {device.type})"
+    try:
+        from apex.optimizers import FusedLAMB  # type: ignore
+    except ImportError as error:
+        return None, f"apex is not importable ({error})"
+    return FusedLAMB, ""
+
+
+def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, heads: int = 2) -> str:
+    """The first kernel SDPA can run for nested (variable-length) q, k, v of this dtype and head size on `device`,
+    in the order nested tensors' SDPA prefers them (torch/nested/_internal/sdpa.py): what the unpadded path runs on."""
+    if device.type != "cuda":
+        return "math"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    values = torch.zeros(6, heads, head_size, device=device, dtype=dtype)
+    offsets = torch.tensor([0, 2, 6], device=device)
+    q = torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=2, max_seqlen=4).transpose(1, 2)
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        with contextlib.suppress(RuntimeError), sdpa_kernel([backend]):
+            F.scaled_dot_product_attention(q, q, q)
+            return name
+    return "math"
+
+
+def peak_flops(name: str | None, precision: str) -> float | None:
+    """FLOP/s of the card called `name` at `precision` (bf16, fp16, fp32 as tf32) from its datasheet (None: unknown)."""
+    for fragment, peaks in DATASHEET_TFLOPS:
+        if name and fragment in name and precision in peaks:
+            return peaks[precision] * 1e12
+    return None
+
+
+def host_syncs(device: torch.device, run) -> str | None:
+    """"" when `run()` never waits for `device`, else what CUDA's sync debug mode reports; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)  # work queued before is not `run`'s
+    cuda.set_sync_debug_mode("error")
+    try:
+        run()
+        return ""
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    finally:
+        cuda.set_sync_debug_mode("default")
