@@ -113,3 +113,17 @@ def corpus_documents(corpus: Corpus) -> Iterator[tuple[str, str]]:
             raise UserError(f"corpora.{corpus.name}: {path}: not UTF-8 ({error.reason})") from None
         except (OSError, EOFError) as error:  # a truncated or corrupt .gz/.bz2
             raise UserError(f"corpora.{corpus.name}: {path}: cannot read ({error})") from None
+
+
+def corpora_error(config: dict) -> str | None:
+    """What the schema cannot say about the corpus as a whole, as one line naming the key; None when it is usable:
+    at least one corpus, and every `corpora` entry with files."""
+    if not (config["wikipedia"]["enabled"] or config["bookcorpus"]["enabled"] or config["corpora"]):
+        return ("config key 'wikipedia.enabled': false, and neither bookcorpus.enabled nor a corpora entry: "
+                "there is no text to pretrain on")
+    for name, section in sorted(config["corpora"].items()):
+        try:
+            corpus_files(Corpus.from_config(name, section))
+        except UserError as error:
+            return str(error)
+    return None
