@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.fixtures.wikipedia_languages import CHINESE, GERMAN, expected_documents, write_dump
+from tests.fixtures.wikipedia_languages import CHINESE, GERMAN, expected_documents, plain, write_dump
 from workflow.data.download import checksum_list_beside, wikipedia_dump_url
 from workflow.data.extract import extract
 from workflow.data.format import format_corpus, split_cjk
@@ -89,3 +89,15 @@ def test_hf_tokenizer_from_the_exported_config_gives_the_ids_of_the_tokenized_sh
     assert ("ä" in vocab) != strips_accents
     continued = {vocab[i] for i in ids if vocab[i].startswith("##") and "\u4e00" <= vocab[i][2] <= "\u9fff"}
     assert bool(continued) != normalization.tokenize_chinese_chars  # apart, no ideograph continues a word
+
+
+def test_a_chinese_text_corpus_drops_its_chapter_titles_and_keeps_paragraphs_without_a_final_mark(tmp_path):
+    from workflow.data.corpora import Corpus
+
+    (tmp_path / "books").mkdir()
+    paragraphs = [plain("".join(paragraph)) for paragraphs in CHINESE.values() for paragraph in paragraphs]
+    (tmp_path / "books" / "a.txt").write_text("第一章 青石镇\n\n" + "\n\n".join(paragraphs) + "\n\n最后一段没有句号但是很长很长很长很长\n")
+    report = format_corpus(Corpus("books", "text", str(tmp_path / "books")), tmp_path / "out.txt", min_article_chars=100)
+    sentences = [sentence for document in expected_documents(CHINESE) for sentence in document]
+    assert documents_of(tmp_path / "out.txt") == [[*sentences, "最后一段没有句号但是很长很长很长很长"]]
+    assert report["paragraphs"]["dropped"]["heading"] == 1

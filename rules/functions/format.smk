@@ -32,8 +32,8 @@ def format_inputs(wildcards):
 def format_source(wildcards):
     """format's source arguments: --input PATH, or a user corpus' config section whole (--corpus JSON)."""
     if corpus := user_corpus(wildcards.corpus):
-        return "--corpus " + shlex.quote(json.dumps({"name": corpus.name, **config["corpora"][corpus.name]},
-                                                    sort_keys=True))
+        section = json.dumps({"name": corpus.name, **config["corpora"][corpus.name]}, sort_keys=True)
+        return f"--corpus {shlex.quote(section)}"
     source = "data/download/bookcorpus" if wildcards.corpus == "bookcorpus" else f"data/extracted/{wildcards.corpus}.jsonl"
     return f"--input {shlex.quote(source)}"
 

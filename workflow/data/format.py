@@ -96,6 +96,7 @@ CJK_SENTENCE_MARKS = "。！？｡"
 CJK_OPENERS = "「『（《【〔〈“‘"
 CJK_CLOSERS = "」』）》】〕〉”’"  # kept with the sentence they close
 _CJK_MARK = re.compile(f"[{CJK_SENTENCE_MARKS}]")
+_CJK_CHARACTER = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
 _SPACES = re.compile(r"\s+")
 # how wikiextractor leaves a disambiguation page once its lists are gone: "Mercury may refer to:"
 _DISAMBIGUATION_LEAD = re.compile(r"\b(?:refers?|stands?) (?:to|for):$")
@@ -125,8 +126,10 @@ def article_paragraphs(text: str) -> tuple[list[str], list[str]]:
 
 
 def is_book_heading(paragraph: str) -> bool:
-    """A book's title, byline or chapter line: a few words without sentence punctuation at the end."""
-    return not paragraph.endswith(_SENTENCE_END) and len(paragraph.split()) <= BOOK_HEADING_MAX_WORDS
+    """A book's title, byline or chapter line: a few words without sentence punctuation at the end (each CJK
+    character counts as a word: the script puts no spaces between words)."""
+    words = len(paragraph.split()) + len(_CJK_CHARACTER.findall(paragraph))
+    return not paragraph.endswith(_SENTENCE_END) and words <= BOOK_HEADING_MAX_WORDS
 
 
 def book_paragraphs(text: str) -> tuple[list[str], list[str]]:

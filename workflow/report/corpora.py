@@ -10,37 +10,44 @@ its input (workflow.data.shard.corpus_of).
 import argparse
 import csv
 import io
-import json
+import logging
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from workflow.atomic import write_text
-from workflow.cli import UserError, run
+from workflow.cli import run
 from workflow.data.shard import SPLITS, corpus_of
 from workflow.data.tokenize import load_tokenized
+from workflow.report.summary import read_json
+
+log = logging.getLogger(__name__)
 
 COLUMNS = ("corpus", "documents_read", "documents", "sentences", "tokens")
 
 
 def corpus_statistics(formatted: Sequence[str | Path], manifest: str | Path, tokenized: str | Path) -> list[dict]:
     """One row per corpus (COLUMNS), in corpus order."""
-    manifest = json.loads(Path(manifest).read_text(encoding="utf-8"))
+    manifest = read_json(manifest)  # one error line if absent (shards cut by an older version: delete data/shards)
     rows = {name: dict.fromkeys(COLUMNS[1:], 0) | {"corpus": name} for name in manifest["corpora"]}
     for path in map(Path, formatted):
-        summary = json.loads(path.read_text(encoding="utf-8"))
+        summary = read_json(path)
         row = rows[corpus_of(path.with_name(path.name.removesuffix(".summary.json") + ".txt"))]
         row["documents_read"] += summary["documents"]["read"]
         row["documents"] += summary["documents"]["kept"]
         row["sentences"] += summary["sentences"]
     for split in SPLITS:
         for index in range(len(manifest[split])):
-            with np.load(Path(tokenized) / split / f"shard_{index}.npz") as shard:
-                if "corpus_tokens" not in shard:
-                    load_tokenized(Path(tokenized) / split / f"shard_{index}.npz")  # a clear error if not a shard
-                    raise UserError(f"{tokenized}/{split}/shard_{index}.npz: no corpus_tokens (tokenized without "
-                                    f"the shards' corpora.json)")
+            path = Path(tokenized) / split / f"shard_{index}.npz"
+            load_tokenized(path)  # one error line if it is not a tokenized shard
+            with np.load(path) as shard:
+                if "corpus_tokens" not in shard:  # tokenized by an older version: the other counts still hold
+                    log.warning("%s: no corpus_tokens (tokenized before shards had corpora.json): tokens left "
+                                "blank", path)
+                    for row in rows.values():
+                        row["tokens"] = ""
+                    return list(rows.values())
                 for name, tokens in zip(manifest["corpora"], shard["corpus_tokens"]):
                     rows[name]["tokens"] += int(tokens)
     return list(rows.values())
