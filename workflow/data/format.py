@@ -69,11 +69,12 @@ class Curated(NamedTuple):
 # Extra lists by wikipedia.language (or corpora.<name>.language); the English ones hold for every language.
 LANGUAGE_CURATED = {
     "de": Curated(
-        frozenset("nr dr prof bzw vgl ggf sog bspw insb evtl inkl zzt hl".split()),
-        frozenset("jh jhd mio mrd str abs bd bde hrsg geb gest chr usw ca aufl verf".split()),
+        frozenset("nr dr prof bzw vgl ggf sog bspw insb evtl inkl zzt hl abb kap rd dipl dipl.-ing tel".split()),
+        frozenset("""jh jhd mio mrd str abs bd bde hrsg geb gest chr usw ca aufl verf hbf ff ä ö ü
+                     mo di mi do fr sa""".split()),
         frozenset("""januar jänner februar märz april mai juni juli august september oktober november dezember
                      jahrhundert jahrhunderts jahrtausend jahrtausends weltkrieg weltkriegs platz mal liga bundesliga
-                     klasse auflage armee division hälfte legislaturperiode stock""".split()),
+                     klasse auflage armee division hälfte legislaturperiode stock fc jh jhd""".split()),
     ),
 }
 
