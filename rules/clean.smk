@@ -10,6 +10,7 @@ rule clean_intermediates:
         hdf5_dir("phase1"),
         hdf5_dir("phase2"),
         "data/vocab.txt",
+        "results/corpora.csv",  # counted from the shards and their tokens: before they go
     params:
         paths=INTERMEDIATES,
     log:

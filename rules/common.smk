@@ -10,7 +10,8 @@ REPO_ROOT = os.path.dirname(workflow.current_basedir.get_path_or_uri(secret_free
 sys.path.insert(0, REPO_ROOT)
 from workflow.cli import UserError
 from workflow.config import validate_config
-from workflow.data.download import dump_parts
+from workflow.data.corpora import corpora_error
+from workflow.data.download import dump_parts, wikipedia_dump_url
 from workflow.glue.data import TASKS as GLUE_TASKS
 
 
@@ -43,7 +44,7 @@ def config_consistency_error(config):
         if batch % micro:
             return (f"config key 'glue.batch_size': {batch} is not a multiple of glue.micro_batch_size ({micro}) "
                     f"for task {task} (glue.overrides.{task} may set either)")
-    return None
+    return corpora_error(config)
 
 
 def glue_setting(task, key):
@@ -77,7 +78,8 @@ def wikipedia_dump_parts():
     names are page-id ranges `pFIRSTpLAST`, or `whole`. Read when the DAG first needs them (not by --lint), once."""
     wikipedia = config["wikipedia"]
     try:
-        parts = dump_parts(wikipedia["url"], wikipedia["checksum_url"], wikipedia["parts"], "data/download/wikipedia")
+        url = wikipedia["url"] or wikipedia_dump_url(wikipedia["language"])
+        parts = dump_parts(url, wikipedia["checksum_url"], wikipedia["parts"], "data/download/wikipedia")
     except UserError as error:
         raise ValueError(f"wikipedia.parts {wikipedia['parts']}: {error}") from None
     return {part.name: part for part in parts}
@@ -119,6 +121,7 @@ REPORT_TARGETS = [
     "results/report/gpu_telemetry.png",
     "results/report/squad_finetune.png",
     "results/report/config.yaml",
+    "results/corpora.csv",
 ]
 
 

@@ -1,5 +1,5 @@
 # Stage 3: one sentence per line (or one article per line), sentence-split with Punkt, offline; one job per part of
-# the Wikipedia dump. Unless format.punkt_model is set, Punkt is trained once on the corpus' first characters (the
+# the Wikipedia dump, one for BookCorpus, one per entry of `corpora` (Punkt trained on each of these itself). Unless format.punkt_model is set, Punkt is trained once on the corpus' first characters (the
 # first pages of the first format.punkt_parts parts, which punkt extracts itself with the compiled templates), so a
 # part's format waits for its own extract and punkt, and punkt for no extract: it runs beside the extracts.
 
@@ -30,8 +30,10 @@ rule format:
         text="data/formatted/{corpus}.txt",
         summary="data/formatted/{corpus}.summary.json",  # read, kept, dropped by reason
     wildcard_constraints:
-        corpus=r"bookcorpus|wikipedia/(whole|p\d+p\d+)",
+        corpus=r"bookcorpus|wikipedia/(whole|p\d+p\d+)|corpora/[A-Za-z0-9_-]+",
     params:
+        source=format_source,
+        language=format_language,
         style=config["format"]["style"],
         min_article_chars=config["format"]["min_article_chars"],
         punkt_model=format_punkt_model,
@@ -41,7 +43,7 @@ rule format:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m workflow.data.format --input {input.text:q} --output {output.text:q} --summary {output.summary:q}"
-        " --style {params.style}"
+        "python -m workflow.data.format {params.source} --output {output.text:q} --summary {output.summary:q}"
+        " --style {params.style} --language {params.language}"
         " --min-article-chars {params.min_article_chars} --punkt-model={params.punkt_model:q}"
         " --processes {threads} 2> {log}"

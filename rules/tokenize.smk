@@ -1,6 +1,9 @@
 # Stage 6: each text shard is WordPiece-tokenized once; both pretraining phases encode the same tokenized shards.
 
 
+include: "functions/tokenize.smk"
+
+
 rule tokenize:
     input:
         shards="data/shards",
@@ -8,7 +11,7 @@ rule tokenize:
     output:
         "data/tokenized/{split}/shard_{index}.npz",
     params:
-        lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",
+        normalization=normalization_flags(),
     log:
         "logs/tokenize/{split}/shard_{index}.log",
     threads: 1
@@ -17,4 +20,19 @@ rule tokenize:
     shell:
         "python -m workflow.data.tokenize --text {input.shards}/{wildcards.split}/shard_{wildcards.index}.txt"
         " --vocab {input.vocab} --output {output}"
-        " {params.lowercase} --threads {threads} 2> {log}"
+        " {params.normalization} --threads {threads} 2> {log}"
+
+
+# Per corpus, what reached the pretraining data: documents and sentences (format) and tokens (tokenize).
+rule corpus_statistics:
+    input:
+        unpack(corpus_statistics_inputs),
+    output:
+        report("results/corpora.csv", caption="../report/corpora.rst", category="Data"),
+    log:
+        "logs/corpus_statistics/corpora.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m workflow.report.corpora --formatted {input.formatted:q} --manifest {input.shards}/corpora.json"
+        " --tokenized data/tokenized --output {output:q} 2> {log}"

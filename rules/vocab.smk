@@ -32,7 +32,7 @@ else:
             "data/vocab.txt",
         params:
             size=config["vocab"]["size"],
-            lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",
+            normalization=normalization_flags(),
             n_shards=len(vocab_shard_indices()),
         log:
             "logs/vocab/vocab.log",
@@ -42,4 +42,4 @@ else:
         shell:
             # The shard directory, not {input}: thousands of paths would overflow one shell argument.
             "python -m workflow.data.vocab --shard-dir data/shards/training --n-shards {params.n_shards}"
-            " --size {params.size} {params.lowercase} --threads {threads} --output {output} 2> {log}"
+            " --size {params.size} {params.normalization} --threads {threads} --output {output} 2> {log}"

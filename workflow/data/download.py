@@ -36,6 +36,14 @@ USER_AGENT = "snakebert"
 DUMP_NAME = re.compile(r"(?P<prefix>.+)-pages-articles\.xml\.bz2")
 PART_SUFFIX = r"-pages-articles(?P<number>[0-9]+)\.xml-p(?P<first>[0-9]+)p(?P<last>[0-9]+)\.bz2"
 WHOLE = "whole"  # the part name of a dump processed as one file
+DUMP_SITE = "https://dumps.wikimedia.org"
+
+
+def wikipedia_dump_url(language: str) -> str:
+    """The latest pages-articles dump of the `language` Wikipedia (de, zh, zh-yue) on the dump site, laid out as
+    enwiki's: its md5 list (checksum_list_beside) and its parts follow from this name."""
+    wiki = language.replace("-", "_") + "wiki"  # the dump site's database names: zh_yuewiki
+    return f"{DUMP_SITE}/{wiki}/latest/{wiki}-latest-pages-articles.xml.bz2"
 
 
 def _is_remote(url: str) -> bool:

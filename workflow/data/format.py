@@ -1,9 +1,12 @@
-"""Stage 3, format: articles (extract's JSON lines) or books (a directory of .txt) -> NVIDIA's text layout.
+"""Stage 3, format: articles (extract's JSON lines), books (a directory of .txt) or a user's corpus (config
+`corpora.<name>`, workflow/data/corpora.py) -> NVIDIA's text layout.
 
 `sentences` style: one sentence per line, a blank line between documents (what shard and tokenize read);
 `articles` style: one document per line. Sentences are split with nltk Punkt, offline: either a pre-installed
 punkt_tab model directory, or Punkt trained here on the corpus itself; in both, a curated list of abbreviations
-and single-letter initials is added (nltk's own model is a download, which air-gapped clusters don't have).
+and single-letter initials is added, with the corpus language's own (CURATED; nltk's own model is a download, which
+air-gapped clusters don't have). Scripts that leave no space between sentences (Chinese, Japanese) are then split
+at their own sentence marks (split_cjk), which Punkt cannot see.
 
 Nothing is dropped silently. What is not written is counted by reason in the log and in the `--summary` JSON
 (documents, paragraphs, and characters of whitespace-collapsed paragraphs: read = kept + dropped):
@@ -27,6 +30,7 @@ from tqdm import tqdm
 
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, run
+from workflow.data.corpora import Corpus, corpus_documents
 from workflow.data.extract import HEADING_MARK
 
 log = logging.getLogger("format")
@@ -52,12 +56,48 @@ ABBREVIATIONS = NEVER_SENTENCE_FINAL | INITIALS | frozenset(
     u.s u.s.a u.k u.n e.u d.c n.y l.a ph.d m.d b.a m.a b.sc m.sc
     """.split()
 )
+
+
+class Curated(NamedTuple):
+    """What Punkt is told rather than left to learn, for one language (lower case, no final period)."""
+
+    never_final: frozenset  # never end a sentence (titles, "z. B."-like forms)
+    abbreviations: frozenset  # abbreviations whose end Punkt's evidence still judges
+    ordinal_followers: frozenset  # after "<number>." these words mean an ordinal, not a sentence end ("3. Oktober")
+
+
+# Extra lists by wikipedia.language (or corpora.<name>.language); the English ones hold for every language.
+LANGUAGE_CURATED = {
+    "de": Curated(
+        frozenset("nr dr prof bzw vgl ggf sog bspw insb evtl inkl zzt hl abb kap rd dipl dipl.-ing tel".split()),
+        frozenset("""jh jhd mio mrd str abs bd bde hrsg geb gest chr usw ca aufl verf hbf ff ä ö ü
+                     mo di mi do fr sa""".split()),
+        frozenset("""januar jänner februar märz april mai juni juli august september oktober november dezember
+                     jahrhundert jahrhunderts jahrtausend jahrtausends weltkrieg weltkriegs platz mal liga bundesliga
+                     klasse auflage armee division hälfte legislaturperiode stock fc jh jhd""".split()),
+    ),
+}
+
+
+def curated(language: str | None) -> Curated:
+    """The curated lists for `language` (an ISO 639 code, e.g. de; None or unknown: the English ones alone)."""
+    extra = LANGUAGE_CURATED.get(language or "en", Curated(frozenset(), frozenset(), frozenset()))
+    return Curated(NEVER_SENTENCE_FINAL | extra.never_final, ABBREVIATIONS | extra.never_final | extra.abbreviations,
+                   extra.ordinal_followers)
+
+
 DEFAULT_TRAIN_CHARS = 20_000_000  # Punkt's statistics settle long before this; bounds time and memory
 # Below this much training text, Punkt "learns" ordinary words that happen to end sentences (does., sky.) as
 # abbreviations; only dotted forms (s.a, e.g) and initials are kept from such a small corpus.
 MIN_CHARS_TO_TRUST_LEARNED_WORDS = 5_000_000
 BOOK_HEADING_MAX_WORDS = 8  # a book's title, byline or "Chapter 12" line: short, with no sentence punctuation
-_SENTENCE_END = ('.', '!', '?', '"', "'", "\u201d", "\u2019", ")")
+# a sentence's last character: Latin marks and closers, CJK marks and closers (a book heading ends with none)
+_SENTENCE_END = ('.', '!', '?', '"', "'", "\u201d", "\u2019", ")", *"。！？｡」』）…")
+CJK_SENTENCE_MARKS = "。！？｡"
+CJK_OPENERS = "「『（《【〔〈“‘"
+CJK_CLOSERS = "」』）》】〕〉”’"  # kept with the sentence they close
+_CJK_MARK = re.compile(f"[{CJK_SENTENCE_MARKS}]")
+_CJK_CHARACTER = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
 _SPACES = re.compile(r"\s+")
 # how wikiextractor leaves a disambiguation page once its lists are gone: "Mercury may refer to:"
 _DISAMBIGUATION_LEAD = re.compile(r"\b(?:refers?|stands?) (?:to|for):$")
@@ -87,8 +127,10 @@ def article_paragraphs(text: str) -> tuple[list[str], list[str]]:
 
 
 def is_book_heading(paragraph: str) -> bool:
-    """A book's title, byline or chapter line: a few words without sentence punctuation at the end."""
-    return not paragraph.endswith(_SENTENCE_END) and len(paragraph.split()) <= BOOK_HEADING_MAX_WORDS
+    """A book's title, byline or chapter line: a few words without sentence punctuation at the end (each CJK
+    character counts as a word: the script puts no spaces between words)."""
+    words = len(paragraph.split()) + len(_CJK_CHARACTER.findall(paragraph))
+    return not paragraph.endswith(_SENTENCE_END) and words <= BOOK_HEADING_MAX_WORDS
 
 
 def book_paragraphs(text: str) -> tuple[list[str], list[str]]:
@@ -128,8 +170,13 @@ def prose_texts(documents: Iterable[Document]) -> Iterator[str]:
         yield "\n\n".join(paragraphs_of(document)[0])
 
 
-def read_documents(source: Path) -> Iterator[Document]:
-    """Raw documents: one per line of extract's JSON lines, or one per `*.txt` book of a directory."""
+def read_documents(source: Path | Corpus) -> Iterator[Document]:
+    """Raw documents: one per line of extract's JSON lines, one per `*.txt` book of a directory, or a user's corpus'
+    (its documents are plain text, as books: paragraphs between blank lines)."""
+    if isinstance(source, Corpus):
+        for where, text in corpus_documents(source):
+            yield Document(where, text, True)
+        return
     if source.is_dir():
         books = sorted(source.glob("*.txt"))
         if not books:
@@ -166,15 +213,54 @@ def train_punkt(texts: Iterable[str], train_chars: int = DEFAULT_TRAIN_CHARS) ->
     return params
 
 
+def split_cjk(text: str) -> list[str]:
+    """`text` split after each run of CJK sentence marks (。！？) and the closing quotes or brackets that follow it,
+    except inside a quote or bracket that closes later on (「你好。我很好。」 is one sentence)."""
+    if not _CJK_MARK.search(text):
+        return [text]
+    last_closer = max(text.rfind(closer) for closer in CJK_CLOSERS)
+    sentences, start, depth, i = [], 0, 0, 0
+    while i < len(text):
+        char = text[i]
+        i += 1
+        if char in CJK_OPENERS:
+            depth += 1
+        elif char in CJK_CLOSERS:
+            depth = max(0, depth - 1)
+        elif char in CJK_SENTENCE_MARKS:
+            while i < len(text) and text[i] in CJK_SENTENCE_MARKS:
+                i += 1
+            while i < len(text) and text[i] in CJK_CLOSERS:
+                depth, i = max(0, depth - 1), i + 1
+            if depth and i > last_closer:  # an opener never closed: it does not hold the rest together
+                depth = 0
+            if depth == 0:
+                sentences.append(text[start:i])
+                start = i
+    sentences.append(text[start:])
+    return [sentence.strip() for sentence in sentences if sentence.strip()]
+
+
 class CuratedPunkt(PunktSentenceTokenizer):
-    """Punkt that never splits after NEVER_SENTENCE_FINAL, whatever its statistics say about the next word."""
+    """Punkt that never splits after the `curated` never-final words, nor between "<number>." and an ordinal
+    follower, whatever its statistics say about the next word; its sentences are then split at CJK marks."""
+
+    def __init__(self, params: PunktParameters, lists: Curated | None = None):
+        super().__init__(params)
+        self.curated = lists or curated(None)
 
     def _second_pass_annotation(self, aug_tok1: PunktToken, aug_tok2: PunktToken | None) -> str | None:
         reason = super()._second_pass_annotation(aug_tok1, aug_tok2)
-        if aug_tok1.sentbreak and aug_tok2 is not None and aug_tok1.type_no_period in NEVER_SENTENCE_FINAL:
+        if aug_tok1.sentbreak and aug_tok2 is not None and (
+            aug_tok1.type_no_period in self.curated.never_final
+            or (aug_tok1.type_no_period == "##number##" and aug_tok2.type_no_period in self.curated.ordinal_followers)
+        ):
             aug_tok1.sentbreak, aug_tok1.abbr = False, True
             return "curated abbreviation"
         return reason
+
+    def tokenize(self, text: str, realign_boundaries: bool = True) -> list[str]:
+        return [sentence for piece in super().tokenize(text, realign_boundaries) for sentence in split_cjk(piece)]
 
 
 PUNKT_TAB_FILES = ("abbrev_types.txt", "collocations.tab", "sent_starters.txt", "ortho_context.tab")
@@ -217,18 +303,20 @@ def write_punkt_tab(params: PunktParameters, directory: str | Path) -> Path:
     return directory
 
 
-def load_splitter(punkt_model: str | None, corpus: Path | None = None, train_chars: int = DEFAULT_TRAIN_CHARS) -> PunktSentenceTokenizer:
+def load_splitter(punkt_model: str | None, corpus: Path | Corpus | None = None,
+                  train_chars: int = DEFAULT_TRAIN_CHARS, language: str | None = None) -> PunktSentenceTokenizer:
     """A Punkt sentence splitter: the punkt_tab model in directory `punkt_model`, else one trained on `corpus`.
 
-    Either way ABBREVIATIONS are abbreviations and NEVER_SENTENCE_FINAL never end a sentence.
+    Either way the curated lists of `language` (and English's) hold: abbreviations, never-final words, ordinals.
     """
+    lists = curated(language)
     if punkt_model:
         params = read_punkt_tab(punkt_model)
-        params.abbrev_types.update(ABBREVIATIONS)
-        log.info("Punkt model loaded from %s, plus %d curated abbreviations", punkt_model, len(ABBREVIATIONS))
+        log.info("Punkt model loaded from %s, plus %d curated abbreviations", punkt_model, len(lists.abbreviations))
     else:
         params = train_punkt(prose_texts(read_documents(corpus)), train_chars)
-    return CuratedPunkt(params)
+    params.abbrev_types.update(lists.abbreviations)
+    return CuratedPunkt(params, lists)
 
 
 class DocumentResult(NamedTuple):
@@ -292,7 +380,7 @@ class DropCounts:
 
 
 def format_corpus(
-    source: str | Path,
+    source: str | Path | Corpus,
     output: str | Path,
     style: str = "sentences",
     min_article_chars: int = 200,
@@ -300,15 +388,19 @@ def format_corpus(
     processes: int = 1,
     train_chars: int = DEFAULT_TRAIN_CHARS,
     summary: str | Path | None = None,
+    language: str | None = None,
 ) -> dict:
-    """Write the documents of `source` (JSON lines or a books directory) to `output` in `style`.
+    """Write the documents of `source` (JSON lines, a books directory or a user's corpus) to `output` in `style`,
+    split with the curated lists of `language`.
 
     Returns (and writes to `summary`, if given) what was read, kept and dropped by reason, and the sentence count.
     """
-    source, output = Path(source), Path(output)
+    source = source if isinstance(source, Corpus) else Path(source)
+    output = Path(output)
+    label = f"corpora.{source.name}: {source.path}" if isinstance(source, Corpus) else str(source)
     if style not in ("sentences", "articles"):
         raise UserError(f"format style {style!r}: expected 'sentences' or 'articles'")
-    splitter = load_splitter(punkt_model, source, train_chars)
+    splitter = load_splitter(punkt_model, source, train_chars, language)
     counts = DropCounts()
     sentences_written = 0
     with atomic_path(output) as temporary, open(temporary, "w", encoding="utf-8") as out:
@@ -325,19 +417,21 @@ def format_corpus(
                     out.write(" ".join(result.sentences) + "\n")
         if counts.kept["documents"] == 0:
             raise UserError(
-                f"{source}: empty corpus: none of its {counts.read['documents']} documents has "
+                f"{label}: empty corpus: none of its {counts.read['documents']} documents has "
                 f"min_article_chars={min_article_chars} characters of prose"
             )
-        report = {"input": str(source), "output": str(output), **counts.as_dict(), "sentences": sentences_written}
+        report = {"input": label, "output": str(output), **counts.as_dict(), "sentences": sentences_written}
         if summary is not None:
             write_json(summary, report)
-    log.info("%s -> %s: %d sentences; %s", source, output, sentences_written, counts.log_line())
+    log.info("%s -> %s: %d sentences; %s", label, output, sentences_written, counts.log_line())
     return report
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m workflow.data.format", description=__doc__.splitlines()[0])
-    parser.add_argument("--input", required=True, help="extract's JSON lines, or a directory of .txt books")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", help="extract's JSON lines, or a directory of .txt books")
+    source.add_argument("--corpus", help="a user's corpus: its config section as JSON, with its name under 'name'")
     parser.add_argument("--output", required=True)
     parser.add_argument("--summary", default=None, help="JSON file: documents/paragraphs/characters read, kept, dropped by reason")
     parser.add_argument("--style", choices=["sentences", "articles"], default="sentences")
@@ -345,9 +439,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--punkt-model", default=None, help="punkt_tab model directory (default: train on the input)")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--train-chars", type=int, default=DEFAULT_TRAIN_CHARS, help="characters Punkt trains on")
+    parser.add_argument("--language", default=None, help="the text's language (ISO 639 code): its curated lists")
     args = parser.parse_args(argv)
-    format_corpus(args.input, args.output, args.style, args.min_article_chars, args.punkt_model or None,
-                  args.processes, args.train_chars, args.summary)
+    if args.corpus:
+        section = json.loads(args.corpus)
+        source = Corpus.from_config(section.pop("name"), section)
+    else:
+        source = args.input
+    format_corpus(source, args.output, args.style, args.min_article_chars, args.punkt_model or None,
+                  args.processes, args.train_chars, args.summary, args.language or None)
 
 
 if __name__ == "__main__":

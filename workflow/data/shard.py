@@ -5,6 +5,10 @@ constant in the corpus text: pass 1 only measures document sizes (8 bytes per do
 computed from those, and pass 2 streams each document to its shard through bounded write buffers. Both passes run
 over the inputs (a dump's parts) in parallel: from the sizes, each input's documents have a known byte offset in
 each shard, so every input writes its own stretch of the shards, and the bytes are those of one stream.
+
+Within a shard the documents keep the inputs' order, so `corpora.json` beside the splits (MANIFEST) says which
+corpus each one is from: per split and shard, the count of documents of each corpus, in corpus order. An input's
+corpus is named by its path: `.../wikipedia/<part>.txt` is wikipedia, any other `<name>.txt` is <name>.
 """
 import argparse
 import heapq
@@ -18,12 +22,13 @@ from typing import Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from workflow.atomic import atomic_path
+from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, run
 
 log = logging.getLogger("shard")
 
 SPLITS = ("training", "test")
+MANIFEST = "corpora.json"
 BUFFER_BYTES = 64 << 20  # pending shard text held before a flush; bounds memory whatever the corpus size
 
 
@@ -55,6 +60,21 @@ def _document_sizes(path: Path, style: str) -> array:
     for document in tqdm(documents(path, style), desc=f"measure {path.name}", unit=" docs"):
         sizes.append(sum(len(line.encode("utf-8")) + 1 for line in document) + 1)
     return sizes
+
+
+def corpus_of(path: Path) -> str:
+    """The corpus a formatted input belongs to: wikipedia for every part of the dump, else its file's stem."""
+    return "wikipedia" if path.parent.name == "wikipedia" else path.stem
+
+
+def corpus_documents_per_shard(inputs: Sequence[Path], per_input: list[np.ndarray], shard_of: np.ndarray,
+                               n_training: int, n_test: int) -> dict:
+    """MANIFEST's content: the corpora in order, and per split the documents of each corpus in each shard."""
+    names = list(dict.fromkeys(corpus_of(path) for path in inputs))
+    corpus = np.repeat([names.index(corpus_of(path)) for path in inputs], [len(sizes) for sizes in per_input])
+    counts = np.zeros((n_training + n_test, len(names)), np.int64)
+    np.add.at(counts, (shard_of, corpus), 1)
+    return {"corpora": names, "training": counts[:n_training].tolist(), "test": counts[n_training:].tolist()}
 
 
 def _map_inputs(function, arguments: list[tuple], processes: int) -> list:
@@ -183,8 +203,10 @@ def shard_corpus(
     style: str = "sentences",
     punkt_model: str | None = None,
     processes: int = 1,
+    manifest: str | Path | None = None,
 ) -> dict:
-    """Write shard_{i}.txt files into `training_dir` and `test_dir`; return their sizes in bytes per split.
+    """Write shard_{i}.txt files into `training_dir` and `test_dir` (and MANIFEST's content to `manifest`, if
+    given); return their sizes in bytes per split.
 
     `processes` measure and write the inputs in parallel; the shards are the same bytes for any number.
     """
@@ -213,6 +235,8 @@ def shard_corpus(
             _write_in_parallel(inputs, style, per_input, shard_of, temporaries, processes)
         else:  # a re-split document's size is known only once split: one stream in corpus order
             _append_in_order(inputs, style, splitter, shard_of, temporaries)
+    if manifest is not None:
+        write_json(manifest, corpus_documents_per_shard(inputs, per_input, shard_of, n_training, n_test))
     loads = np.bincount(shard_of, weights=sizes, minlength=n_training + n_test).astype(np.int64)
     report = {"training": loads[:n_training].tolist(), "test": loads[n_training:].tolist()}
     for split in SPLITS:
@@ -237,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with atomic_path(args.output_dir) as output_dir:
         shard_corpus(args.input, output_dir / "training", output_dir / "test", args.n_training_shards,
                      args.n_test_shards, args.test_fraction, args.seed, args.input_style, args.punkt_model or None,
-                     args.processes)
+                     args.processes, output_dir / MANIFEST)
 
 
 if __name__ == "__main__":

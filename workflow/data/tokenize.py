@@ -4,10 +4,13 @@ Input: one sentence per line, a blank line between documents (UTF-8). Output: an
   ids               [T]        uint16 (int32 for vocabs over 65,536 tokens): every token of the shard, in order
   sentence_offsets  [S+1]      int64: sentence s is ids[sentence_offsets[s]:sentence_offsets[s+1]]
   document_offsets  [D+1]      int64: document d is sentences document_offsets[d] to document_offsets[d+1]
+  corpus_tokens     [C]        int64: the tokens of each corpus, in the order of shard's corpora.json beside the splits
+                               (absent without one)
 Sentences that tokenize to nothing and documents without sentences are dropped (as Google's script does).
 Ids are those of `tokenizers`' BERT pipeline, token for token; each distinct word is tokenized once (WordCache).
 """
 import argparse
+import json
 import logging
 import os
 from itertools import islice
@@ -19,7 +22,8 @@ from tqdm import tqdm
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
-from workflow.data.vocab import read_vocab
+from workflow.data.shard import MANIFEST
+from workflow.data.vocab import Normalization, read_vocab
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +32,15 @@ WORDS_PER_SEQUENCE = 1024  # unseen chunks per encode_batch sequence
 CACHE_WORDS = 1 << 19  # distinct chunks cached (~70 MB); a full-size shard may hold ~1 M, the frequent ones first
 
 
-def bert_tokenizer(vocab_path: str | os.PathLike, lowercase: bool):
-    """A `tokenizers` BERT WordPiece tokenizer (BERT normaliser and pre-tokeniser), no special tokens added."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+def bert_tokenizer(vocab_path: str | os.PathLike, lowercase: bool = True, normalization: Normalization | None = None):
+    """A `tokenizers` BERT WordPiece tokenizer (BERT normaliser and pre-tokeniser), no special tokens added;
+    normalising as `normalization` (default: `lowercase`, accents as lowercase, CJK characters apart)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     tokens = read_vocab(vocab_path)
     model = models.WordPiece({token: i for i, token in enumerate(tokens)}, unk_token="[UNK]", max_input_chars_per_word=100)
     tokenizer = Tokenizer(model)
-    tokenizer.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True, strip_accents=lowercase, lowercase=lowercase
-    )
+    tokenizer.normalizer = (normalization or Normalization(lowercase)).bert_normalizer()
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     return tokenizer, len(tokens)
 
@@ -149,13 +152,15 @@ def tokenize_lines(tokenizer, lines: Sequence[str], dtype, max_words: int = CACH
 
 
 def tokenize_shard(
-    text_path: str | os.PathLike, vocab_path: str | os.PathLike, output: str | os.PathLike, lowercase: bool = True
+    text_path: str | os.PathLike, vocab_path: str | os.PathLike, output: str | os.PathLike, lowercase: bool = True,
+    normalization: Normalization | None = None,
 ) -> dict[str, int]:
     """Tokenize one shard into `output` (.npz, see the module doc); returns token/sentence/document counts."""
-    tokenizer, vocab_size = bert_tokenizer(vocab_path, lowercase)
+    tokenizer, vocab_size = bert_tokenizer(vocab_path, lowercase, normalization)
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
     lines, line_documents = read_documents(text_path)
     ids, lengths = tokenize_lines(tokenizer, lines, dtype)
+    corpus_tokens = tokens_per_corpus(text_path, lengths, line_documents)
     # Drop sentences with no tokens, then documents left with no sentences.
     kept = lengths > 0
     lengths = lengths[kept]
@@ -167,11 +172,28 @@ def tokenize_shard(
     counts = {"tokens": int(len(ids)), "sentences": int(len(lengths)), "documents": int(len(starts))}
     try:
         with atomic_path(output) as temporary, open(temporary, "wb") as handle:
-            np.savez(handle, ids=ids, sentence_offsets=sentence_offsets, document_offsets=document_offsets)
+            extra = {} if corpus_tokens is None else {"corpus_tokens": corpus_tokens}
+            np.savez(handle, ids=ids, sentence_offsets=sentence_offsets, document_offsets=document_offsets, **extra)
     except OSError as error:
         raise UserError(f"{output}: cannot write ({error.strerror})") from None
     log.info("%s: %d tokens, %d sentences, %d documents", text_path, *counts.values())
     return counts
+
+
+def tokens_per_corpus(text_path: str | os.PathLike, lengths: np.ndarray, line_documents: list[int]) -> np.ndarray | None:
+    """The tokens of each corpus in a shard: its documents are the corpora's in order, as many of each as shard's
+    corpora.json beside the splits says (None without one: a shard cut outside the workflow)."""
+    text_path = Path(text_path)
+    manifest = text_path.parent.parent / MANIFEST
+    if not manifest.is_file():
+        return None
+    counts = json.loads(manifest.read_text(encoding="utf-8"))[text_path.parent.name][int(text_path.stem.split("_")[-1])]
+    document_tokens = np.bincount(np.asarray(line_documents, np.int64), weights=lengths, minlength=sum(counts))
+    if len(document_tokens) != sum(counts):
+        raise UserError(f"{text_path}: {len(document_tokens)} documents, but {manifest} lists {sum(counts)}")
+    cumulative = np.concatenate([[0], np.cumsum(document_tokens, dtype=np.int64)])
+    ends = np.cumsum(counts, dtype=np.int64)
+    return cumulative[ends] - cumulative[ends - np.asarray(counts, np.int64)]
 
 
 def load_tokenized(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -190,11 +212,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--text", required=True, help="text shard: one sentence per line, blank line between documents")
     parser.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
     parser.add_argument("--output", required=True, help=".npz to write")
-    parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
+    Normalization.add_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="tokenizer threads")
     args = parser.parse_args(argv)
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # read by tokenizers' thread pool on first use
-    tokenize_shard(args.text, args.vocab, args.output, args.lowercase)
+    tokenize_shard(args.text, args.vocab, args.output, normalization=Normalization.from_args(args))
 
 
 if __name__ == "__main__":

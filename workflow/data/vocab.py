@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -30,6 +31,58 @@ from workflow.cli import UserError, run
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """What BERT's normaliser does before WordPiece (config vocab.lowercase, vocab.strip_accents,
+    vocab.tokenize_chinese_chars): the vocab is trained, every shard tokenized and the export's tokenizer configured
+    with the same three, so AutoTokenizer gives the ids pretraining saw."""
+
+    lowercase: bool = True
+    strip_accents: bool | None = None  # None: as lowercase (Google's BERT rule; BertNormalizer's and HF's too)
+    tokenize_chinese_chars: bool = True  # spaces around each CJK ideograph: one word each
+
+    def bert_normalizer(self):
+        """`tokenizers`' BertNormalizer with these settings (and clean_text: control characters out)."""
+        from tokenizers.normalizers import BertNormalizer
+
+        return BertNormalizer(clean_text=True, handle_chinese_chars=self.tokenize_chinese_chars,
+                              strip_accents=self.strip_accents, lowercase=self.lowercase)
+
+    def flags(self) -> str:
+        """The command-line flags that give these settings (add_arguments)."""
+        accents = "" if self.strip_accents is None else \
+            " --strip-accents" if self.strip_accents else " --no-strip-accents"
+        chinese = "" if self.tokenize_chinese_chars else " --no-tokenize-chinese-chars"
+        return ("--lowercase" if self.lowercase else "--no-lowercase") + accents + chinese
+
+    @classmethod
+    def from_config(cls, vocab: dict) -> "Normalization":
+        """From config section `vocab`."""
+        return cls(vocab["lowercase"], vocab["strip_accents"], vocab["tokenize_chinese_chars"])
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Normalization":
+        return cls(args.lowercase, args.strip_accents, args.tokenize_chinese_chars)
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
+        parser.add_argument("--strip-accents", action=argparse.BooleanOptionalAction, default=None,
+                            help="strip accents (default: as --lowercase)")
+        parser.add_argument("--tokenize-chinese-chars", action=argparse.BooleanOptionalAction, default=True,
+                            help="each CJK ideograph its own word")
+
+
+def tokenizer_config(normalization: Normalization, model_max_length: int) -> dict:
+    """The tokenizer_config.json of an exported model: BERT's WordPiece tokenizer normalising as `normalization`
+    (do_lower_case, strip_accents, tokenize_chinese_chars), so that AutoTokenizer gives our tokens."""
+    return {"tokenizer_class": "BertTokenizer", "do_lower_case": normalization.lowercase,
+            "strip_accents": normalization.strip_accents,
+            "tokenize_chinese_chars": normalization.tokenize_chinese_chars, "model_max_length": model_max_length,
+            "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+            "mask_token": "[MASK]"}
 
 
 def read_vocab(path: str | os.PathLike) -> list[str]:
@@ -117,13 +170,14 @@ def choose_alphabet(counts: collections.Counter, limit: int) -> list[str]:
     return sorted(sorted(counts, key=lambda char: (-counts[char], char))[:limit])
 
 
-def train_vocab(shards: Sequence[str | os.PathLike], output: str | os.PathLike, size: int, lowercase: bool,
-                limit_alphabet: int = 1000, threads: int = 1) -> int:
+def train_vocab(shards: Sequence[str | os.PathLike], output: str | os.PathLike, size: int, lowercase: bool = True,
+                limit_alphabet: int = 1000, threads: int = 1, normalization: Normalization | None = None) -> int:
     """Train a BERT WordPiece vocab of `size` tokens on text `shards`, the same file for the same input; returns
     the size reached (more than `size` only if the specials and the alphabet with its `##x` alone exceed it).
 
     `threads`: processes for the character histogram. The trainer's threads are rayon's (RAYON_NUM_THREADS, read
-    once per process when tokenizers first runs in parallel: the CLI sets it from --threads)."""
+    once per process when tokenizers first runs in parallel: the CLI sets it from --threads). `normalization`: the
+    normaliser's settings (default: `lowercase`, accents as lowercase, CJK characters apart)."""
     from tokenizers import BertWordPieceTokenizer
 
     for shard in shards:
@@ -131,7 +185,8 @@ def train_vocab(shards: Sequence[str | os.PathLike], output: str | os.PathLike, 
             raise UserError(f"{shard}: training shard not found")
     if not any(Path(shard).stat().st_size for shard in shards):
         raise UserError(f"{shards[0]}: training shards are empty, nothing to train a vocab on")
-    tokenizer = BertWordPieceTokenizer(lowercase=lowercase, strip_accents=lowercase, clean_text=True)
+    tokenizer = BertWordPieceTokenizer(clean_text=True)
+    tokenizer.normalizer = (normalization or Normalization(lowercase)).bert_normalizer()
     alphabet = choose_alphabet(character_counts(shards, tokenizer.normalizer, threads), limit_alphabet)
     tokenizer.train(
         [str(shard) for shard in shards],
@@ -171,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     source.add_argument("--shard-dir", help="directory of training text shards shard_0.txt ... to train a vocab on")
     parser.add_argument("--n-shards", type=int, help="number of shards in --shard-dir")
     parser.add_argument("--size", type=int, default=30522, help="size of a trained vocab")
-    parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
+    Normalization.add_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="trainer threads (the same vocab for any number)")
     args = parser.parse_args(argv)
     if args.vocab_file:
@@ -184,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # before tokenizers first runs in parallel: rayon sizes its pool once, from this variable
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if args.threads > 1 else "false"
-        train_vocab(shards, args.output, args.size, args.lowercase, threads=args.threads)
+        train_vocab(shards, args.output, args.size, threads=args.threads, normalization=Normalization.from_args(args))
 
 
 if __name__ == "__main__":
