@@ -38,6 +38,7 @@ localrules:
     scaling_table,
     report_scaling_plot,
     clean_intermediates,
+    corpus_statistics,
 
 
 rule all:

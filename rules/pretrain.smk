@@ -22,7 +22,7 @@ rule pretrain:
         recipe=pretrain_recipe,
         config=config_sections("seed", "model", "pretrain"),
         init=pretrain_init_args,
-        lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",  # the exported tokenizer's
+        normalization=normalization_flags(),  # the exported tokenizer's
     log:
         "logs/pretrain/{phase}/pretrain.log",
     threads: 8
@@ -33,7 +33,7 @@ rule pretrain:
     shell:
         "python -m workflow.slurm.launch --run-dir runs/pretrain/{wildcards.phase} --"
         " python -m workflow.train.pretrain --phase {wildcards.phase}"
-        " --config {params.config:q} --data-dir {input.data} --vocab {input.vocab} {params.lowercase} {params.init}"
+        " --config {params.config:q} --data-dir {input.data} --vocab {input.vocab} {params.normalization} {params.init}"
         " --run-dir runs/pretrain/{wildcards.phase} --out-dir results/pretrain/{wildcards.phase}"
         " --threads {threads} 2> {log}"
 
@@ -51,11 +51,11 @@ rule import_dle_checkpoint:
     output:
         directory("data/init/{finetune_section}"),
     params:
-        lowercase="--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase",
+        normalization=normalization_flags(),
     log:
         "logs/import_dle_checkpoint/{finetune_section}.log",
     conda:
         "../envs/train.yaml"
     shell:
         "python -m workflow.train.dle_checkpoint import --checkpoint {input.checkpoint:q}"
-        " --bert-config {input.bert_config:q} --vocab {input.vocab:q} {params.lowercase} --output {output:q} 2> {log}"
+        " --bert-config {input.bert_config:q} --vocab {input.vocab:q} {params.normalization} --output {output:q} 2> {log}"

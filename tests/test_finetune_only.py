@@ -16,6 +16,7 @@ from workflow.data.features import load_features, load_tokenizer
 from workflow.squad import data as squad_data
 from workflow.train.dle_checkpoint import save_dle_checkpoint
 from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+from workflow.data.vocab import Normalization
 
 SQUAD_JOBS = {"squad_download_train": 1, "squad_download_dev": 1, "squad_featurize": 2, "squad_finetune": 1,
               "squad_predict": 1, "squad_eval": 1, "squad": 1}
@@ -31,7 +32,7 @@ def workdir(tmp_path_factory):
     config.to_json(root / "bert_config.json")
     torch.manual_seed(0)
     save_pretrained(BertForPreTraining(config), config, root / "cased" / "vocab.txt", root / "hf_model",
-                    lowercase=False)
+                    normalization=Normalization(lowercase=False))
     config.vocab_size = (vocab_size + 7) // 8 * 8
     save_dle_checkpoint(BertForPreTraining(config), root / "ckpt_8601.pt")
     return root

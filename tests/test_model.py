@@ -8,7 +8,9 @@ import torch
 
 import workflow.train.model as model_module
 from workflow.cli import UserError
+from workflow.data.features import load_tokenizer
 from workflow.data.pack import pack_arrays
+from workflow.data.vocab import Normalization
 from workflow.train.model import (BertConfig, BertForPreTraining, BertModel, encoder_state_dict, load_pretrained,
                                   load_weights, pretraining_loss, row_attention, save_pretrained)
 
@@ -333,10 +335,27 @@ def test_the_exported_directory_loads_with_auto_tokenizer_lowercasing_as_its_voc
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "Hello", "cafe", "Café", "##s"])
                      + "\n")
-    save_pretrained(BertForPreTraining(config), config, vocab, tmp_path / "model", lowercase=lowercase)
+    save_pretrained(BertForPreTraining(config), config, vocab, tmp_path / "model",
+                    normalization=Normalization(lowercase))
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "model")
     ids = tokenizer("Hello Café hellos", "cafe")["input_ids"]
     expected = [2, 5, 7, 5, 9, 3, 7, 3] if lowercase else [2, 6, 8, 5, 9, 3, 7, 3]
     assert ids == expected
     assert tokenizer.convert_ids_to_tokens(tokenizer.mask_token_id) == "[MASK]"
     assert tokenizer.model_max_length == config.max_position_embeddings
+
+
+@pytest.mark.parametrize("normalization", [Normalization(True, False, True), Normalization(False, True, False)],
+                         ids=["uncased-accents-kept", "cased-accents-stripped-cjk-whole"])
+def test_the_exported_tokenizer_normalises_as_the_data_was_tokenized(tmp_path, normalization):
+    config = tiny_config()
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "Hello", "cafe", "café", "Cafe",
+                                "Café", "中", "国", "中国", "##s"]) + "\n")
+    save_pretrained(BertForPreTraining(config), config, vocab, tmp_path / "model", normalization=normalization)
+    text = "Hello Café hellos 中国"
+    ours = load_tokenizer(vocab, normalization.lowercase, normalization.strip_accents,
+                          normalization.tokenize_chinese_chars).encode(text, add_special_tokens=False).ids
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "model")(text, add_special_tokens=False)
+    assert theirs["input_ids"] == ours
+    assert len(set(ours)) > 3  # the case distinguishes: not all [UNK]

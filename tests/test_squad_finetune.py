@@ -13,6 +13,7 @@ import torch
 from workflow.data import features as feature_files
 from workflow.squad import data as squad_data, evaluate as squad_eval, finetune as squad_finetune, predict as squad_predict
 from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+from workflow.data.vocab import Normalization
 
 FILLER = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
           "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -54,7 +55,7 @@ def make_synthetic(root):
     torch.manual_seed(0)
     config = BertConfig.preset("tiny", vocab_size=len(words), max_position_embeddings=32,
                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    save_pretrained(BertForPreTraining(config), config, root / "vocab.txt", root / "init", lowercase=True)
+    save_pretrained(BertForPreTraining(config), config, root / "vocab.txt", root / "init", normalization=Normalization())
     dev_examples = squad_data.load_squad(root / "dev.json", "1.1")
     dev = squad_data.featurize(dev_examples, tokenizer, 32, 16, 8, False)
     return root, dev_examples, dev

@@ -73,11 +73,11 @@ def finetune_tokenizer(section):
 
 
 def tokenizer_args(wildcards, input):
-    """A featurizer's casing: the model's tokenizer_config.json (input.tokenizer) if any, else vocab.lowercase (how
+    """A featurizer's casing: the model's tokenizer_config.json (input.tokenizer) if any, else config vocab's normalisation (how
     our own vocab, and a DLE checkpoint's vocab.file, is cased)."""
     if "tokenizer" in input.keys():
         return f"--tokenizer-config {input.tokenizer}"
-    return "--lowercase" if config["vocab"]["lowercase"] else "--no-lowercase"
+    return normalization_flags()
 
 
 def dle_checkpoint_inputs(wildcards):

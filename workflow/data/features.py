@@ -3,7 +3,8 @@
 API:
     load_tokenizer(vocab, lowercase, strip_accents=None, tokenize_chinese_chars=True)
                                         -> tokenizers.BertWordPieceTokenizer ([CLS]/[SEP] not added automatically)
-    add_tokenizer_arguments(parser) / tokenizer_from_args(args)   the featurizers' --vocab, --lowercase and
+    add_tokenizer_arguments(parser) / tokenizer_from_args(args)   the featurizers' --vocab, the normalisation flags
+                                        (--[no-]lowercase, --[no-]strip-accents, --[no-]tokenize-chinese-chars) and
                                         --tokenizer-config (the fine-tuned model's tokenizer_config.json, which wins)
     save_features(path, {name: array})  byte-identical .npz for identical arrays, written atomically
     load_features(path) -> {name: array}
@@ -18,6 +19,7 @@ import numpy as np
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError
+from workflow.data.vocab import Normalization
 
 
 def load_tokenizer(vocab: str | Path, lowercase: bool, strip_accents: bool | None = None,
@@ -45,15 +47,19 @@ def tokenizer_settings(path: str | Path) -> dict:
 
 def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
-    parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
+    Normalization.add_arguments(parser)
     parser.add_argument("--tokenizer-config", default=None, help="the fine-tuned model's tokenizer_config.json: its "
-                        "do_lower_case, strip_accents and tokenize_chinese_chars (instead of --lowercase)")
+                        "do_lower_case, strip_accents and tokenize_chinese_chars (instead of the flags above)")
 
 
 def tokenizer_from_args(args: argparse.Namespace):
-    """The tokenizer of the model being fine-tuned: its tokenizer_config.json's casing if given, else --lowercase."""
-    settings = tokenizer_settings(args.tokenizer_config) if args.tokenizer_config else {"lowercase": args.lowercase}
-    return load_tokenizer(args.vocab, **settings)
+    """The tokenizer of the model being fine-tuned: its tokenizer_config.json's normalisation if given, else the
+    normalisation flags."""
+    if args.tokenizer_config:
+        return load_tokenizer(args.vocab, **tokenizer_settings(args.tokenizer_config))
+    normalization = Normalization.from_args(args)
+    return load_tokenizer(args.vocab, normalization.lowercase, normalization.strip_accents,
+                          normalization.tokenize_chinese_chars)
 
 
 def save_features(path: str | Path, features: dict[str, np.ndarray]) -> None:

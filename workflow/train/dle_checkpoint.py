@@ -31,6 +31,7 @@ import torch
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
+from workflow.data.vocab import Normalization
 from workflow.train.model import BertConfig, BertForPreTraining, load_pretrained, load_weights, save_pretrained
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ def _import(args) -> None:
         log.warning("%s: a fine-tuned model? pretraining heads %s freshly initialised, task head %s left out",
                     args.checkpoint, missing, task_heads)
     with atomic_path(args.output) as temporary:
-        save_pretrained(model, config, args.vocab, temporary, lowercase=args.lowercase)
+        save_pretrained(model, config, args.vocab, temporary, normalization=Normalization.from_args(args))
 
 
 def _export(args) -> None:
@@ -171,8 +172,7 @@ def main(argv=None) -> None:
     into.add_argument("--checkpoint", required=True, help="DLE ckpt_*.pt")
     into.add_argument("--bert-config", required=True, help="the bert_config.json it was trained with")
     into.add_argument("--vocab", required=True, help="the vocab.txt it was trained with")
-    into.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True,
-                      help="the vocab is uncased (DLE's --do_lower_case): the directory's tokenizer lower-cases")
+    Normalization.add_arguments(into)  # --lowercase: the vocab is uncased (DLE's --do_lower_case)
     into.add_argument("--output", required=True, help="HF directory to write")
     out = commands.add_parser("export", help="an HF BERT directory -> a DLE checkpoint")
     out.add_argument("--model", required=True, help="HF BERT directory (e.g. results/pretrain/phase2/model)")

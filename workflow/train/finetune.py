@@ -26,7 +26,8 @@ import torch
 
 from workflow.atomic import atomic_path, write_text
 from workflow.cli import UserError, config_sections
-from workflow.data.features import load_features
+from workflow.data.features import load_features, tokenizer_settings
+from workflow.data.vocab import Normalization
 from workflow.train import checkpoint, distributed
 from workflow.train.engine import LoopSettings, accumulation_steps, set_threads, train
 from workflow.train.lamb import param_groups
@@ -213,9 +214,9 @@ def _export(env, model, config, init: Path, vocab, output, metrics_path, run_dir
     if env.is_main:
         with atomic_path(output) as temporary:
             vocab_path = Path(vocab) if vocab else Path(init) / "vocab.txt"
-            tokenizer = Path(init) / "tokenizer_config.json"  # the casing of the model it started from
-            lowercase = json.loads(tokenizer.read_text())["do_lower_case"] if tokenizer.is_file() else None
-            save_pretrained(model, config, vocab_path if vocab_path.is_file() else None, temporary, lowercase)
+            tokenizer = Path(init) / "tokenizer_config.json"  # the normalisation of the model it started from
+            normalization = Normalization(**tokenizer_settings(tokenizer)) if tokenizer.is_file() else None
+            save_pretrained(model, config, vocab_path if vocab_path.is_file() else None, temporary, normalization)
             config_json = json.loads((temporary / "config.json").read_text())
             config_json.update(config_json_updates)
             write_text(temporary / "config.json", json.dumps(config_json, indent=2, sort_keys=True) + "\n")

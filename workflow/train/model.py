@@ -15,9 +15,9 @@ API (stable; the SQuAD stage builds on it):
                                     slots, packed rows' real tokens and sequence offsets), computed where the batch is
                                     built: no host sync remains in the forward (what the training task passes)
     pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict of loss/accuracy tensors
-    save_pretrained(model, config, vocab_path, out_dir, lowercase=None, dle_checkpoint=False)   HF directory:
+    save_pretrained(model, config, vocab_path, out_dir, normalization=None, dle_checkpoint=False)   HF directory:
                                     model.safetensors + config.json + vocab.txt (+ tokenizer_config.json for
-                                    AutoTokenizer, with lowercase; + dle_checkpoint.pt for NVIDIA DLE's scripts)
+                                    AutoTokenizer, with normalization; + dle_checkpoint.pt for NVIDIA DLE's scripts)
     load_pretrained(path, bert_config=None) -> (config, state_dict)   an HF directory, or an NVIDIA DLE checkpoint
                                     file with its bert_config.json (workflow/train/dle_checkpoint.py); state_dict in
                                     BertForPreTraining names (heads may be absent)
@@ -496,10 +496,11 @@ _TIED_ALIASES = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias
 
 
 def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.PathLike | None,
-                    out_dir: str | os.PathLike, lowercase: bool | None = None, dle_checkpoint: bool = False) -> None:
-    """Write an HF directory (model.safetensors, config.json, vocab.txt) into `out_dir` (created); with `lowercase`
-    (how the vocab was built), also tokenizer_config.json, so that `AutoTokenizer.from_pretrained` loads BERT's
-    WordPiece tokenizer that lower-cases (and strips accents) exactly when the vocab is uncased; with
+                    out_dir: str | os.PathLike, normalization=None, dle_checkpoint: bool = False) -> None:
+    """Write an HF directory (model.safetensors, config.json, vocab.txt) into `out_dir` (created); with
+    `normalization` (workflow.data.vocab.Normalization: how the vocab was built and the data tokenized), also
+    tokenizer_config.json, so that `AutoTokenizer.from_pretrained` loads BERT's WordPiece tokenizer that lower-cases,
+    strips accents and splits CJK characters exactly as the data was tokenized; with
     `dle_checkpoint`, also dle_checkpoint.pt for NVIDIA DLE's run_squad.py/run_glue.py (--config_file config.json)."""
     from safetensors.torch import save_file
 
@@ -516,11 +517,10 @@ def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.P
     config.to_json(out_dir / "config.json")
     if vocab_path is not None:
         shutil.copyfile(vocab_path, out_dir / "vocab.txt")
-    if vocab_path is not None and lowercase is not None:
-        tokenizer = {"tokenizer_class": "BertTokenizer", "do_lower_case": lowercase, "strip_accents": None,
-                     "tokenize_chinese_chars": True, "model_max_length": config.max_position_embeddings,
-                     "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
-                     "mask_token": "[MASK]"}  # strip_accents None: as do_lower_case, BERT's own rule
+    if vocab_path is not None and normalization is not None:
+        from workflow.data.vocab import tokenizer_config
+
+        tokenizer = tokenizer_config(normalization, config.max_position_embeddings)
         (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer, indent=2) + "\n")
 
 

@@ -9,7 +9,7 @@ API:
     PretrainingTask        the engine's Task: global sequence order, MLM + NSP loss normalised over the global batch
 
     python -m workflow.train.pretrain --phase phase1 --config '{"seed": .., "model": {..}, "pretrain": {..}}' \
-        --data-dir data/hdf5_seq128 --vocab data/vocab.txt [--no-lowercase] --run-dir runs/pretrain/phase1 \
+        --data-dir data/hdf5_seq128 --vocab data/vocab.txt [--no-lowercase ...] --run-dir runs/pretrain/phase1 \
         --out-dir results/...     (the out dir's model/ loads with HF's from_pretrained and AutoTokenizer)
     python -m workflow.train.pretrain --phase phase1 --configfile config.yaml --data-dir ... (the same, outside
         Snakemake: the config file validated against config.schema.yaml with its defaults, as the workflow does)
@@ -50,6 +50,7 @@ from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, config_sections, run
 from workflow.config import load_config
+from workflow.data.vocab import Normalization
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.lamb import make_optimizer, make_scheduler
 from workflow.train.model import (VARLEN_DEVICE_TYPES, BertConfig, BertForPreTraining, count_parameters,
@@ -105,7 +106,8 @@ class TrainSettings:
     deterministic: bool = False
     compile: bool = False
     loader_workers: int = 2
-    lowercase: bool = True   # how the vocab was built (config vocab.lowercase): the exported tokenizer's casing
+    normalization: Normalization = Normalization()  # how the vocab was built and the data tokenized (config
+                                                    # vocab): the exported tokenizer's
 
     @classmethod
     def from_config(cls, config: dict, phase: str, **paths) -> "TrainSettings":
@@ -415,7 +417,7 @@ def _evaluate_and_export(s: TrainSettings, env, model, config, optimizer, optimi
     if env.is_main:
         run_dir = Path(s.run_dir)
         with atomic_path(s.out_model) as temporary:
-            save_pretrained(model, config, s.vocab, temporary, lowercase=s.lowercase, dle_checkpoint=True)
+            save_pretrained(model, config, s.vocab, temporary, normalization=s.normalization, dle_checkpoint=True)
         with atomic_path(s.out_metrics) as temporary:
             shutil.copyfile(run_dir / "metrics.jsonl", temporary)
         if s.out_telemetry and (run_dir / "gpu_telemetry.csv").exists():
@@ -448,20 +450,26 @@ def parse_args(argv=None) -> TrainSettings:
     p.add_argument("--init-optimizer", default=None, help="phase 1's optimizer_state.pt to carry over")
     p.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=None,
                    help="the vocab is uncased: the exported tokenizer lower-cases (default: --configfile's "
-                   "vocab.lowercase, else yes)")
+                   "vocab section, else yes); --[no-]strip-accents and --[no-]tokenize-chinese-chars with it")
+    p.add_argument("--strip-accents", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--tokenize-chinese-chars", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     args = p.parse_args(argv)
     config = args.config or args.configfile
-    lowercase = args.lowercase if args.lowercase is not None else config.get("vocab", {}).get("lowercase", True)
+    if args.lowercase is not None or "vocab" not in config:  # the flags, as the rule passes them
+        normalization = Normalization(True if args.lowercase is None else args.lowercase, args.strip_accents,
+                                      args.tokenize_chinese_chars)
+    else:
+        normalization = Normalization.from_config(config["vocab"])
     out = Path(args.out_dir)
     return TrainSettings.from_config(
         config, args.phase, data_dir=args.data_dir, vocab=args.vocab, run_dir=args.run_dir,
         out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"), out_summary=str(out / "summary.json"),
         out_telemetry=str(out / "gpu_telemetry.csv"), out_optimizer=str(out / "optimizer_state.pt"),
         init_from=args.init_from or (config.get("model") or {}).get("init_from"), init_optimizer=args.init_optimizer,
-        lowercase=lowercase, device=args.device, threads=args.threads, deterministic=args.deterministic)
+        normalization=normalization, device=args.device, threads=args.threads, deterministic=args.deterministic)
 
 
 def main(argv=None) -> None:
