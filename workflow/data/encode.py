@@ -20,7 +20,7 @@ import hashlib
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -35,6 +35,8 @@ from workflow.data.vocab import read_vocab, special_token_ids
 
 log = logging.getLogger(__name__)
 
+MASKINGS = ("static", "dynamic")
+OBJECTIVES = ("nsp", "full_sentences")
 SPLIT_CODES = {"training": 0, "test": 1}  # part of the seed, so each shard has its own random stream
 BATCH_CELLS = 1 << 20  # tokens built per batch: bounds memory whatever the sequence length
 WORD_BLOCK = 96  # whole-word masking: word ranks examined per block (~ the words a full instance needs)
@@ -50,6 +52,14 @@ class EncodeSettings:
     masked_lm_prob: float = 0.15
     short_seq_prob: float = 0.1
     whole_word_masking: bool = False
+    masking: str = "static"  # static: masks in the files (NVIDIA); dynamic: drawn by the loader (workflow.train.masking)
+    objective: str = "nsp"  # nsp: segment pairs + NSP labels; full_sentences: RoBERTa's contiguous sentences
+
+    def attributes(self) -> dict:
+        """The files' root attributes of the settings: masking and objective only when not NVIDIA's recipe, so
+        static NSP files keep their bytes."""
+        recipe = {"masking": "static", "objective": "nsp"}
+        return {key: value for key, value in asdict(self).items() if key not in recipe or recipe[key] != value}
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,40 @@ def plan_instances(
     return plan[rng.permutation(len(plan))]
 
 
+def plan_full_sentences(
+    sentence_offsets: np.ndarray, document_offsets: np.ndarray, settings: EncodeSettings, rng: np.random.Generator
+) -> tuple[np.ndarray, int]:
+    """(plan, tokens dropped): RoBERTa's FULL-SENTENCES rows, shuffled, in plan_instances' [N, 5] form: contiguous
+    sentences up to max_seq_length - 3 tokens, A from one document and, when A reaches its document's end, B
+    continuing from the next document's first sentences after a [SEP] (one boundary per row: the row layout stays
+    [CLS] A [SEP] B [SEP], B empty within a document). NSP label 0. Each corpus token is in one row, once; a
+    sentence longer than a row is cut (its tail counted as dropped)."""
+    cum = sentence_offsets
+    n_sentences = len(cum) - 1
+    budget = settings.max_seq_length - 3
+    doc_of_sentence = np.searchsorted(document_offsets, np.arange(n_sentences), side="right") - 1
+    rows, dropped, pos = [], 0, 0
+    while pos < n_sentences:
+        doc_end = int(document_offsets[doc_of_sentence[pos] + 1])
+        a_end = min(int(np.searchsorted(cum, cum[pos] + budget, side="right")) - 1, doc_end)
+        if a_end == pos:  # one sentence longer than a row: its first `budget` tokens
+            dropped += int(cum[pos + 1] - cum[pos]) - budget
+            rows.append((cum[pos], cum[pos] + budget, 0, 0))
+            pos += 1
+            continue
+        b_start = b_end = a_end
+        if a_end == doc_end and doc_end < n_sentences:
+            next_end = int(document_offsets[doc_of_sentence[doc_end] + 1])
+            b_end = min(int(np.searchsorted(cum, cum[pos] + budget, side="right")) - 1, next_end)
+            b_end = max(b_end, doc_end)
+        rows.append((cum[pos], cum[a_end], cum[b_start], cum[b_end]))
+        pos = b_end
+    plan = np.zeros((len(rows), 5), np.int64)
+    if rows:
+        plan[:, :4] = rows
+    return plan[rng.permutation(len(plan))], dropped
+
+
 def _truncate_pair(a_start, a_end, b_start, b_end, max_num_tokens, rng):
     """truncate_seq_pair in closed form: trim the longer segment (B on ties) one token at a time, each from a
     random end, until both fit."""
@@ -166,7 +210,7 @@ def build_batch(
     rows = np.arange(len(plan))
     a_start, a_end, b_start, b_end, is_random = plan.T
     len_a, len_b = a_end - a_start, b_end - b_start
-    n_tokens = len_a + len_b + 3
+    n_tokens = len_a + len_b + 2 + (len_b > 0)  # an empty B (full sentences within a document): [CLS] A [SEP]
     col = np.arange(length)[None, :]
     # Source of each cell in `ids`: A's tokens, then B's, then the trailing 0; [CLS]/[SEP] are overwritten below.
     source = col + np.where(col <= len_a[:, None], (a_start - 1)[:, None], (b_start - len_a - 2)[:, None])
@@ -183,12 +227,48 @@ def build_batch(
     segment_ids &= is_real
     candidate = is_real & (col != (len_a + 1)[:, None]) & (col != (n_tokens - 1)[:, None])
     candidate[:, 0] = False
+    out["next_sentence_labels"][...] = is_random
+    if settings.objective == "full_sentences":
+        segment_ids[...] = False  # one segment: the [SEP]s only separate documents
+    if settings.masking == "dynamic":
+        out["masked_lm_positions"][...] = 0
+        out["masked_lm_ids"][...] = 0
+        return out
+    positions, labels = mask_rows(input_ids, candidate, n_tokens, settings, vocab, GeneratorDraws(rng))
+    out["masked_lm_ids"][...] = labels
+    out["masked_lm_positions"][...] = positions
+    return out
 
+
+class GeneratorDraws:
+    """mask_rows' random numbers from one numpy Generator, in the order encode has always drawn them."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def keys(self, shape) -> np.ndarray:
+        return self.rng.random(shape, dtype=np.float32)
+
+    fractions = keys
+
+    def tokens(self, where: np.ndarray, vocab_size: int) -> np.ndarray:
+        return self.rng.integers(0, vocab_size, int(where.sum()))
+
+
+def mask_rows(input_ids: np.ndarray, candidate: np.ndarray, n_tokens: np.ndarray, settings: EncodeSettings,
+              vocab: Vocab, draws) -> tuple[np.ndarray, np.ndarray]:
+    """Google's masking of the rows `input_ids` [B, L] in place: (masked_lm_positions, masked_lm_ids) [B, P],
+    ascending, zero-padded. Predictions: min(max_predictions_per_seq, max(1, rint(n_tokens * masked_lm_prob))) of
+    the `candidate` cells (real tokens but [CLS]/[SEP]), whole words with whole_word_masking; 80% become [MASK], 10%
+    a random vocab token, 10% stay. `draws` gives the random numbers (keys, fractions, tokens)."""
+    length, n_predictions = input_ids.shape[1], settings.max_predictions_per_seq
+    row_start = np.arange(len(input_ids)) * length
+    flat_ids = input_ids.reshape(-1)
     n_to_predict = np.minimum(n_predictions, np.maximum(1, np.rint(n_tokens * settings.masked_lm_prob))).astype(np.int64)
     if settings.whole_word_masking:
-        picked = _choose_whole_words(input_ids, candidate, n_to_predict, vocab, rng)
+        picked = _choose_whole_words(input_ids, candidate, n_to_predict, vocab, draws.keys(candidate.shape))
     else:
-        picked = _choose_tokens(candidate, n_to_predict, rng)
+        picked = _choose_tokens(candidate, n_to_predict, draws.keys(candidate.shape))
     # Positions in ascending order, zero-padded to max_predictions_per_seq (position 0 is [CLS], never masked).
     picked = np.sort(picked, axis=1)[:, :n_predictions]
     if picked.shape[1] < n_predictions:
@@ -196,22 +276,19 @@ def build_batch(
     valid = picked < length
     positions = np.where(valid, picked, 0)
     cell = row_start[:, None] + positions
-    out["masked_lm_ids"][...] = np.where(valid, flat_ids[cell], 0)
+    labels = np.where(valid, flat_ids[cell], 0)
     # 80% [MASK], 10% a random vocab token, 10% unchanged.
-    draw = rng.random(positions.shape, dtype=np.float32)
+    draw = draws.fractions(positions.shape)
     flat_ids[cell[valid & (draw < 0.8)]] = vocab.mask
-    to_random = cell[valid & (draw >= 0.9)]
-    flat_ids[to_random] = rng.integers(0, vocab.size, len(to_random))
-    out["masked_lm_positions"][...] = positions
-    out["next_sentence_labels"][...] = is_random
-    return out
+    to_random = valid & (draw >= 0.9)
+    flat_ids[cell[to_random]] = draws.tokens(to_random, vocab.size)
+    return positions, labels
 
 
-def _choose_tokens(candidate: np.ndarray, n_to_predict: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def _choose_tokens(candidate: np.ndarray, n_to_predict: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """[B, k] columns of a uniform random subset of n_to_predict candidate positions per row (all of them if
-    fewer); unused slots hold L. The subset is the n_to_predict smallest of random keys."""
+    fewer); unused slots hold L. The subset is the n_to_predict smallest of the random `keys` [B, L]."""
     batch, length = candidate.shape
-    keys = rng.random(candidate.shape, dtype=np.float32)
     np.copyto(keys, 2.0, where=~candidate)
     k = min(int(n_to_predict.max()), length)
     smallest = np.argpartition(keys, k - 1, axis=1)[:, :k]
@@ -226,7 +303,7 @@ def _choose_tokens(candidate: np.ndarray, n_to_predict: np.ndarray, rng: np.rand
 
 
 def _choose_whole_words(
-    input_ids: np.ndarray, candidate: np.ndarray, n_to_predict: np.ndarray, vocab: Vocab, rng: np.random.Generator
+    input_ids: np.ndarray, candidate: np.ndarray, n_to_predict: np.ndarray, vocab: Vocab, keys: np.ndarray
 ) -> np.ndarray:
     """[B, L] columns of whole words in random order, each taken if it still fits in n_to_predict (Google's
     greedy); unused slots hold L."""
@@ -238,7 +315,7 @@ def _choose_whole_words(
     row_start = np.arange(batch)[:, None] * length
     flat_word = np.where(candidate, row_start + word, batch * length)
     word_length = np.bincount(flat_word.ravel(), minlength=batch * length + 1)[:-1]
-    keys = rng.random((batch, length), dtype=np.float32)
+    keys = keys.copy()
     keys[word_length.reshape(batch, length) == 0] = 2.0
     order = row_start + np.argsort(keys, axis=1)  # flat index of each row's words, in random order
     word_taken = np.zeros(batch * length, bool)
@@ -277,23 +354,34 @@ def encode_shard(
     """Encode one tokenized shard into the HDF5 file `output`, packed (workflow.data.pack) unless `packing` is
     None; returns the number of instances."""
     _check(settings, packing)
+    if settings.masking == "dynamic" and settings.objective == "full_sentences" and settings.dupe_factor != 1:
+        log.info("dupe_factor %d ignored: with dynamic masking, copies of full-sentence rows would be identical",
+                 settings.dupe_factor)
+        settings = replace(settings, dupe_factor=1)
     vocab = Vocab.read(vocab_path)
     ids, sentence_offsets, document_offsets = load_tokenized(tokenized)
     padded_ids = np.append(ids, 0).astype(ids.dtype)
     if len(ids) and int(ids.max()) >= vocab.size:
         raise UserError(f"{tokenized}: token id {int(ids.max())} is outside {vocab_path} ({vocab.size} tokens)")
     plan_rng, mask_rng = shard_rng(seed, split, shard_index)
-    plan = plan_instances(sentence_offsets, document_offsets, settings, plan_rng)
+    if settings.objective == "full_sentences":
+        plan, dropped = plan_full_sentences(sentence_offsets, document_offsets, settings, plan_rng)
+        log.info("full sentences: %d rows, %d tokens of sentences longer than a row dropped", len(plan), dropped)
+        plan = np.tile(plan, (settings.dupe_factor, 1))  # static masks: dupe_factor differently masked copies
+    else:
+        plan = plan_instances(sentence_offsets, document_offsets, settings, plan_rng)
     n, length = len(plan), settings.max_seq_length
     batch_rows = max(CHUNK_ROWS, BATCH_CELLS // length // CHUNK_ROWS * CHUNK_ROWS)
     attributes = {
-        **asdict(settings),
+        **settings.attributes(),
         "seed": seed,
         "split": split,
         "shard_index": shard_index,
         "n_instances": n,
         "vocab_sha256": hashlib.sha256(Path(vocab_path).read_bytes()).hexdigest(),
     }
+    if settings.masking == "dynamic":  # what the load-time masker needs (workflow.train.masking)
+        attributes.update(cls_id=vocab.cls, sep_id=vocab.sep, mask_id=vocab.mask)
     shapes = instance_shapes(n, settings)
     starts = tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5)
     if packing is not None:
@@ -310,20 +398,29 @@ def encode_shard(
         packing_time = time.process_time() - started
         write_shard(output, {**attributes, **stats, **packing.attributes()},
                     {name: (packed[name].shape, packed[name].dtype) for name in sorted(packed)}, [packed],
-                    compression)
+                    compression, _masker_tables(settings, vocab))
         log.info("%s: %d instances in %d packs of %d, fill %.4f (unpacked %.4f); packing took %.3f CPU s",
                  output, n, stats["n_packs"], length, stats["fill"], stats["fill_unpacked"],
                  packing_time)
         return n
     batches = (build_batch(padded_ids, plan[start : start + batch_rows], settings, vocab, mask_rng) for start in starts)
-    write_shard(output, attributes, shapes, batches, compression)
+    write_shard(output, attributes, shapes, batches, compression, _masker_tables(settings, vocab))
     log.info("%s: %d instances of length %d", output, n, length)
     return n
+
+
+def _masker_tables(settings: EncodeSettings, vocab: Vocab) -> dict[str, np.ndarray]:
+    """Datasets a dynamic file adds for its masker: the vocab's "##" continuations (whole words)."""
+    return {"continues_word": vocab.continues_word.astype(np.uint8)} if settings.masking == "dynamic" else {}
 
 
 def _check(settings: EncodeSettings, packing: PackSettings | None) -> None:
     if packing is not None and packing.max_sequences_per_pack < 1:
         raise UserError(f"encode packing.max_sequences_per_pack {packing.max_sequences_per_pack}: must be at least 1")
+    if settings.masking not in MASKINGS:
+        raise UserError(f"encode masking {settings.masking!r}: must be one of {', '.join(MASKINGS)}")
+    if settings.objective not in OBJECTIVES:
+        raise UserError(f"encode objective {settings.objective!r}: must be one of {', '.join(OBJECTIVES)}")
     if settings.max_seq_length < 8:
         raise UserError(f"encode max_seq_length {settings.max_seq_length}: must be at least 8")
     if settings.max_predictions_per_seq < 1:
@@ -341,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--masked-lm-prob", type=float, default=0.15)
     parser.add_argument("--short-seq-prob", type=float, default=0.1)
     parser.add_argument("--whole-word-masking", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--masking", choices=MASKINGS, default="static")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="nsp")
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--split", choices=sorted(SPLIT_CODES), required=True)
     parser.add_argument("--shard-index", type=int, required=True)
@@ -357,6 +456,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         masked_lm_prob=args.masked_lm_prob,
         short_seq_prob=args.short_seq_prob,
         whole_word_masking=args.whole_word_masking,
+        masking=args.masking,
+        objective=args.objective,
     )
     packing = PackSettings(args.max_sequences_per_pack, args.pack_algorithm) if args.packing else None
     encode_shard(args.tokenized, args.vocab, args.output, settings, args.seed, args.split, args.shard_index,

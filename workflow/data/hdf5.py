@@ -22,9 +22,11 @@ CHUNK_ROWS = 64  # HDF5 chunk = 64 whole rows: a random row read decompresses li
 CHUNK_WIDTH = 128  # narrower datasets (predictions, per-pack slots, labels) get proportionally more rows per chunk
 
 
-def write_shard(output, attributes: dict, shapes: dict, batches, compression: str) -> None:
+def write_shard(output, attributes: dict, shapes: dict, batches, compression: str,
+                tables: dict[str, np.ndarray] | None = None) -> None:
     """HDF5 file `output` (atomically) with the datasets `shapes` {name: (shape, dtype)}, filled row-block by
-    row-block from `batches` (dicts of arrays, in row order), and root attributes `attributes`."""
+    row-block from `batches` (dicts of arrays, in row order), root attributes `attributes`, and whole `tables`
+    (datasets that are not rows, e.g. a dynamic file's vocab table)."""
     try:
         with atomic_path(output) as temporary:
             with h5py.File(temporary, "w", libver="earliest") as handle:
@@ -33,6 +35,8 @@ def write_shard(output, attributes: dict, shapes: dict, batches, compression: st
                     name: handle.create_dataset(name, shape, dtype, track_times=False, **_layout(shape, compression))
                     for name, (shape, dtype) in shapes.items()
                 }
+                for name, table in (tables or {}).items():
+                    handle.create_dataset(name, data=table, track_times=False)
                 start = 0
                 for arrays in batches:
                     rows = 0

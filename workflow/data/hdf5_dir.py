@@ -37,6 +37,7 @@ SETTINGS = (
     "vocab_sha256",
 )
 PACKING = ("packing", "max_sequences_per_pack")  # attributes of packed shards only
+RECIPE = ("masking", "objective")  # attributes of shards not of NVIDIA's recipe (static masks, NSP) only
 
 
 def sha256(path: Path) -> str:
@@ -62,6 +63,7 @@ def shard_info(path: Path) -> dict:
         raise UserError(f"{path}: lacks the attribute(s) {', '.join(missing)}; re-run the encode stage")
     packed = "packing" in attributes
     settings = {key: _plain(attributes[key]) for key in SETTINGS + (PACKING if packed else ())}
+    settings.update({key: _plain(attributes[key]) for key in RECIPE if key in attributes})
     n_instances = int(attributes["n_instances"]) if packed else n_rows
     return {"n_instances": n_instances, "n_rows": n_rows, "settings": settings,
             "format": "packed" if packed else "unpacked"}
