@@ -11,7 +11,7 @@ ranks or loader workers, after a resume, and across reruns. Vectorised over a wh
 
 API:
     LoadTimeMasker.of_shard(path, seed) -> masker or None (a static shard)
-    masker(arrays, epoch, shard, first_row) -> arrays with input_ids masked and masked_lm_positions / masked_lm_ids filled
+    masker(arrays, epoch, shard, rows) -> arrays with input_ids masked and masked_lm_positions / masked_lm_ids filled
 """
 from __future__ import annotations
 
@@ -89,13 +89,13 @@ class LoadTimeMasker:
                       continues)
         return cls(settings, vocab, int(attributes["seed"]) if seed is None else seed)
 
-    def __call__(self, arrays: dict[str, np.ndarray], epoch: int, shard: int, first_row: int) -> dict[str, np.ndarray]:
-        """`arrays` (rows first_row... of shard number `shard`, either layout) with every sequence masked: each sequence's cells are
+    def __call__(self, arrays: dict[str, np.ndarray], epoch: int, shard: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """`arrays` (the file rows `rows` of shard number `shard`, either layout) with every sequence masked: each sequence's cells are
         masked as a row of its own, then the rows put back together."""
         input_ids, sequence = arrays["input_ids"], arrays["input_mask"].astype(np.int64)
         n_rows, length = input_ids.shape
         packed = "instance_index" in arrays
-        instances = arrays["instance_index"] if packed else np.arange(first_row, first_row + n_rows)[:, None]
+        instances = arrays["instance_index"] if packed else np.asarray(rows)[:, None]
         slots = instances.shape[1]
         owned = sequence[:, None, :] == np.arange(1, slots + 1)[None, :, None]  # [B, S, L]
         ids = np.broadcast_to(input_ids[:, None, :], owned.shape).reshape(-1, length).copy()

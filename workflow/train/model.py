@@ -109,9 +109,10 @@ class BertConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def to_json(self, path: str | os.PathLike) -> None:
-        """Write config.json readable both as a Google bert_config.json and by transformers."""
-        data = {**self.to_dict(), "model_type": "bert", "architectures": ["BertForPreTraining"],
+    def to_json(self, path: str | os.PathLike, architecture: str = "BertForPreTraining") -> None:
+        """Write config.json readable both as a Google bert_config.json and by transformers; `architecture` says
+        which heads the weights hold (BertForMaskedLM: no NSP head)."""
+        data = {**self.to_dict(), "model_type": "bert", "architectures": [architecture],
                 "tie_word_embeddings": True}
         Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -493,28 +494,33 @@ def pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_lab
 # ---------------------------------------------------------------- Hugging Face directories
 
 _TIED_ALIASES = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+NSP_HEAD = "cls.seq_relationship."  # the next-sentence head's weights (left out of a model trained without NSP)
 
 
 def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.PathLike | None,
-                    out_dir: str | os.PathLike, normalization=None, dle_checkpoint: bool = False) -> None:
+                    out_dir: str | os.PathLike, normalization=None, dle_checkpoint: bool = False,
+                    next_sentence_prediction: bool = True) -> None:
     """Write an HF directory (model.safetensors, config.json, vocab.txt) into `out_dir` (created); with
     `normalization` (workflow.data.vocab.Normalization: how the vocab was built and the data tokenized), also
     tokenizer_config.json, so that `AutoTokenizer.from_pretrained` loads BERT's WordPiece tokenizer that lower-cases,
     strips accents and splits CJK characters exactly as the data was tokenized; with
-    `dle_checkpoint`, also dle_checkpoint.pt for NVIDIA DLE's run_squad.py/run_glue.py (--config_file config.json)."""
+    `dle_checkpoint`, also dle_checkpoint.pt for NVIDIA DLE's run_squad.py/run_glue.py (--config_file config.json).
+    Without `next_sentence_prediction` (a model trained without NSP), the untrained NSP head is left out and
+    config.json says BertForMaskedLM."""
     from safetensors.torch import save_file
 
     model = getattr(model, "module", model)  # unwrap DDP
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous().clone()
-             for k, v in model.state_dict().items() if k not in _TIED_ALIASES}
+             for k, v in model.state_dict().items()
+             if k not in _TIED_ALIASES and (next_sentence_prediction or not k.startswith(NSP_HEAD))}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     if dle_checkpoint:
         from workflow.train.dle_checkpoint import save_dle_checkpoint
 
         save_dle_checkpoint(model, out_dir / "dle_checkpoint.pt")
-    config.to_json(out_dir / "config.json")
+    config.to_json(out_dir / "config.json", "BertForPreTraining" if next_sentence_prediction else "BertForMaskedLM")
     if vocab_path is not None:
         shutil.copyfile(vocab_path, out_dir / "vocab.txt")
     if vocab_path is not None and normalization is not None:

@@ -182,11 +182,14 @@ def build_model(preset: str, bert_config: str | None, init_from: str | None, voc
 
 
 class PretrainingTask:
-    """Masked LM + next sentence prediction on the shards' global sequence order (the engine's Task)."""
+    """Masked LM + next sentence prediction on the shards' global sequence order (the engine's Task); without
+    `next_sentence_prediction` (full-sentences data), masked LM only: the NSP loss is 0 (kept in the graph with zero
+    gradients, so every parameter takes part in each step, as DDP requires)."""
 
-    def __init__(self, sequences: PretrainingSequences, seq_length: int):
+    def __init__(self, sequences: PretrainingSequences, seq_length: int, next_sentence_prediction: bool = True):
         self.sequences = sequences
         self.seq_length = seq_length
+        self.next_sentence_prediction = next_sentence_prediction
 
     def read(self, start: int, count: int) -> dict:
         return self.sequences.read(start, count)
@@ -205,6 +208,8 @@ class PretrainingTask:
         nsp_logits = nsp_logits.float().flatten(0, -2)
         mlm_loss = F.cross_entropy(mlm_logits, labels, ignore_index=-1, reduction="sum") / totals["masked"]
         nsp_loss = F.cross_entropy(nsp_logits, nsp_labels, ignore_index=-1, reduction="sum") / totals["sequences"]
+        if not self.next_sentence_prediction:
+            nsp_loss = nsp_loss * 0.0
         with torch.no_grad():
             valid, nsp_valid = labels >= 0, nsp_labels >= 0
             stats = {"mlm_correct": ((mlm_logits.argmax(-1) == labels) & valid).sum(), "mlm_count": valid.sum(),
@@ -382,7 +387,8 @@ def train_phase(s: TrainSettings, env) -> dict:
                         keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed, compile=s.compile,
                         loader_workers=s.loader_workers)
     try:
-        outcome = train(env, model, optimizer, scheduler, PretrainingTask(sequences, seq_length), loop,
+        task = PretrainingTask(sequences, seq_length, train_shards[0].objective == "nsp")
+        outcome = train(env, model, optimizer, scheduler, task, loop,
                         _fingerprint(s, config, data_identity(s.data_dir, train_shards), optimizer_name))
     finally:
         sequences.close()
@@ -412,12 +418,14 @@ def _evaluate_and_export(s: TrainSettings, env, model, config, optimizer, optimi
         "optimizer": optimizer_name, "parameters": count_parameters(model), "global_batch_size": s.global_batch_size,
         "micro_batch_size": s.micro_batch_size, "accumulation_steps": outcome.micro_batches_per_step,
         "train_flops_per_sequence": flops_per_sequence(config, seq_length, train_shards[0].max_predictions),
-        "model": config.to_dict(), **evaluation,
+        "model": config.to_dict(), **evaluation, "masking": "dynamic" if train_shards[0].dynamic else "static",
+        "objective": train_shards[0].objective, "next_sentence_prediction": train_shards[0].objective == "nsp",
     }
     if env.is_main:
         run_dir = Path(s.run_dir)
         with atomic_path(s.out_model) as temporary:
-            save_pretrained(model, config, s.vocab, temporary, normalization=s.normalization, dle_checkpoint=True)
+            save_pretrained(model, config, s.vocab, temporary, normalization=s.normalization, dle_checkpoint=True,
+                            next_sentence_prediction=summary["next_sentence_prediction"])
         with atomic_path(s.out_metrics) as temporary:
             shutil.copyfile(run_dir / "metrics.jsonl", temporary)
         if s.out_telemetry and (run_dir / "gpu_telemetry.csv").exists():

@@ -38,6 +38,7 @@ import torch
 from workflow.cli import UserError
 from workflow.data.hdf5 import CHUNK_ROWS
 from workflow.train.checkpoint import file_sha256
+from workflow.train.masking import LoadTimeMasker
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class ShardInfo:
     packed: bool = False
     sequences_per_row: np.ndarray | None = None  # packed: each row's number of sequences (uint8; its leading slots)
     slots: int = 1         # sequence slots per row (packed: max_sequences_per_pack)
+    dynamic: bool = False  # unmasked rows: the loader masks them (workflow.train.masking)
+    objective: str = "nsp"  # encode.objective: nsp (segment pairs) or full_sentences (no NSP labels to learn)
 
     @property
     def rows(self) -> int:
@@ -87,6 +90,8 @@ def _validate(path: Path) -> ShardInfo:
                 raise UserError(f"{path}: dataset {name!r} has shape {shape}, expected {ndim} dimensions")
             shapes[name] = shape
         sequences_per_row = (handle["sequence_lengths"][()] > 0).sum(axis=1) if packed else None
+        dynamic = handle.attrs.get("masking", "static") == "dynamic"
+        objective = str(handle.attrs.get("objective", "nsp"))
     n, seq_length = shapes["input_ids"]
     max_predictions = shapes["masked_lm_positions"][1]
     expected = {"input_mask": (n, seq_length), "segment_ids": (n, seq_length),
@@ -102,8 +107,12 @@ def _validate(path: Path) -> ShardInfo:
                             f"(input_ids is {shapes['input_ids']})")
     if packed:
         return ShardInfo(str(path), int(sequences_per_row.sum()), seq_length, max_predictions, True,
-                         sequences_per_row.astype(np.uint8), shapes["cls_positions"][1])
-    return ShardInfo(str(path), n, seq_length, max_predictions)
+                         sequences_per_row.astype(np.uint8), shapes["cls_positions"][1], dynamic, objective)
+    return ShardInfo(str(path), n, seq_length, max_predictions, dynamic=dynamic, objective=objective)
+
+
+def _recipe(shard: ShardInfo) -> str:
+    return f"{'dynamic' if shard.dynamic else 'static'}/{shard.objective}"
 
 
 def list_shards(directory: str | Path, split: str) -> list[ShardInfo]:
@@ -118,6 +127,9 @@ def list_shards(directory: str | Path, split: str) -> list[ShardInfo]:
         if shard.packed != first.packed:
             raise UserError(f"{shard.path}: {'packed' if shard.packed else 'unpacked'}, but {first.path} is "
                             f"{'packed' if first.packed else 'unpacked'}; one data directory holds one format")
+        if (shard.dynamic, shard.objective) != (first.dynamic, first.objective):
+            raise UserError(f"{shard.path}: masking/objective {_recipe(shard)}, but {first.path} has "
+                            f"{_recipe(first)}; one data directory holds one recipe")
         if (shard.seq_length, shard.max_predictions) != (first.seq_length, first.max_predictions):
             raise UserError(f"{shard.path}: sequence length/max predictions {shard.seq_length}/"
                             f"{shard.max_predictions} differ from {first.path}'s "
@@ -149,7 +161,8 @@ def data_identity(directory: str | Path, shards: list[ShardInfo]) -> dict:
         log.info("%s: no manifest.json; the training data's digest is computed from the shards themselves", directory)
         checksums = [file_sha256(Path(shard.path)) for shard in shards]
     digest = hashlib.sha256(json.dumps([names, [s.n for s in shards], checksums]).encode()).hexdigest()[:16]
-    return {"training data": f"{len(shards)} {'packed ' if shards[0].packed else ''}shards, "
+    return {"encode.masking": "dynamic" if shards[0].dynamic else "static", "encode.objective": shards[0].objective,
+            "training data": f"{len(shards)} {'packed ' if shards[0].packed else ''}shards, "
                              f"{sum(s.n for s in shards)} sequences, sha256 {digest}",
             "training data settings": settings}
 
@@ -271,6 +284,7 @@ class PretrainingSequences:
         self._chunks: dict[int, dict] = {}      # chunk -> its rows' arrays, oldest first
         self._files: dict[int, tuple] = {}      # shard -> (open file, its datasets), oldest first
         self._pid = os.getpid()
+        self._masker = LoadTimeMasker.of_shard(shards[0].path, seed) if shards[0].dynamic else None
 
     def __getstate__(self):  # a spawned loader worker opens its own files
         return {**self.__dict__, "_files": {}, "_chunks": {}}
@@ -284,14 +298,14 @@ class PretrainingSequences:
         return self._epochs[epoch]
 
     def pieces(self, start: int, count: int):
-        """(chunk, first sequence within it, count) of the chunks holding sequences [start, start + count)."""
+        """(chunk, first sequence within it, count, epoch) of the chunks holding sequences [start, start + count)."""
         while count > 0:
             epoch, offset = divmod(start, self.epoch_length)
             order, ends = self._epoch(epoch)
             k = int(np.searchsorted(ends, offset, side="right"))
             chunk = int(order[k])
             take = min(count, int(ends[k]) - offset)
-            yield chunk, offset - (int(ends[k]) - int(self._chunk_sequences[chunk])), take
+            yield chunk, offset - (int(ends[k]) - int(self._chunk_sequences[chunk])), take, epoch
             start, count = start + take, count - take
 
     def _chunk_rows(self, chunk: int) -> tuple[ShardInfo, int, int]:
@@ -302,7 +316,7 @@ class PretrainingSequences:
     def sources(self, start: int, count: int) -> np.ndarray:
         """[count, 2]: the (shard index, row) of each of sequences [start, start + count), without reading data."""
         parts = []
-        for chunk, offset, take in self.pieces(start, count):
+        for chunk, offset, take, _ in self.pieces(start, count):
             info, first, stop = self._chunk_rows(chunk)
             rows = np.arange(first, stop)
             if info.packed:
@@ -344,13 +358,20 @@ class PretrainingSequences:
         return a, b + 1, (index >= offset) & (index < offset + count) & (slot < per_row[a:b + 1, None])
 
     def _step_rows(self, start: int, count: int) -> list[tuple]:
-        """(chunk, first, stop, live) of every chunk holding sequences [start, start + count), in order."""
-        return [(chunk, *self._rows(chunk, offset, take)) for chunk, offset, take in self.pieces(start, count)]
+        """(chunk, first, stop, live, epoch) of every chunk holding sequences [start, start + count), in order."""
+        return [(chunk, *self._rows(chunk, offset, take), epoch)
+                for chunk, offset, take, epoch in self.pieces(start, count)]
+
+    def _part(self, chunk: int, a: int, b: int, epoch: int) -> dict[str, np.ndarray]:
+        """Rows [a, b) of a chunk; with dynamic masking, masked for `epoch` (each sequence by its own key)."""
+        rows = {name: values[a:b] for name, values in self._load(chunk).items()}
+        if self._masker is None:
+            return rows
+        return self._masker(rows, epoch, int(self._chunk_shard[chunk]), int(self._chunk_first[chunk]) + np.arange(a, b))
 
     def _arrays(self, rows: list[tuple]) -> dict[str, np.ndarray]:
-        """The data of `rows` ((chunk, first, stop, live) as _step_rows gives), concatenated; live as "live"."""
-        parts = [{**{name: values[a:b] for name, values in self._load(chunk).items()}, "live": live}
-                 for chunk, a, b, live in rows]
+        """The data of `rows` ((chunk, first, stop, live, epoch) as _step_rows gives), concatenated; live as "live"."""
+        parts = [{**self._part(chunk, a, b, epoch), "live": live} for chunk, a, b, live, epoch in rows]
         return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
     def read(self, start: int, count: int) -> dict[str, torch.Tensor]:
@@ -363,12 +384,12 @@ class PretrainingSequences:
         the step's rows (a straddling row on both sides, as in `read`) split into `world` contiguous parts, the last
         micro-batch filled up with empty rows, which carry no label. Only this rank's rows are read."""
         step = self._step_rows(start, count)
-        total = sum(b - a for _, a, b, _ in step)
+        total = sum(b - a for _, a, b, _, _ in step)
         low, high, seen, mine = total * rank // world, total * (rank + 1) // world, 0, []
-        for chunk, a, b, live in step:
+        for chunk, a, b, live, epoch in step:
             first, stop = max(a, a + low - seen), min(b, a + high - seen)
             if first < stop or not mine and seen + b - a >= high:  # (an empty part keeps the shapes)
-                mine.append((chunk, first, max(first, stop), live[first - a:max(first, stop) - a]))
+                mine.append((chunk, first, max(first, stop), live[first - a:max(first, stop) - a], epoch))
             seen += b - a
         arrays = self._arrays(mine)
         return [make_batch(*padded({name: values[k:k + rows] for name, values in arrays.items()}, rows))
@@ -385,13 +406,15 @@ def iterate_in_order(shards: list[ShardInfo], batch_size: int, limit: int | None
     """Every row of `shards` once, in file order, in batches of `batch_size` rows (held-out evaluation), until the
     rows hold `limit` sequences (packed rows are taken whole: up to S - 1 more). Reads one batch's rows at a time."""
     remaining = math.inf if limit is None else limit
-    for shard in shards:
+    for index, shard in enumerate(shards):
         if remaining <= 0:
             return
+        masker = LoadTimeMasker.of_shard(shard.path) if shard.dynamic else None  # fixed masks: the encode seed
         per_row = shard.sequences_per_row.astype(np.int64) if shard.packed else np.ones(shard.rows, np.int64)
         n = int(np.searchsorted(np.cumsum(per_row), remaining) + 1) if remaining < shard.n else shard.rows
         with h5py.File(shard.path, "r") as handle:
             arrays = datasets(handle, shard)
             for start in range(0, n, batch_size):
-                yield make_batch(read_rows(arrays, start, min(start + batch_size, n)), slice(None))
+                rows = read_rows(arrays, start, min(start + batch_size, n))
+                yield make_batch(masker(rows, 0, index, np.arange(start, start + len(rows["input_ids"]))) if masker else rows, slice(None))
         remaining -= int(per_row[:n].sum())

@@ -1,0 +1,161 @@
+"""Masking at load time (encode.masking: dynamic): the files hold the unmasked rows of the static recipe, the loader
+draws Google's masks with the statistics of static ones, keyed by (seed, epoch, shard, instance) only."""
+import pickle
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from tests.fixtures.real_shaped_text import tokenized_sample
+from workflow.data.encode import EncodeSettings, Vocab, encode_shard
+from workflow.data.pack import PackSettings
+from workflow.train.masking import LoadTimeMasker
+from workflow.train.pretraining_data import PretrainingSequences, list_shards
+
+RECIPE = dict(max_seq_length=128, max_predictions_per_seq=20, dupe_factor=10)
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    """The sample dump tokenized: (directory, vocab path, tokenized shard, Vocab)."""
+    root = tmp_path_factory.mktemp("masking")
+    vocab, tokenized = tokenized_sample(root)
+    return root, vocab, tokenized, Vocab.read(vocab)
+
+
+def encoded(sample, name, packing=None, **settings):
+    root, vocab, tokenized, _ = sample
+    path = root / name / "training" / "shard_0.hdf5"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    encode_shard(tokenized, vocab, path, EncodeSettings(**settings), seed=12345, split="training", shard_index=0,
+                 packing=packing)
+    with h5py.File(path, "r") as handle:
+        return path, {name: handle[name][()] for name in handle}
+
+
+def mask_statistics(arrays: dict, vocab: Vocab) -> dict:
+    """Counts of the masks of unpacked rows: predictions, their 80/10/10 outcome, position, whole-word groups."""
+    positions, labels, ids = arrays["masked_lm_positions"], arrays["masked_lm_ids"], arrays["input_ids"]
+    valid = positions > 0
+    rows = np.nonzero(valid)[0]
+    now, label = ids[rows, positions[valid]], labels[valid]
+    n_tokens = arrays["input_mask"].sum(axis=1)
+    masked = np.zeros(ids.shape, bool)
+    masked[rows, positions[valid]] = True
+    original = ids.copy()
+    original[rows, positions[valid]] = label
+    ordinary = (arrays["input_mask"] > 0) & ~np.isin(original, [vocab.cls, vocab.sep])
+    continues = vocab.continues_word[original] & ordinary
+    return {"predictions": valid.sum(axis=1), "expected": np.minimum(20, np.maximum(1, np.rint(n_tokens * 0.15))),
+            "n": len(label), "tokens": int(n_tokens.sum()), "mask": int((now == vocab.mask).sum()),
+            "same": int((now == label).sum()), "relative_position": positions[valid] / n_tokens[rows],
+            "continuation": int(continues[masked].sum()),
+            "split_words": int((masked[:, :-1] != masked[:, 1:])[continues[:, 1:] & ordinary[:, :-1]].sum())}
+
+
+def loaded(path, epochs, seed=7) -> dict:
+    """The file's rows masked by the loader in each of `epochs`, concatenated."""
+    with h5py.File(path, "r") as handle:
+        rows = {name: handle[name][()] for name in ("input_ids", "input_mask", "masked_lm_positions", "masked_lm_ids")}
+    masker = LoadTimeMasker.of_shard(str(path), seed)
+    parts = [masker(rows, epoch, 0, np.arange(len(rows["input_ids"]))) for epoch in range(epochs)]
+    return {name: np.concatenate([part[name] for part in parts]) for name in rows}
+
+
+def close(a: int, n_a: int, b: int, n_b: int) -> bool:
+    """Two binomial shares equal within 4 standard errors of their difference (false alarm ~6e-5)."""
+    pooled = (a + b) / (n_a + n_b)
+    return abs(a / n_a - b / n_b) < 4 * np.sqrt(pooled * (1 - pooled) * (1 / n_a + 1 / n_b))
+
+
+def test_a_dynamic_file_holds_the_static_files_rows_unmasked_and_no_predictions(sample):
+    _, static = encoded(sample, "static", **RECIPE)
+    path, dynamic = encoded(sample, "dynamic", **RECIPE, masking="dynamic")
+    original = static["input_ids"].copy()
+    valid = static["masked_lm_positions"] > 0
+    original[np.nonzero(valid)[0], static["masked_lm_positions"][valid]] = static["masked_lm_ids"][valid]
+    assert np.array_equal(dynamic["input_ids"], original)
+    for name in ("input_mask", "segment_ids", "next_sentence_labels"):
+        assert np.array_equal(dynamic[name], static[name]), name
+    assert not dynamic["masked_lm_positions"].any() and not dynamic["masked_lm_ids"].any()
+    assert np.array_equal(dynamic["continues_word"].astype(bool), sample[3].continues_word)
+    with h5py.File(path, "r") as handle:
+        assert handle.attrs["masking"] == "dynamic" and handle.attrs["mask_id"] == sample[3].mask
+    # Masks depend on the seed and the epoch; a rerun draws the same.
+    masks = loaded(path, epochs=1, seed=7)
+    assert np.array_equal(masks["input_ids"], loaded(path, epochs=1, seed=7)["input_ids"])
+    assert not np.array_equal(masks["input_ids"], loaded(path, epochs=1, seed=8)["input_ids"])
+    assert not np.array_equal(masks["input_ids"], loaded(path, epochs=2)["input_ids"][len(original):])
+
+
+@pytest.mark.parametrize("whole_word_masking", [False, True], ids=["tokens", "whole_words"])
+def test_dynamic_masks_have_the_statistics_of_static_masks_on_real_shaped_text(sample, whole_word_masking):
+    settings = dict(RECIPE, whole_word_masking=whole_word_masking)
+    _, static = encoded(sample, f"static_{whole_word_masking}", **settings)
+    path, _ = encoded(sample, f"dynamic_{whole_word_masking}", **settings, masking="dynamic")
+    vocab = sample[3]
+    s, d = mask_statistics(static, vocab), mask_statistics(loaded(path, epochs=2), vocab)
+    assert s["n"] > 30_000 and d["n"] > 60_000
+    # Predictions per sequence: Google's count, exactly, both ways (so the masked fraction is the same too).
+    assert np.array_equal(s["predictions"], s["expected"]) and np.array_equal(d["predictions"], d["expected"])
+    assert s["n"] / s["tokens"] == pytest.approx(d["n"] / d["tokens"], abs=1e-12)
+    assert close(s["mask"], s["n"], d["mask"], d["n"])  # 80% [MASK]
+    assert close(s["same"], s["n"], d["same"], d["n"])  # 10% unchanged (+ random draws of the same token)
+    assert close(s["n"] - s["mask"] - s["same"], s["n"], d["n"] - d["mask"] - d["same"], d["n"])  # 10% random
+    assert abs(s["mask"] / s["n"] - 0.8) < 4 * np.sqrt(0.16 / s["n"])
+    # Where in the sequence: the mean relative position within 4 standard errors.
+    a, b = s["relative_position"], d["relative_position"]
+    assert abs(a.mean() - b.mean()) < 4 * np.sqrt(a.var() / len(a) + b.var() / len(b))
+    # Whole words: the share of "##" pieces among predictions alike, and never part of a word.
+    assert close(s["continuation"], s["n"], d["continuation"], d["n"])
+    if whole_word_masking:
+        assert s["split_words"] == 0 and d["split_words"] == 0
+        assert d["continuation"] > 0.1 * d["n"]  # real text: many words are several pieces
+    else:
+        assert d["split_words"] > 0
+
+
+@pytest.fixture(scope="module")
+def data_dirs(sample):
+    """Dynamic data directories of the sample, unpacked and packed."""
+    return {packed: encoded(sample, f"loader_{packed}", PackSettings() if packed else None, **RECIPE,
+                            masking="dynamic")[0].parent.parent for packed in (False, True)}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_a_sequences_masks_are_the_same_on_any_ranks_after_a_resume_and_in_a_worker(data_dirs, packed):
+    shards = list_shards(data_dirs[packed], "training")
+    sequences = PretrainingSequences(shards, seed=7)
+    start, count = sequences.epoch_length - 40, 96  # a step across the epoch boundary
+    one_rank = sequences.micro_batches(start, count, 0, 1, 128)
+    resumed = PretrainingSequences(shards, seed=7)  # a new process, as after a resume
+    assert all(same(a, b) for a, b in zip(one_rank, resumed.micro_batches(start, count, 0, 1, 128)))
+    worker = pickle.loads(pickle.dumps(sequences))
+    assert same(sequences.read(start, count), worker.read(start, count))
+    # Two ranks: their rows are the one rank's rows, masked alike.
+    halves = [sequences.micro_batches(start, count, rank, 2, 128)[0] for rank in (0, 1)]
+    n = [int((h["next_sentence_labels"].view(len(h["input_ids"]), -1) >= 0).any(1).sum()) for h in halves]
+    for name in ("input_ids", "masked_lm_positions", "masked_lm_labels"):
+        assert torch.equal(torch.cat([halves[0][name][:n[0]], halves[1][name][:n[1]]]),
+                           one_rank[0][name][:n[0] + n[1]]), name
+    # The next epoch: other masks.
+    epoch_later = sequences.read(start + sequences.epoch_length, count)
+    assert not torch.equal(epoch_later["masked_lm_positions"], sequences.read(start, count)["masked_lm_positions"])
+
+
+def test_a_data_directory_mixing_static_and_dynamic_shards_is_refused(sample, data_dirs, tmp_path):
+    from workflow.cli import UserError
+
+    mixed = tmp_path / "mixed" / "training"
+    mixed.mkdir(parents=True)
+    shutil.copy(data_dirs[False] / "training" / "shard_0.hdf5", mixed / "a.hdf5")
+    shutil.copy(encoded(sample, "static_for_mix", **RECIPE)[0], mixed / "b.hdf5")
+    with pytest.raises(UserError, match=r"b\.hdf5: masking/objective static/nsp, but .*a\.hdf5 has dynamic/nsp; "
+                                        r"one data directory holds one recipe"):
+        list_shards(mixed.parent, "training")
