@@ -135,36 +135,35 @@ def plan_instances(
 
 def plan_full_sentences(
     sentence_offsets: np.ndarray, document_offsets: np.ndarray, settings: EncodeSettings, rng: np.random.Generator
-) -> tuple[np.ndarray, int]:
-    """(plan, tokens dropped): RoBERTa's FULL-SENTENCES rows, shuffled, in plan_instances' [N, 5] form: contiguous
-    sentences up to max_seq_length - 3 tokens, A from one document and, when A reaches its document's end, B
-    continuing from the next document's first sentences after a [SEP] (one boundary per row: the row layout stays
-    [CLS] A [SEP] B [SEP], B empty within a document). NSP label 0. Each corpus token is in one row, once; a
-    sentence longer than a row is cut (its tail counted as dropped)."""
+) -> np.ndarray:
+    """RoBERTa's FULL-SENTENCES rows, shuffled, in plan_instances' [N, 5] form (NSP label 0): contiguous sentences
+    up to max_seq_length - 3 tokens, A within one document and, when A reaches its document's end, B continuing
+    with the next document's first sentences after a [SEP] (one boundary per row: the layout stays
+    [CLS] A [SEP] B [SEP]; B is empty within a document). Every token of the shard is in exactly one row: a sentence
+    longer than a row continues in the next one."""
     cum = sentence_offsets
-    n_sentences = len(cum) - 1
     budget = settings.max_seq_length - 3
-    doc_of_sentence = np.searchsorted(document_offsets, np.arange(n_sentences), side="right") - 1
-    rows, dropped, pos = [], 0, 0
-    while pos < n_sentences:
-        doc_end = int(document_offsets[doc_of_sentence[pos] + 1])
-        a_end = min(int(np.searchsorted(cum, cum[pos] + budget, side="right")) - 1, doc_end)
-        if a_end == pos:  # one sentence longer than a row: its first `budget` tokens
-            dropped += int(cum[pos + 1] - cum[pos]) - budget
-            rows.append((cum[pos], cum[pos] + budget, 0, 0))
-            pos += 1
-            continue
-        b_start = b_end = a_end
-        if a_end == doc_end and doc_end < n_sentences:
-            next_end = int(document_offsets[doc_of_sentence[doc_end] + 1])
-            b_end = min(int(np.searchsorted(cum, cum[pos] + budget, side="right")) - 1, next_end)
-            b_end = max(b_end, doc_end)
-        rows.append((cum[pos], cum[a_end], cum[b_start], cum[b_end]))
-        pos = b_end
-    plan = np.zeros((len(rows), 5), np.int64)
-    if rows:
-        plan[:, :4] = rows
-    return plan[rng.permutation(len(plan))], dropped
+    document_ends = cum[document_offsets[1:]]
+    rows, start, total = [], 0, int(cum[-1]) if len(cum) else 0
+
+    def last_boundary(low: int, high: int) -> int:
+        """The last sentence boundary in (low, high], else high (a cut inside a sentence)."""
+        k = int(np.searchsorted(cum, high, side="right")) - 1
+        return int(cum[k]) if cum[k] > low else high
+
+    while start < total:
+        document_end = int(document_ends[np.searchsorted(document_ends, start, side="right")])
+        a_end = last_boundary(start, min(start + budget, document_end))
+        b_end = a_end
+        if a_end == document_end < total and start + budget > document_end:
+            next_end = int(document_ends[np.searchsorted(document_ends, document_end, side="right")])
+            b_end = last_boundary(document_end, min(start + budget, next_end))
+            if cum[np.searchsorted(cum, b_end)] != b_end:  # B is whole sentences: none fits, no B
+                b_end = document_end
+        rows.append((start, a_end, a_end, b_end, 0))
+        start = b_end
+    plan = np.array(rows, np.int64).reshape(-1, 5)
+    return plan[rng.permutation(len(plan))]
 
 
 def _truncate_pair(a_start, a_end, b_start, b_end, max_num_tokens, rng):
@@ -365,8 +364,7 @@ def encode_shard(
         raise UserError(f"{tokenized}: token id {int(ids.max())} is outside {vocab_path} ({vocab.size} tokens)")
     plan_rng, mask_rng = shard_rng(seed, split, shard_index)
     if settings.objective == "full_sentences":
-        plan, dropped = plan_full_sentences(sentence_offsets, document_offsets, settings, plan_rng)
-        log.info("full sentences: %d rows, %d tokens of sentences longer than a row dropped", len(plan), dropped)
+        plan = plan_full_sentences(sentence_offsets, document_offsets, settings, plan_rng)
         plan = np.tile(plan, (settings.dupe_factor, 1))  # static masks: dupe_factor differently masked copies
     else:
         plan = plan_instances(sentence_offsets, document_offsets, settings, plan_rng)
