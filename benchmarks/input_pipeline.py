@@ -1,6 +1,6 @@
 """Benchmark: what ONE loader process costs and delivers at full-size shards, today's loader beside the one before.
 
-    python benchmarks/input_pipeline.py [--instances 600000 --instances-512 200000] [--real-text MB]
+    python benchmarks/input_pipeline.py [--instances 600000 --instances-512 200000] [--real-text MB] [--dynamic]
 
 Data, packed as the DAG packs it (PackSettings: gapfill, <= 3 per row, gzip, encode's HDF5 layout): by default one
 generated shard per sequence length of full size (Wikipedia-like lengths and predictions, benchmarks/train_step.py's
@@ -16,6 +16,8 @@ pinned-memory copies, CUDA only, excluded):
     at 16 ranks) in micro-batches of --micro-batch rows (the last filled up with empty rows);
   - before: the same module at BASELINE (read from git), as issue 18 found it: whole shards read (`read_shard`) and
     cached (3), the next one read ahead by a thread, rows shuffled within a shard; `read` of --micro-batch sequences.
+  - dynamic (--dynamic): ours on the same rows unmasked (encode.masking: dynamic), masked by the loader as it reads
+    (workflow.train.masking), beside ours on the static file.
 Printed per side: peak RSS of the process (python + torch + h5py imports included; the imports alone beside),
 sequences and real tokens per CPU second (all the process's threads, prefetch thread included; CPU time, since the
 machine is shared) and wall seconds; then the mixing of a phase-1 step at full size (256 shards of 850k sequences,
@@ -105,7 +107,26 @@ def generated_shard(path: Path, seq: int, n: int) -> None:
     write_shard(path, {}, {name: (values.shape, values.dtype) for name, values in packed.items()}, [packed], "gzip")
 
 
-def real_text_shards(directory: Path, seq: int, work: Path, megabytes: float) -> None:
+def dynamic_shard(static: Path, dynamic: Path, seq: int) -> None:
+    """The generated shard as encode.masking: dynamic writes it: no predictions in the file, the masker's
+    attributes and vocab table (BERT's uncased vocab has 5,828 "##" pieces of 30,522; random ids stand for them)."""
+    import h5py
+
+    from workflow.data.vocab import SPECIAL_TOKENS
+
+    with h5py.File(static, "r") as source, h5py.File(dynamic, "w", libver="earliest") as target:
+        for name in source:
+            source.copy(name, target)
+        for name in ("masked_lm_positions", "masked_lm_ids"):
+            target[name][...] = 0
+        ids = {token: SPECIAL_TOKENS.index(token) for token in ("[CLS]", "[SEP]", "[MASK]")}
+        target.attrs.update(masking="dynamic", max_seq_length=seq, max_predictions_per_seq=PREDICTIONS[seq],
+                            masked_lm_prob=0.15, whole_word_masking=False, seed=12345, cls_id=ids["[CLS]"],
+                            sep_id=ids["[SEP]"], mask_id=ids["[MASK]"])
+        target["continues_word"] = (np.random.default_rng(0).random(30522) < 5828 / 30522).astype(np.uint8)
+
+
+def real_text_shards(directory: Path, seq: int, work: Path, megabytes: float, masking: str = "static") -> None:
     from benchmarks.wikipedia_sample import real_text
     from workflow.data.encode import EncodeSettings, encode_shard
     from workflow.data.pack import PackSettings
@@ -116,7 +137,7 @@ def real_text_shards(directory: Path, seq: int, work: Path, megabytes: float) ->
         text = real_text(megabytes, work / "text.txt")
         train_vocab([text], work / "vocab.txt", size=30522, lowercase=True)
         tokenize_shard(text, work / "vocab.txt", work / "tokenized.npz")
-    settings = EncodeSettings(max_seq_length=seq, max_predictions_per_seq=PREDICTIONS[seq])
+    settings = EncodeSettings(max_seq_length=seq, max_predictions_per_seq=PREDICTIONS[seq], masking=masking)
     for index in range(2):  # other shard seeds: other instances of the same text
         encode_shard(work / "tokenized.npz", work / "vocab.txt", directory / "training" / f"shard_{index}.hdf5",
                      settings, seed=12345, split="training", shard_index=index, packing=PackSettings())
@@ -168,6 +189,7 @@ def main(argv=None) -> None:
     parser.add_argument("--real-text", type=float, default=None, help="MB of real text instead of generated shards")
     parser.add_argument("--micro-batch", type=int, default=64, help="rows (ours) or sequences (before) per read, 128")
     parser.add_argument("--micro-batch-512", type=int, default=16, help="the same at 512")
+    parser.add_argument("--dynamic", action="store_true", help="also ours on dynamic-masking files (side 'dynamic')")
     parser.add_argument("--child", nargs=3, metavar=("SIDE", "DIR", "MICRO"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -178,23 +200,33 @@ def main(argv=None) -> None:
             directory = work / f"hdf5_seq{seq}"
             (directory / "training").mkdir(parents=True)
             started = time.process_time()
+            dynamic = work / f"hdf5_seq{seq}_dynamic"
+            (dynamic / "training").mkdir(parents=True)
             if args.real_text:
                 real_text_shards(directory, seq, work, args.real_text)
+                if args.dynamic:
+                    real_text_shards(dynamic, seq, work, args.real_text, "dynamic")
                 source = f"{args.real_text} MB of real text, 2 shards"
             else:
                 generated_shard(work / f"seq{seq}.hdf5", seq, n)
+                if args.dynamic:
+                    dynamic_shard(work / f"seq{seq}.hdf5", work / f"seq{seq}_dynamic.hdf5", seq)
                 for index in range(2):
                     (directory / "training" / f"shard_{index}.hdf5").hardlink_to(work / f"seq{seq}.hdf5")
+                    if args.dynamic:
+                        (dynamic / "training" / f"shard_{index}.hdf5").hardlink_to(work / f"seq{seq}_dynamic.hdf5")
                 source = f"a generated shard of {n:,} instances, linked twice"
             files = sorted((directory / "training").iterdir())
             size = sum(f.stat().st_size for f in files) / 2**20
             print(f"seq {seq}: {source} ({size:,.0f} MB on disk, made in {time.process_time() - started:.0f} CPU s), "
                   f"micro-batches of {micro} rows (ours) / sequences (before):")
-            for side in ("before", "ours"):
-                measured = run_stage([sys.executable, Path(__file__), "--child", side, directory, micro])
+            sides = {"before": directory, "ours": directory, **({"dynamic": dynamic} if args.dynamic else {})}
+            for side, data in sides.items():
+                measured = run_stage([sys.executable, Path(__file__), "--child", "ours" if side == "dynamic" else side,
+                                      data, micro])
                 figures = json.loads(measured.stdout)
                 rate = figures["sequences"] / figures["cpu_s"]
-                print(f"  {side:<6}: peak RSS {figures['peak_mb']:6,.0f} MB "
+                print(f"  {side:<7}: peak RSS {figures['peak_mb']:6,.0f} MB "
                       f"(imports alone {figures['imports_mb']:,.0f}) | "
                       f"{rate:9,.0f} seq per CPU s | {figures['real_tokens'] / figures['cpu_s']:12,.0f} real tokens "
                       f"per CPU s | {figures['sequences']:,} sequences, {figures['cpu_s']:.1f} CPU s, "
