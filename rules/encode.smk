@@ -17,10 +17,8 @@ rule encode:
         dupe_factor=config["encode"]["dupe_factor"],
         masked_lm_prob=config["encode"]["masked_lm_prob"],
         short_seq_prob=config["encode"]["short_seq_prob"],
-        whole_word_masking="--whole-word-masking" if config["encode"]["whole_word_masking"] else "--no-whole-word-masking",
+        masking=masking_arguments,
         compression=config["encode"]["compression"],
-        masking=config["encode"]["masking"],
-        objective=config["encode"]["objective"],
         packing=packing_arguments,
         seed=config["seed"],
     log:
@@ -32,8 +30,7 @@ rule encode:
         "python -m workflow.data.encode --tokenized {input.tokenized} --vocab {input.vocab} --output {output}"
         " --max-seq-length {wildcards.seq} --max-predictions-per-seq {params.max_predictions_per_seq}"
         " --dupe-factor {params.dupe_factor} --masked-lm-prob {params.masked_lm_prob}"
-        " --short-seq-prob {params.short_seq_prob} {params.whole_word_masking} --compression {params.compression}"
-        " --masking {params.masking} --objective {params.objective}"
+        " --short-seq-prob {params.short_seq_prob} {params.masking} --compression {params.compression}"
         " {params.packing}"
         " --seed {params.seed} --split {wildcards.split} --shard-index {wildcards.index} 2> {log}"
 

@@ -159,3 +159,15 @@ def test_a_data_directory_mixing_static_and_dynamic_shards_is_refused(sample, da
     with pytest.raises(UserError, match=r"b\.hdf5: masking/objective static/nsp, but .*a\.hdf5 has dynamic/nsp; "
                                         r"one data directory holds one recipe"):
         list_shards(mixed.parent, "training")
+
+
+def test_packing_a_dynamic_file_keeps_what_its_masker_needs(sample, tmp_path):
+    from workflow.data.pack import pack_shard
+
+    path, _ = encoded(sample, "to_pack", **RECIPE, masking="dynamic")
+    pack_shard(path, tmp_path / "packed.hdf5")
+    packed, unpacked = LoadTimeMasker.of_shard(str(tmp_path / "packed.hdf5")), LoadTimeMasker.of_shard(str(path))
+    assert (packed.settings, packed.seed) == (unpacked.settings, unpacked.seed)
+    assert (packed.vocab.size, packed.vocab.cls, packed.vocab.sep, packed.vocab.mask) == (
+        unpacked.vocab.size, unpacked.vocab.cls, unpacked.vocab.sep, unpacked.vocab.mask)
+    assert np.array_equal(packed.vocab.continues_word, sample[3].continues_word)

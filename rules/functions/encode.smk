@@ -19,6 +19,18 @@ def max_predictions_per_seq(wildcards):
     return config["encode"][phase_of_seq(wildcards)]["max_predictions_per_seq"]
 
 
+def masking_arguments(wildcards):
+    """encode's masking options: whole words, and the masking and objective only where not NVIDIA's recipe (so
+    that data built before those keys keeps its params and is not rebuilt)."""
+    encode = config["encode"]
+    options = ["--whole-word-masking" if encode["whole_word_masking"] else "--no-whole-word-masking"]
+    if encode["masking"] != "static":
+        options.append(f"--masking {encode['masking']}")
+    if encode["objective"] != "nsp":
+        options.append(f"--objective {encode['objective']}")
+    return " ".join(options)
+
+
 def packing_arguments(wildcards):
     """encode's packing options from config encode.packing."""
     packing = config["encode"]["packing"]

@@ -5,7 +5,7 @@ several instances per row; workflow.data.pack). Chunks hold whole rows, gzip lev
 
 API:
     write_shard(output, attributes, {name: (shape, dtype)}, batches, compression)   atomically, row block by block
-    read_encoded(path) -> (arrays, attributes)   an encoded (NVIDIA-schema) shard, validated
+    read_encoded(path) -> (arrays, attributes)   an encoded (NVIDIA-schema) shard, validated (with its TABLES)
 """
 import os
 
@@ -18,6 +18,7 @@ from workflow.cli import UserError
 ENCODED = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 PACKED = ("input_ids", "segment_ids", "input_mask", "position_ids", "cls_positions", "sequence_lengths",
           "next_sentence_labels", "instance_index", "masked_lm_positions", "masked_lm_ids")  # the order files get them
+TABLES = ("continues_word",)  # whole datasets beside the rows (a dynamic-masking file's vocab table)
 CHUNK_ROWS = 64  # HDF5 chunk = 64 whole rows: a random row read decompresses little (see benchmarks/)
 CHUNK_WIDTH = 128  # narrower datasets (predictions, per-pack slots, labels) get proportionally more rows per chunk
 
@@ -29,7 +30,9 @@ def write_shard(output, attributes: dict, shapes: dict, batches, compression: st
     (datasets that are not rows, e.g. a dynamic file's vocab table)."""
     try:
         with atomic_path(output) as temporary:
-            with h5py.File(temporary, "w", libver="earliest") as handle:
+            # NVIDIA's layout stays readable by the oldest HDF5 (DLE's); a file with tables (dynamic masking, which
+            # DLE cannot train on anyway) uses HDF5 1.10's chunk indexes: ~25 KB less per file, most of a small one.
+            with h5py.File(temporary, "w", libver=("v110", "v110") if tables else "earliest") as handle:
                 handle.attrs.update(attributes)
                 datasets = {
                     name: handle.create_dataset(name, shape, dtype, track_times=False, **_layout(shape, compression))
@@ -69,7 +72,7 @@ def read_encoded(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
                 raise UserError(f"{path}: missing dataset(s) {', '.join(missing)}; not an encoded shard")
             if "position_ids" in handle:
                 raise UserError(f"{path}: already packed")
-            arrays = {name: handle[name][()] for name in ENCODED}
+            arrays = {name: handle[name][()] for name in ENCODED + TABLES if name in handle}
             attributes = dict(handle.attrs)
     except FileNotFoundError:
         raise UserError(f"{path}: encoded shard not found") from None
@@ -77,6 +80,8 @@ def read_encoded(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
         raise UserError(f"{path}: not a readable HDF5 file ({error})") from None
     n = arrays["input_ids"].shape[0]
     for name, array in arrays.items():
+        if name in TABLES:
+            continue
         if array.shape[0] != n or array.ndim != (1 if name == "next_sentence_labels" else 2):
             raise UserError(f"{path}: dataset {name} has shape {array.shape}, inconsistent with input_ids {(n,)}")
     return arrays, attributes

@@ -48,7 +48,7 @@ from typing import Sequence
 import numpy as np
 
 from workflow.cli import UserError, run
-from workflow.data.hdf5 import PACKED, read_encoded, write_shard
+from workflow.data.hdf5 import PACKED, TABLES, read_encoded, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -387,13 +387,14 @@ def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
                compression: str = "gzip") -> dict:
     """Pack one encoded shard into the HDF5 file `output` (atomically), as encode does; returns its statistics."""
     arrays, attributes = read_encoded(encoded)
+    tables = {name: arrays.pop(name) for name in TABLES if name in arrays}
     arrays, lengths = as_written_by_encode(arrays, str(encoded))
     masked_lm_prob = float(attributes.get("masked_lm_prob", 0.15))
     packed = pack_arrays(arrays, max_sequences_per_pack, masked_lm_prob, algorithm, str(encoded), lengths)
     stats = packing_stats(lengths, arrays["input_ids"].shape[1], packed["input_ids"].shape[0])
     attributes.update(stats, **PackSettings(max_sequences_per_pack, algorithm).attributes())
     write_shard(output, attributes, {name: (packed[name].shape, packed[name].dtype) for name in sorted(packed)},
-                [packed], compression)
+                [packed], compression, tables)
     log.info("%s: %d instances in %d packs of %d, fill %.4f (unpacked %.4f)", output, stats["n_instances"],
              stats["n_packs"], packed["input_ids"].shape[1], stats["fill"], stats["fill_unpacked"])
     return stats
