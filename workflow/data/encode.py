@@ -9,7 +9,10 @@ The file schema is NVIDIA's, so its loader reads it as is:
     input_ids [N,L] int32, input_mask [N,L] int8, segment_ids [N,L] int8,
     masked_lm_positions [N,P] int32, masked_lm_ids [N,P] int32, next_sentence_labels [N] int8 (1 = random B),
 
-zero-padded. With packing (the stage's default; workflow.data.pack), the shard's instances are packed before they
+zero-padded. Settings off NVIDIA's recipe (docs/data.md, "Masking at load time and full sentences"): `masking`
+dynamic writes the rows unmasked (masked_lm_* zero) with what the loader's masker needs (workflow.train.masking;
+mask_rows is the one masking rule of both); `objective` full_sentences plans RoBERTa's FULL-SENTENCES rows
+(plan_full_sentences) instead of pairs. With packing (the stage's default; workflow.data.pack), the shard's instances are packed before they
 are written, several to a row, in the packed schema of workflow.data.pack. The work is vectorised numpy: instances
 are planned for all documents at once (one step = one instance per document), then built and masked in batches of
 rows, so memory stays bounded by the batch; with packing, by the shard: the batches are built into the shard's

@@ -4,7 +4,8 @@ It holds training/ and test/ with every encoded shard hard-linked (copied where 
 data/encoded_seq{L}, and manifest.json: the shard list with instance counts (and rows), sizes and sha256 checksums,
 the encode settings used (read from the shards' own attributes, which must agree), and `format`: "packed"
 (workflow.data.pack's schema; settings then include `packing` and `max_sequences_per_pack`) or "unpacked"
-(NVIDIA's schema, one instance per row).
+(NVIDIA's schema, one instance per row). Settings also name `masking` and `objective` where the shards are not
+of NVIDIA's recipe (static, nsp).
 
 File names follow NVIDIA DLE's bertPrep.py (`wikicorpus_en_training_0.hdf5`, `wikicorpus_en_test_0.hdf5`):
 its run_pretraining.py keeps only the files of `--input_dir` whose name contains "training", so
