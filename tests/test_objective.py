@@ -1,6 +1,6 @@
 """encode.objective: full_sentences (RoBERTa's FULL-SENTENCES rows, no NSP) with dynamic masking: the rows, the
-bytes against the default recipe, training without NSP, an exact resume (bitwise on one rank, within 1e-5 from 2 ranks to 1), the export without the NSP head, and a
-refused resume when the masking or the objective changes."""
+bytes against the default recipe, training without NSP, an exact resume (bitwise on one rank, within 1e-5 from 2
+ranks to 1), the export without the NSP head, and a refused resume when the masking or the objective changes."""
 import dataclasses
 import json
 import re
