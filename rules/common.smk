@@ -63,6 +63,9 @@ def config_sections(*sections):
 
     It takes `threads`, so Snakemake counts it as derived (like threads) and leaves it out of the rerun check:
     cadence or micro-batch edits rerun nothing; the rule's `recipe` param holds what changes its outputs.
+    No documented mechanism does this per param (`--rerun-triggers` drops params for every rule, and the data
+    rules need them), so it rests on Snakemake 9's rules.py `_is_deriving_function`; tests/test_pretrain.py's
+    cadence edit ("Nothing to be done") fails if an update changes it.
     """
 
     def sections_json(wildcards, threads):

@@ -440,6 +440,55 @@ def test_profile_check_on_the_test_cluster_rejects_the_stock_profile_and_accepts
     assert small.returncode == 0, small.stderr
 
 
+def test_slurm_time_limits_parse_to_minutes():
+    from workflow.slurm.profile import parse_time_limit, parse_time_limits
+
+    assert [parse_time_limit(t) for t in ("infinite", "UNLIMITED", "30", "30:30", "2:00:00", "1-00:00:00", "2-12",
+                                          "1-01:30")] == [None, None, 30, 30.5, 120, 1440, 3600, 1530]
+    assert parse_time_limits("cpu* 1-00:00:00\ngpu 2:00:00\n") == {"cpu": 1440, "*": 1440, "gpu": 120}
+
+
+def test_profile_check_rejects_a_runtime_over_max_time_threads_over_a_node_an_unknown_qos_and_a_lost_signal():
+    from workflow.slurm.profile import check, merge, parse_sinfo, read_profile, rule_threads
+
+    nodes = parse_sinfo("".join(f"cpu* node{i} 2 21694 (null)\ngpu node{i} 2 21694 gpu:2\n" for i in (1, 2)))
+    small = merge(read_profile(REPO / "profiles" / "slurm"),
+                  yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
+    cluster = {"time_limits": {"cpu": None, "*": None, "gpu": 60}, "qos": {"normal"}, "threads": rule_threads()}
+    assert check(small, nodes, **cluster) == []
+    site = merge(small, {"slurm-qos": "gpu_long", "max-threads": None,
+                         "set-resources": {"pretrain": {"runtime": 2880, "slurm_extra": "--exclusive"}}})
+    assert check(site, nodes, where="site", **cluster) == [
+        "site: set-resources pretrain: slurm_extra '--exclusive' lacks --signal=USR1@<seconds>: without Slurm's "
+        "warning its trainers lose what they did since their last checkpoint at the time limit (add your sbatch "
+        "options after the signal, not instead of it)",
+        "site: set-resources pretrain: runtime 2880 min exceeds the MaxTime of partition gpu (60 min): set a runtime "
+        "within it (a training job requeues itself and resumes)",
+        "site: slurm-qos: qos=gpu_long is not a QOS here (sacctmgr show qos: normal)",
+        *[f"site: rule {rule}: threads asks 16 CPUs per node; the default partition has at most 2"
+          for rule in ("hdf5_dir", "compile_templates", "punkt", "shard", "vocab")],
+    ]
+
+
+def test_profile_check_on_the_test_cluster_rejects_a_runtime_over_its_partitions_max_time(cluster, tmp_path):
+    # A partition of its own with a MaxTime (the test cluster's are unlimited), gone after the test.
+    partition = f"maxtime{os.getpid()}"
+    subprocess.run(["scontrol", "create", f"PartitionName={partition}", "Nodes=node1", "MaxTime=60", "State=UP"],
+                   check=True)
+    try:
+        (tmp_path / "site.yaml").write_text(yaml.safe_dump(merge(
+            yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()),
+            {"slurm-qos": "normal", "set-resources": {"pretrain": {"slurm_partition": partition, "runtime": 61}}})))
+        derive(REPO / "profiles" / "slurm", tmp_path / "site.yaml", tmp_path / "site")
+        result = subprocess.run([sys.executable, "-m", "workflow.slurm.profile", "check", str(tmp_path / "site")],
+                                cwd=REPO, capture_output=True, text=True, env=clean_env())
+    finally:
+        subprocess.run(["scontrol", "delete", f"PartitionName={partition}"], check=True)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"error: {tmp_path / 'site' / 'config.v8+.yaml'}: set-resources pretrain: runtime 61 min exceeds the MaxTime "
+        f"of partition {partition} (60 min): set a runtime within it (a training job requeues itself and resumes)"]
+
+
 def test_cluster_check_runs_the_real_phase1_trainer_on_two_nodes_and_checks_packed_against_unpacked(demo_data,
                                                                                                       new_run):
     run = new_run("cluster_check")
