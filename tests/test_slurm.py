@@ -535,9 +535,9 @@ def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_dec
     # `scontrol requeue` fails, which is reported on one `error:` line and ends the run with the trainer's status.
     (tmp_path / "logs").mkdir()
     checkpoints = tmp_path / "run" / "checkpoints"
-    script = ("import sys; from workflow.slurm.attempts import run_attempt; from workflow.slurm.launch import "
-              "SlurmJob; job = SlurmJob.parse(sys.argv[1]); run_attempt(job, ['sh', '-c', sys.argv[2], 'trainer'], {}, "
-              "sys.argv[3])")
+    script = ("import sys; from workflow.cli import configure_logging; from workflow.slurm.attempts import "
+              "run_attempt; from workflow.slurm.launch import SlurmJob; configure_logging(); "
+              "job = SlurmJob.parse(sys.argv[1]); run_attempt(job, ['sh', '-c', sys.argv[2], 'trainer'], {}, sys.argv[3])")
     trainer = f"echo training >&2; mkdir -p {checkpoints}; touch {checkpoints}/step_00000008.pt; exit 138"
     job = SCONTROL_2x4.replace("JobId=812", "JobId=999999999")
     with open(tmp_path / "logs" / "pretrain.log", "w") as log:
@@ -547,11 +547,12 @@ def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_dec
     kept = tmp_path / "logs" / "attempts" / "pretrain.job999999999.run0.log"
     assert kept.read_text() == (tmp_path / "logs" / "pretrain.log").read_text()  # the same file, hard-linked
     lines = kept.read_text().splitlines()
-    assert lines[0].startswith("launch: Slurm job 999999999 run 0 (rule pretrain), 8 rank(s) on 2 node(s), "
-                               "newest checkpoint step None: sh -c"), lines
+    logged = [re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", "", line) for line in lines]  # LOG_FORMAT's time
+    assert logged[0].startswith("INFO workflow.slurm.attempts: Slurm job 999999999 run 0 (rule pretrain), 8 rank(s) "
+                                "on 2 node(s), newest checkpoint step None: sh -c"), lines
     assert lines[1] == "training"
-    assert lines[2] == ("launch: Slurm job 999999999 run 0 stopped by the time-limit signal at checkpoint step 8: "
-                        "requeued")
+    assert logged[2] == ("INFO workflow.slurm.attempts: Slurm job 999999999 run 0 stopped by the time-limit signal at "
+                         "checkpoint step 8: requeued")
     assert lines[3].startswith("error: `scontrol requeue 999999999` failed (") and len(lines) == 4, lines
     history = json.loads((tmp_path / "logs" / "attempts" / "pretrain.history.jsonl").read_text())
     assert history == {"job": "999999999", "run": 0, "run_id": "3f1c-run", "start_step": None, "end_step": 8,
