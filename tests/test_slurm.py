@@ -3,9 +3,10 @@
 Proves: every job went through sbatch (sacct lists it with its rule, GPU rules with their GPUs); the data half
 is a handful of grouped jobs; a phase-1 job that dies midway is rerun alone on the next invocation and resumes
 from its checkpoint; a phase-1 job stopped by Slurm's warning signal checkpoints and its launcher requeues it;
-a scancel stops the run naming the cancel, never resubmitted (a node failure: tests/test_multinode.py); a GPU job
-with fewer ranks than GPUs stops with one `error:` line; cluster_check runs the real trainer on 2 nodes; the
-profile check rejects requests no node can satisfy. The launcher's srun line, rank guard and retry decisions
+a scancel stops the run naming the cancel, never resubmitted (a node failure: tests/test_multinode.py); a head
+killed mid-phase is rerun and its running job taken over from its checkpoint; a GPU job with fewer ranks than GPUs
+stops with one `error:` line; cluster_check runs the real trainer on 2 nodes; the profile check rejects requests no
+node can satisfy, a runtime over the partition's MaxTime, an unknown QOS and a training job without its signal. The launcher's srun line, rank guard and retry decisions
 are also tested without a cluster. Cluster tests skip where no cluster can be started (not root), never
 under CI=true.
 """
@@ -377,6 +378,34 @@ def test_scancel_of_a_running_phase_job_stops_the_run_naming_the_cancel(demo_dat
     assert [job["JobID"] for job in phase1] == [job_id], phase1  # never resubmitted
     assert phase1[0]["State"].startswith("CANCELLED"), phase1
     assert not run.active_jobs()
+
+
+def test_a_head_killed_mid_phase_is_rerun_and_its_running_job_taken_over_from_its_checkpoint(demo_data, new_run):
+    # The Snakemake head dies hard (kill -9: a lost login node, the OOM killer) while phase 1 runs. The Slurm job runs
+    # on; the rerun (after `--unlock`: the dead head's lock stays) submits phase 1 again, and that job cancels the
+    # first (its trainers checkpoint on Slurm's SIGTERM) and resumes from the newest checkpoint: nothing is lost.
+    run = new_run("head")
+    copy_data(demo_data, run)
+    longer = {"pretrain": {"phase1": {"total_steps": 300}}}  # long enough to outlive its head by a minute
+    process = run.start("results/pretrain/phase1/model", config=longer)
+    job_id = run.wait_for_phase1_checkpoint(process)
+    for head in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split():
+        os.kill(int(head), 9)
+    process.communicate(timeout=60)
+    assert job_records(job_id)[0]["State"] == "RUNNING"  # a head's death does not stop its jobs
+    for args in (["--unlock"], ["results/pretrain/phase1/model"]):
+        rerun = run.start(*args, config=longer)
+        output, _ = rerun.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
+        assert rerun.returncode == 0, output[-3000:]
+    jobs = run.phase_jobs("phase1")
+    assert [job["JobID"] for job in jobs][0] == job_id and len(jobs) == 2, jobs
+    assert jobs[0]["State"].startswith("CANCELLED") and jobs[1]["State"] == "COMPLETED", jobs
+    log = run.log_text("phase1")
+    assert f"in use by Slurm job {job_id}" in log and "cancelling it" in log, log[-3000:]
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
+    assert resumed and int(resumed.group(1)) >= 4, log[-3000:]  # the first job's work, not step 0
+    summary = json.loads((run.path / "results" / "pretrain" / "phase1" / "summary.json").read_text())
+    assert summary["steps"] == 300, summary
 
 
 def take_node_down(node: str, job_id: str, process: subprocess.Popen) -> None:
