@@ -38,9 +38,14 @@ def _exit_on_sigterm(signum, frame):
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def configure_logging() -> None:
-    """INFO and above to stderr (the rule's log) in LOG_FORMAT."""
+def configure_logging(*own_loggers: str) -> None:
+    """INFO and above to stderr (the rule's log) in LOG_FORMAT; `own_loggers`: a library's loggers that keep a
+    handler they find (wikiextractor's) and never reach ours, each given one in LOG_FORMAT."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    for name in own_loggers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logging.getLogger(name).addHandler(handler)
 
 
 def run(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
