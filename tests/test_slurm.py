@@ -486,11 +486,14 @@ def test_profile_check_rejects_a_runtime_over_max_time_threads_over_a_node_an_un
     cluster = {"time_limits": {"cpu": None, "*": None, "gpu": 60}, "qos": {"normal"}, "threads": rule_threads()}
     assert check(small, nodes, **cluster) == []
     site = merge(small, {"slurm-qos": "gpu_long", "max-threads": None,
-                         "set-resources": {"pretrain": {"runtime": 2880, "slurm_extra": "--exclusive"}}})
+                         "set-resources": {"pretrain": {"runtime": 2880, "slurm_extra": "--exclusive"},
+                                           "squad_finetune": {"slurm_extra": "--signal=USR1@600 --exclusive"}}})
     assert check(site, nodes, where="site", **cluster) == [
         "site: set-resources pretrain: slurm_extra '--exclusive' lacks --signal=USR1@<seconds>: without Slurm's "
         "warning its trainers lose what they did since their last checkpoint at the time limit (add your sbatch "
         "options after the signal, not instead of it)",
+        "site: set-resources squad_finetune: --signal=USR1@600 comes 600 s before the end of a 10-minute job: at its "
+        "start",
         "site: set-resources pretrain: runtime 2880 min exceeds the MaxTime of partition gpu (60 min): set a runtime "
         "within it (a training job requeues itself and resumes)",
         "site: slurm-qos: qos=gpu_long is not a QOS here (sacctmgr show qos: normal)",
