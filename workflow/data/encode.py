@@ -295,7 +295,7 @@ def encode_shard(
         "vocab_sha256": hashlib.sha256(Path(vocab_path).read_bytes()).hexdigest(),
     }
     shapes = instance_shapes(n, settings)
-    starts = tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5)
+    starts = tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5, disable=None)
     if packing is not None:
         # Packing needs every instance's length (known from the plan): the shard's instances are built in memory.
         arrays = {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
