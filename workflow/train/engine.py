@@ -251,7 +251,8 @@ def _ignore_stop_signals(_worker: int) -> None:
 def step_batches(task: Task, starts, s: LoopSettings, env):
     """Iterator of this rank's micro-batches (a list per step) of the steps at `starts` (sequence positions), read by
     `s.loader_workers` processes `s.prefetch_steps` steps ahead, in pinned memory on CUDA (so copies to the GPU overlap
-    compute). Reads are pure functions of the position, so reading ahead changes nothing: resume stays exact."""
+    compute); a step crosses from its worker as one tensor per field (stack_micro_batches). Reads are pure functions
+    of the position, so reading ahead changes nothing: resume stays exact."""
     workers = s.loader_workers
     loader = torch.utils.data.DataLoader(
         _Steps(task, s.global_batch_size, env.rank, env.world_size, s.micro_batch_size), batch_size=None,
