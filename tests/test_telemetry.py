@@ -12,6 +12,7 @@ import csv
 import inspect
 import logging
 import socket
+import sys
 import time
 import types
 
@@ -101,7 +102,7 @@ def node(monkeypatch):
 
     def make(host: str, allowed=CUDA_TO_NVML) -> NvmlStandIn:
         stand_in = NvmlStandIn(allowed)
-        monkeypatch.setitem(__import__("sys").modules, "pynvml", stand_in)
+        monkeypatch.setitem(sys.modules, "pynvml", stand_in)
         monkeypatch.setattr(socket, "gethostname", lambda: host)
         return stand_in
 
