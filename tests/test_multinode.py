@@ -294,3 +294,27 @@ def test_a_rank_killed_on_the_second_node_ends_the_step_at_once_and_the_phase_re
     assert resumed and int(resumed.group(1)) >= 4, log[-3000:]
     worst = assert_close_weights(run.weights("phase1"), one_process_phase1, "rank killed + requeued vs one process")
     print(f"rank SIGKILL on the second node: step ended {ended_s:.1f} s after; weights within {worst:.2e}")
+
+
+@pytest.mark.parametrize("ends, status, step_ended", [
+    ("kill -9 $$", -signal.SIGKILL, True),       # the OOM killer, a GPU fault
+    ("exit 1", 1, True),                          # an error (e.g. a peer's collective failed)
+    ("exit 138", 138, False),                     # the time-limit stop, after the checkpoint barrier
+    ("exit 143", 143, False),                     # SIGTERM's stop, after the checkpoint barrier
+    ("exit 0", 0, False),
+])
+def test_a_ranks_guard_ends_its_step_only_when_the_rank_dies_or_fails_and_exits_as_the_rank_did(
+        tmp_path, ends, status, step_ended):
+    # Slurm's scancel, recorded: the real one runs in the cluster test above.
+    (tmp_path / "scancel").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scancel.args'}\n")
+    (tmp_path / "scancel").chmod(0o755)
+    env = {**clean_env(), "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_PROCID": "1"}
+    env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
+    guard = subprocess.run([sys.executable, "-m", "workflow.slurm.launch", "--rank", "--", "sh", "-c", ends],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert guard.returncode == status, guard.stderr
+    called = (tmp_path / "scancel.args").read_text() if (tmp_path / "scancel.args").exists() else ""
+    assert called == ("--signal=KILL 7.3\n" if step_ended else ""), guard.stderr
+    if step_ended:
+        how = "died of SIGKILL" if status < 0 else f"exited with status {status}"
+        assert f"launch: rank 1 on {os.uname().nodename} {how}: ending step 7.3 now" in guard.stderr

@@ -114,7 +114,8 @@ def guard_rank(command: list[str], environ=os.environ) -> int:
     status = subprocess.run(command).returncode
     if status != 0 and status not in attempts.STOP_EXITS:
         step = f"{environ.get('SLURM_JOB_ID')}.{environ.get('SLURM_STEP_ID')}"
-        how = f"died of {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
+        name = next((s.name for s in signal.Signals if s == -status), f"signal {-status}")
+        how = f"died of {name}" if status < 0 else f"exited with status {status}"
         print(f"launch: rank {environ.get('SLURM_PROCID')} on {socket.gethostname()} {how}: ending step {step} now",
               file=sys.stderr, flush=True)
         subprocess.run(["scancel", "--signal=KILL", step])
