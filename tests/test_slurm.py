@@ -310,7 +310,8 @@ def test_launcher_runs_tasks_per_node_ranks_each_with_its_share_of_the_node_core
     # No --gpus-per-task: each rank sees its node's GPUs (peer-to-peer stays possible) and takes its local rank's.
     assert srun_command(job, ["python", "t.py"]) == [
         "srun", "--ntasks=8", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=8",
-        "--kill-on-bad-exit=0", "--wait=300", "python", "t.py"]
+        "--kill-on-bad-exit=0", "--wait=300", sys.executable, "-m", "workflow.slurm.launch", "--rank", "--", "python",
+        "t.py"]
 
 
 def test_a_gpu_job_whose_ranks_differ_from_its_gpus_stops_naming_the_profile_keys():

@@ -134,17 +134,21 @@ def telemetry_figure(pairs):
     figure, axes = plt.subplots(len(TELEMETRY_PANELS), len(frames), figsize=(6 * len(frames), 2.6 * 4),
                                 squeeze=False, sharex="col")
     for column, frame in enumerate(frames):
-        seconds = frame["time"] - frame["time"].min()
+        # Every node records its GPUs (the host column): a line per host and GPU, the host named when several.
+        frame = frame.assign(seconds=frame["time"] - frame["time"].min(), host=frame.get("host", ""))
+        series = frame.groupby(["host", "gpu"])
+        named = frame["host"].nunique() > 1
         for row, (key, label) in enumerate(TELEMETRY_PANELS):
             axis = axes[row][column]
             if key in frame:
-                for gpu, part in frame.assign(seconds=seconds).groupby("gpu"):
-                    axis.plot(part["seconds"], part[key], label=f"GPU {gpu}", linewidth=0.8)
+                for (host, gpu), part in series:
+                    axis.plot(part["seconds"], part[key], label=f"{host} GPU {gpu}" if named else f"GPU {gpu}",
+                              linewidth=0.8)
             axis.set_ylabel(label)
             axis.grid(alpha=0.3)
         axes[0][column].set_title(f"{frame['phase'].iloc[0]}: GPU telemetry")
         axes[-1][column].set_xlabel("time (s)")
-        if frame["gpu"].nunique() <= 8:
+        if series.ngroups <= 8:
             axes[0][column].legend(fontsize=7)
     return figure
 

@@ -30,6 +30,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 TIME_LIMIT_EXIT = 128 + signal.SIGUSR1  # the trainers' exit status after checkpointing on SIGUSR1
+# A trainer's exits after a stop signal (SIGUSR1, SIGTERM: workflow/train/checkpoint.py StopSignals): every rank
+# wrote the checkpoint and met the others at a barrier first, so the step must not be cut short.
+STOP_EXITS = (TIME_LIMIT_EXIT, 128 + signal.SIGTERM)
 REQUEUE_WAIT_S = 600  # how long a requeued run waits for Slurm to end it
 
 

@@ -206,18 +206,46 @@ def sequence_micro_batches(task: Task, start: int, count: int, rank: int, world:
     return [task.read(first + i * size, size) for i in range(accumulation)]
 
 
+def stack_micro_batches(batches: list[dict]) -> dict:
+    """A step's micro-batches as one tensor per field ("stacked": their rows concatenated, "rows": each one's), a
+    field that cannot be concatenated as a list ("others"): a loader worker sends each tensor's storage as its own
+    file descriptor, so 128 micro-batches x 9 fields (BERT-large phase 1 on 8 ranks) would pass 1,152 per step.
+    (Dicts and lists: pin_memory turns tuples into lists.)"""
+    step = {"names": list(batches[0]), "stacked": {}, "rows": {}, "others": {}}
+    for name in step["names"]:
+        values = [batch[name] for batch in batches]
+        first = values[0]
+        if all(isinstance(v, torch.Tensor) and v.dim() and v.shape[1:] == first.shape[1:] and v.dtype == first.dtype
+               for v in values):
+            step["stacked"][name], step["rows"][name] = torch.cat(values), [len(v) for v in values]
+        else:
+            step["others"][name] = values
+    return step
+
+
+def unstack_micro_batches(step: dict) -> list[dict]:
+    """The micro-batches of stack_micro_batches again, their tensors views of the stacked ones (no copy)."""
+    fields = {**{name: values.split(step["rows"][name]) for name, values in step["stacked"].items()},
+              **step["others"]}
+    count = len(next(iter(fields.values()))) if fields else 0
+    return [{name: fields[name][k] for name in step["names"]} for k in range(count)]
+
+
 class _Steps(torch.utils.data.Dataset):
-    """Item `start` = this rank's micro-batches of the step of sequences [start, start + count): what a DataLoader
-    worker computes."""
+    """Item `start` = this rank's micro-batches of the step of sequences [start, start + count), stacked
+    (stack_micro_batches): what a DataLoader worker computes."""
 
     def __init__(self, task: Task, count: int, rank: int, world: int, size: int):
         self.task, self.count, self.rank, self.world, self.size = task, count, rank, world, size
 
-    def __getitem__(self, start: int) -> list[dict]:
+    def micro_batches(self, start: int) -> list[dict]:
         split = getattr(self.task, "micro_batches", None)
         if split is None:
             return sequence_micro_batches(self.task, start, self.count, self.rank, self.world, self.size)
         return split(start, self.count, self.rank, self.world, self.size)
+
+    def __getitem__(self, start: int) -> dict:
+        return stack_micro_batches(self.micro_batches(start))
 
 
 def _ignore_stop_signals(_worker: int) -> None:
@@ -229,7 +257,8 @@ def _ignore_stop_signals(_worker: int) -> None:
 def step_batches(task: Task, starts, s: LoopSettings, env):
     """Iterator of this rank's micro-batches (a list per step) of the steps at `starts` (sequence positions), read by
     `s.loader_workers` processes `s.prefetch_steps` steps ahead, in pinned memory on CUDA (so copies to the GPU overlap
-    compute). Reads are pure functions of the position, so reading ahead changes nothing: resume stays exact."""
+    compute); a step crosses from its worker as one tensor per field (stack_micro_batches). Reads are pure functions
+    of the position, so reading ahead changes nothing: resume stays exact."""
     workers = s.loader_workers
     loader = torch.utils.data.DataLoader(
         _Steps(task, s.global_batch_size, env.rank, env.world_size, s.micro_batch_size), batch_size=None,
@@ -237,7 +266,7 @@ def step_batches(task: Task, starts, s: LoopSettings, env):
         prefetch_factor=max(1, -(-s.prefetch_steps // workers)) if workers else None,
         pin_memory=env.device.type == "cuda", worker_init_fn=_ignore_stop_signals if workers else None,
         generator=torch.Generator())  # its own seed draw: the global RNG (dropout) must not move
-    return iter(loader)
+    return map(unstack_micro_batches, loader)
 
 
 def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerprint: dict) -> Outcome:
