@@ -331,8 +331,9 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
     loader = step_batches(task, [consumed + k * s.global_batch_size for k in range(max_steps - step)], s, env)
     model.train()
     first_step, micro_batches = step, 0
-    with ckpt.StopSignals() as stop, GpuTelemetry(run_dir / "gpu_telemetry.csv",
-                                                  enabled=env.is_main and s.telemetry), \
+    with ckpt.StopSignals() as stop, GpuTelemetry(run_dir / "gpu_telemetry.csv",  # every node's
+                                                  enabled=env.local_rank == 0 and s.telemetry,
+                                                  merge=env.is_main), \
             _scalars(run_dir / "tensorboard", step, env.is_main) as scalars:
         # A bar on a terminal; in a log file (logs/), the periodic metrics lines alone (no carriage returns).
         progress = tqdm(total=max_steps, initial=step, desc=s.config_key, file=sys.stderr,
