@@ -126,6 +126,7 @@ def glue_targets():
 REPORT_TARGETS = [
     "results/report/pretrain_loss.png",
     "results/report/mlm_accuracy.png",
+    "results/report/heldout_accuracy.png",
     "results/report/throughput.png",
     "results/report/gpu_telemetry.png",
     "results/report/squad_finetune.png",

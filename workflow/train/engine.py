@@ -7,7 +7,8 @@ API:
     train(env, model, optimizer, scheduler, task, settings, fingerprint) -> Outcome
         gradient accumulation (DDP no_sync on all but the last micro-batch), autocast, optional grad clipping,
         metrics.jsonl and TensorBoard scalars (tensorboard/) in the run directory, a log line with seq/s and the
-        ETA every log_every steps, checkpoints every `checkpoint_every` steps, resume, stop signals.
+        ETA every log_every steps, checkpoints every `checkpoint_every` steps, resume, stop signals; every
+        `eval_every` steps the held-out evaluation (`evaluate`), added to that step's metrics line.
     refuse_changes(old, new, run_dir)   UserError naming each changed key old -> new and how to start over
     set_threads(threads)  this rank's share of the job's CPU threads
 
@@ -27,6 +28,12 @@ zeroed in place so they stay views of its buckets (gradient_as_bucket_view). The
 own, also when fp16's scaler skips the step. Each rank's checkpointed RNG state holds the CUDA generator of its own
 device only (workflow/train/accelerator.py), so a resume may see fewer GPUs per node.
 
+Held-out evaluation: LoopSettings.evaluate(model) (every rank calls it; it returns the all-reduced metrics) runs
+every `eval_every` steps, before that step's checkpoint; its metrics and train_time_s (the training time so far, the
+checkpointed sum over resumed attempts, evaluation and checkpoint time excluded) join that step's metrics line, so
+the curve is truncated and recomputed on resume like every other metric. It draws no random numbers: training is the
+same with or without it.
+
 Checkpoints: `run_dir/checkpoints/step_*.pt` (never deleted on a settings change; only the newest
 `keep_checkpoints` of the run are kept). Rank 0 chooses the newest valid one and every rank loads that one.
 A stop signal (SIGTERM, SIGUSR1) on any rank: every rank finishes the step, the checkpoint is written, all ranks meet
@@ -42,7 +49,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -77,6 +84,8 @@ class LoopSettings:
     global_batch_key: str = "global_batch_size"  # its config name (SQuAD: batch_size)
     loader_workers: int = 0   # processes reading micro-batches ahead (0: read on the training thread)
     prefetch_steps: int = 2   # steps read ahead by the workers
+    eval_every: int = 0       # steps between held-out evaluations (0: none in the loop)
+    evaluate: Callable[[torch.nn.Module], dict] | None = None  # the held-out metrics of a model (all ranks call it)
 
 
 class Task(Protocol):
@@ -103,6 +112,7 @@ class Outcome:
     train_time_s: float
     stopped: int | None = None    # exit code (128 + signal) when a signal stopped the run
     micro_batches_per_step: float | None = None  # this rank's mean over the steps this run trained
+    evaluation: dict | None = None  # the held-out metrics at `step`, when the loop evaluated there
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world: int, config_key: str,
@@ -330,7 +340,7 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
     window, window_steps, window_start = {}, 0, time.perf_counter()
     loader = step_batches(task, [consumed + k * s.global_batch_size for k in range(max_steps - step)], s, env)
     model.train()
-    first_step, micro_batches = step, 0
+    first_step, micro_batches, evaluation = step, 0, None
     with ckpt.StopSignals() as stop, GpuTelemetry(run_dir / "gpu_telemetry.csv",  # every node's
                                                   enabled=env.local_rank == 0 and s.telemetry,
                                                   merge=env.is_main), \
@@ -359,9 +369,18 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
             consumed += s.global_batch_size
             window_steps += 1
             window["grad_norm"] = window.get("grad_norm", 0) + grad_norm
-            if step % s.log_every == 0 or step == max_steps:
+            evaluation, line = None, {}
+            if s.evaluate is not None and s.eval_every and step % s.eval_every == 0:
+                evaluated = time.perf_counter()
+                evaluation = s.evaluate(model)
+                line = {**evaluation, "train_time_s": train_time + evaluated - started}
+                spent = time.perf_counter() - evaluated
+                started, window_start = started + spent, window_start + spent  # training time and throughput only
+                if env.is_main:
+                    log.info("step %d held-out %s", step, ", ".join(f"{k} {v:.4g}" for k, v in evaluation.items()))
+            if step % s.log_every == 0 or step == max_steps or line:
                 _log_metrics(task, window, window_steps, time.perf_counter() - window_start, step, max_steps,
-                             scheduler, s, env, metrics_path, scalars)
+                             scheduler, s, env, metrics_path, scalars, line)
                 window, window_steps, window_start = {}, 0, time.perf_counter()
             train_time += time.perf_counter() - started
             progress.update(1)
@@ -377,7 +396,7 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
                 return Outcome(step, train_time, 128 + stop_now)
         progress.close()
     return Outcome(step, train_time, micro_batches_per_step=micro_batches / (step - first_step) if step > first_step
-                   else None)
+                   else None, evaluation=evaluation)
 
 
 def _sum_counts(task: Task, batches: list, env) -> dict:
@@ -432,14 +451,15 @@ def _eta(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
 
 
-def _log_metrics(task, window, steps, elapsed, step, max_steps, scheduler, s, env, path: Path, scalars) -> None:
+def _log_metrics(task, window, steps, elapsed, step, max_steps, scheduler, s, env, path: Path, scalars,
+                 evaluation: dict) -> None:
     keys = sorted(window)
     values = distributed.all_reduce_(torch.stack([torch.as_tensor(window[k]).float() for k in keys]))
     sums = dict(zip(keys, values.tolist()))
     sequences = steps * s.global_batch_size
     record = {"step": step, **task.metrics(sums, steps, sequences, elapsed, step), "lr": scheduler.get_last_lr()[0],
               "grad_norm": sums["grad_norm"] / (steps * env.world_size),
-              "seq_per_s": sequences / max(elapsed, 1e-9)}
+              "seq_per_s": sequences / max(elapsed, 1e-9), **evaluation}
     if env.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as handle:
