@@ -26,10 +26,15 @@ pypy-venv:
 
 setup: $(INSTALLED) pypy-venv
 
+# The demo runs in its own directory, demo/ (data, runs, results, logs, report.html), never in the real run's; the
+# sample's paths in sample/config.yaml are relative to the run directory, hence the link.
+DEMO := demo
+
 demo: $(INSTALLED)
-	$(RUN) snakemake all --profile profiles/local --configfile sample/config.yaml
-	$(RUN) snakemake all --configfile sample/config.yaml --report report.html
-	$(RUN) python -m workflow.report.summary --print results/summary.csv
+	mkdir -p $(DEMO) && ln -sfn ../sample $(DEMO)/sample
+	$(RUN) snakemake all --directory $(DEMO) --profile profiles/local --configfile sample/config.yaml
+	$(RUN) snakemake all --directory $(DEMO) --configfile sample/config.yaml --report report.html
+	$(RUN) python -m workflow.report.summary --print $(DEMO)/results/summary.csv --report $(DEMO)/report.html
 
 test: $(INSTALLED) pypy-venv
 	$(RUN) python -m pytest -q -n 2 --dist load --durations=25 tests

@@ -1,11 +1,14 @@
 # snakebert: raw Wikipedia (+ optional BookCorpus) -> pretrained BERT -> SQuAD and GLUE scores.
 # The table of contents of the workflow; every stage lives in rules/<stage>.smk.
+import os
+
 from snakemake.utils import min_version
 
 min_version("9.0")
 
 
-configfile: "config.yaml"
+# The run directory's config.yaml where it has one (`--directory DIR`), else the workflow's (the schema's defaults)
+configfile: "config.yaml" if os.path.exists("config.yaml") else f"{workflow.basedir}/config.yaml"
 
 
 include: "rules/common.smk"

@@ -1,6 +1,7 @@
 """Benchmark: what ONE loader process costs and delivers at full-size shards, today's loader beside the one before.
 
     python benchmarks/input_pipeline.py [--instances 600000 --instances-512 200000] [--real-text MB] [--dynamic]
+    python benchmarks/input_pipeline.py --descriptors
 
 Data, packed as the DAG packs it (PackSettings: gapfill, <= 3 per row, gzip, encode's HDF5 layout): by default one
 generated shard per sequence length of full size (Wikipedia-like lengths and predictions, benchmarks/train_step.py's
@@ -18,6 +19,12 @@ pinned-memory copies, CUDA only, excluded):
     cached (3), the next one read ahead by a thread, rows shuffled within a shard; `read` of --micro-batch sequences.
   - dynamic (--dynamic): ours on the same rows unmasked (encode.masking: dynamic), masked by the loader as it reads
     (workflow.train.masking), beside ours on the static file.
+With --descriptors instead: what crosses from the trainer's DataLoader workers (engine.step_batches, 2 workers, 2
+steps ahead) at BERT-large phase 1's size (global batch 65,536, micro-batches of 64 rows, rank 0 of 8, a generated
+packed shard at 128): a step's micro-batches as they were passed (a list of dicts: each tensor its own shared-memory
+file descriptor) beside today's (one stacked tensor per field); per layout the tensors per item, the peak of open
+descriptors in the trainer and in each worker (/proc/<pid>/fd, polled every 2 ms) and each worker's peak RSS.
+
 Printed per side: peak RSS of the process (python + torch + h5py imports included; the imports alone beside),
 sequences and real tokens per CPU second (all the process's threads, prefetch thread included; CPU time, since the
 machine is shared) and wall seconds; then the mixing of a phase-1 step at full size (256 shards of 850k sequences,
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -182,6 +190,91 @@ def full_size_mixing(steps: int = 20, n_shards: int = 256, per_shard: int = 850_
         print(f"  {name:<26} {share:7.2%} | {drawn:5.1f} | {pairs:8.1f}")
 
 
+DESCRIPTOR_STEPS = 6
+PHASE1 = {"global_batch_size": 65_536, "micro_batch_size": 64, "world": 8}  # config.yaml's phase 1 on 8 ranks
+
+
+def _open_descriptors(pid) -> int:
+    try:
+        return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+    except OSError:
+        return 0
+
+
+def _rss_mb(pid) -> float:
+    try:
+        return int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+    except (OSError, IndexError):
+        return 0.0
+
+
+def read_steps_through_loader(layout: str, directory: str) -> None:
+    """The child process: DESCRIPTOR_STEPS steps of rank 0 through engine.step_batches in `layout` ("stacked", or
+    "list": each micro-batch's tensors passed on their own, as before); prints its figures as JSON."""
+    import threading
+    import types as namespace
+
+    import torch
+
+    from workflow.train import engine
+    from workflow.train.pretraining_data import PretrainingSequences, list_shards
+
+    torch.set_num_threads(1)
+    if layout == "list":
+        engine._Steps.__getitem__ = engine._Steps.micro_batches
+        engine.unstack_micro_batches = lambda step: step
+    settings = engine.LoopSettings("pretrain.phase1", "unused", DESCRIPTOR_STEPS, PHASE1["global_batch_size"],
+                                   PHASE1["micro_batch_size"], loader_workers=2, prefetch_steps=2)
+    env = namespace.SimpleNamespace(rank=0, world_size=PHASE1["world"], device=torch.device("cpu"))
+    sequences = PretrainingSequences(list_shards(directory, "training"), seed=1)
+    peaks = {"trainer": 0, "workers": {}}
+    done = threading.Event()
+
+    def poll():
+        me = os.getpid()
+        while not done.is_set():
+            peaks["trainer"] = max(peaks["trainer"], _open_descriptors(me))
+            for pid in Path(f"/proc/{me}/task/{me}/children").read_text().split():  # the workers
+                fds, rss = peaks["workers"].get(pid, (0, 0.0))
+                peaks["workers"][pid] = (max(fds, _open_descriptors(pid)), max(rss, _rss_mb(pid)))
+            time.sleep(0.002)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    started = time.perf_counter()
+    starts = [k * PHASE1["global_batch_size"] for k in range(DESCRIPTOR_STEPS)]
+    shapes = [(len(step), len(step[0])) for step in engine.step_batches(sequences, starts, settings, env)]
+    elapsed = time.perf_counter() - started
+    done.set()
+    poller.join()
+    workers = sorted(peaks["workers"].values(), reverse=True)[:settings.loader_workers]
+    micro_batches, fields = shapes[0]
+    print(json.dumps({"micro_batches": micro_batches, "tensors": micro_batches * fields if layout == "list" else fields,
+                      "trainer_fds": peaks["trainer"], "worker_fds": [w[0] for w in workers],
+                      "worker_rss_mb": [round(w[1]) for w in workers], "s_per_step": elapsed / DESCRIPTOR_STEPS}))
+
+
+def descriptors(instances: int) -> None:
+    """--descriptors: the file descriptors and RSS of the loader at phase 1's size, the old layout beside today's."""
+    import resource
+
+    with tempfile.TemporaryDirectory() as temporary:
+        directory = Path(temporary) / "hdf5_seq128"
+        (directory / "training").mkdir(parents=True)
+        generated_shard(directory / "training" / "shard_0.hdf5", 128, instances)
+        print(f"rank 0 of {PHASE1['world']}, global batch {PHASE1['global_batch_size']:,}, micro-batches of "
+              f"{PHASE1['micro_batch_size']} rows, 2 workers 2 steps ahead, {DESCRIPTOR_STEPS} steps; a generated "
+              f"packed shard of {instances:,} instances at 128 (ulimit -n here: "
+              f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]})")
+        for layout, name in (("list", "before: a list of micro-batches"), ("stacked", "today: one tensor per field")):
+            figures = json.loads(run_stage([sys.executable, Path(__file__), "--child-descriptors", layout,
+                                            directory]).stdout)
+            print(f"  {name:<34}: {figures['micro_batches']} micro-batches, {figures['tensors']:5,} tensors per item | "
+                  f"peak open descriptors: trainer {figures['trainer_fds']:5,}, workers "
+                  f"{', '.join(f'{n:,}' for n in figures['worker_fds'])} | worker RSS "
+                  f"{', '.join(f'{n:,}' for n in figures['worker_rss_mb'])} MB | {figures['s_per_step']:.2f} s/step")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--instances", type=int, default=600_000, help="instances of the generated shard at 128")
@@ -190,10 +283,16 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batch", type=int, default=64, help="rows (ours) or sequences (before) per read, 128")
     parser.add_argument("--micro-batch-512", type=int, default=16, help="the same at 512")
     parser.add_argument("--dynamic", action="store_true", help="also ours on dynamic-masking files (side 'dynamic')")
+    parser.add_argument("--descriptors", action="store_true", help="only the loader's descriptors and RSS per worker")
     parser.add_argument("--child", nargs=3, metavar=("SIDE", "DIR", "MICRO"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-descriptors", nargs=2, metavar=("LAYOUT", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return read_epoch(args.child[0], args.child[1], int(args.child[2]))
+    if args.child_descriptors:
+        return read_steps_through_loader(*args.child_descriptors)
+    if args.descriptors:
+        return descriptors(min(args.instances, 100_000))
     with tempfile.TemporaryDirectory() as temporary:
         work = Path(temporary)
         for seq, n, micro in ((128, args.instances, args.micro_batch), (512, args.instances_512, args.micro_batch_512)):

@@ -6,8 +6,12 @@ import os
 import sys
 
 # the repository root, so that the workflow package (and the schema) are found whichever Snakefile includes this file
+# and whatever the run directory (`--directory`): here, and in every job through its shell command
 REPO_ROOT = os.path.dirname(workflow.current_basedir.get_path_or_uri(secret_free=True))
 sys.path.insert(0, REPO_ROOT)
+# Snakemake's documented shell.prefix (it replaces the default `set -euo pipefail; `, kept here); inside the
+# command, so a conda env (which blocks an inherited PYTHONPATH) and a Slurm job (which re-reads this file) get it
+shell.prefix("set -euo pipefail; export PYTHONPATH={REPO_ROOT:q}${{PYTHONPATH:+:$PYTHONPATH}}; ")
 from workflow.cli import UserError
 from workflow.config import validate_config
 from workflow.data.corpora import corpora_error
@@ -60,6 +64,9 @@ def config_sections(*sections):
 
     It takes `threads`, so Snakemake counts it as derived (like threads) and leaves it out of the rerun check:
     cadence or micro-batch edits rerun nothing; the rule's `recipe` param holds what changes its outputs.
+    No documented mechanism does this per param (`--rerun-triggers` drops params for every rule, and the data
+    rules need them), so it rests on Snakemake 9's rules.py `_is_deriving_function`; tests/test_pretrain.py's
+    cadence edit ("Nothing to be done") fails if an update changes it.
     """
 
     def sections_json(wildcards, threads):
@@ -81,7 +88,9 @@ def wikipedia_dump_parts():
         url = wikipedia["url"] or wikipedia_dump_url(wikipedia["language"])
         parts = dump_parts(url, wikipedia["checksum_url"], wikipedia["parts"], "data/download/wikipedia")
     except UserError as error:
-        raise ValueError(f"wikipedia.parts {wikipedia['parts']}: {error}") from None
+        # one line and stop: an input function's exception would be an InputFunctionException with a traceback
+        sys.exit(f"error: config key 'wikipedia.parts': {wikipedia['parts']} reads the dump's checksum list: {error}; "
+                 "offline, set wikipedia.parts: single or point wikipedia.url at a local dump")
     return {part.name: part for part in parts}
 
 
@@ -117,6 +126,7 @@ def glue_targets():
 REPORT_TARGETS = [
     "results/report/pretrain_loss.png",
     "results/report/mlm_accuracy.png",
+    "results/report/heldout_accuracy.png",
     "results/report/throughput.png",
     "results/report/gpu_telemetry.png",
     "results/report/squad_finetune.png",

@@ -66,6 +66,7 @@ rule glue_finetune:
         recipe=glue_recipe,
         config=config_sections("seed", "glue"),
     threads: 8
+    retries: 0  # not even the profile's: a scancel must stop it; the launcher requeues its own job
     resources:
         gpus=1,
     log:

@@ -26,6 +26,7 @@ rule pretrain:
     log:
         "logs/pretrain/{phase}/pretrain.log",
     threads: 8
+    retries: 0  # not even the profile's: a scancel must stop it; the launcher requeues its own job
     resources:
         gpus=1,
     conda:

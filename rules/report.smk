@@ -19,13 +19,15 @@ rule summary:
     params:
         phases=PRETRAIN_PHASE_ARGS,
         glue=" ".join(f"--glue-eval {path}" for path in glue_targets()),
+        target=config["pretrain"]["target_mlm_accuracy"],
     log:
         "logs/summary/summary.log",
     conda:
         "../envs/report.yaml"
     shell:
         "python -m workflow.report.summary {params.phases} --squad-eval {input.squad_eval:q}"
-        " --squad-metrics {input.squad_metrics:q} {params.glue} --output {output:q} 2> {log}"
+        " --squad-metrics {input.squad_metrics:q} {params.glue} --target-mlm-accuracy {params.target}"
+        " --output {output:q} 2> {log}"
 
 
 rule report_pretrain_plots:
@@ -44,6 +46,22 @@ rule report_pretrain_plots:
     shell:
         "python -m workflow.report.report pretrain {params.phases} --loss {output.loss:q}"
         " --accuracy {output.accuracy:q} --throughput {output.throughput:q} 2> {log}"
+
+
+rule report_heldout_accuracy:
+    input:
+        PRETRAIN_METRICS,
+    output:
+        report("results/report/heldout_accuracy.png", caption="../report/heldout_accuracy.rst", category="Pretraining"),
+    params:
+        phases=PRETRAIN_PHASE_ARGS,
+        target=config["pretrain"]["target_mlm_accuracy"],
+    log:
+        "logs/report_heldout_accuracy/plot.log",
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "python -m workflow.report.report heldout {params.phases} --target {params.target} --output {output:q} 2> {log}"
 
 
 rule report_gpu_telemetry:

@@ -83,6 +83,7 @@ rule squad_finetune:
         recipe=squad_recipe,
         config=config_sections("seed", "squad"),
     threads: 8
+    retries: 0  # not even the profile's: a scancel must stop it; the launcher requeues its own job
     resources:
         gpus=1,
     log:

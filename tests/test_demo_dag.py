@@ -1,5 +1,6 @@
-"""The README's demo: `all` on the bundled sample (CPU, tiny model) finishes, scores its predictions with the official
-SQuAD metric, prints and reports the run's own numbers; fresh runs give the same data and phase-1 weights."""
+"""The README's demo: `all` on the bundled sample (CPU, tiny model) finishes in a run directory outside the clone,
+scores its predictions with the official SQuAD metric, prints and reports the run's own numbers, logs no progress
+bar; fresh runs give the same data and phase-1 weights."""
 import csv
 import hashlib
 import json
@@ -10,13 +11,21 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import copy_workflow, embedded_in_report, official_squad_v11, snakemake_env
+from tests.conftest import REPO, SAMPLE, embedded_in_report, official_squad_v11, snakemake_env
 
-CONFIG = ["--configfile", "sample/config.yaml"]
+# As `make demo` runs it, but from the run directory: the clone's Snakefile, the sample's paths relative to the run
+WORKFLOW = ["--snakefile", str(REPO / "Snakefile"), "--configfile", "sample/config.yaml"]
+
+
+def run_directory(path: Path) -> Path:
+    """An empty run directory outside the clone, with the sample linked in as `make demo` links it."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "sample").symlink_to(SAMPLE)
+    return path
 
 
 def snakemake(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "snakemake", *args, *CONFIG], cwd=root, env=snakemake_env(**env),
+    return subprocess.run([sys.executable, "-m", "snakemake", *args, *WORKFLOW], cwd=root, env=snakemake_env(**env),
                           capture_output=True, text=True, timeout=1800)
 
 
@@ -28,14 +37,15 @@ def file_digests(directory: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """`make demo` in a scratch copy of the workflow: the DAG, the report, the printed summary."""
-    root = copy_workflow(tmp_path_factory.mktemp("demo"))
-    run = snakemake(root, "all", "--profile", "profiles/local", "--cores", "2", PYTHONHASHSEED="0")
+    """`make demo` in a run directory outside the clone: the DAG, the report, the printed summary."""
+    root = run_directory(tmp_path_factory.mktemp("demo"))
+    run = snakemake(root, "all", "--profile", str(REPO / "profiles/local"), "--cores", "2", PYTHONHASHSEED="0")
     assert run.returncode == 0, run.stderr[-4000:]
     report = snakemake(root, "all", "--cores", "2", "--report", "report.html")
     assert report.returncode == 0, report.stderr[-4000:]
-    printed = subprocess.run([sys.executable, "-m", "workflow.report.summary", "--print", "results/summary.csv"],
-                             cwd=root, env=snakemake_env(), capture_output=True, text=True, check=True).stdout
+    printed = subprocess.run([sys.executable, "-m", "workflow.report.summary", "--print", root / "results/summary.csv",
+                              "--report", root / "report.html"], cwd=REPO, env=snakemake_env(), capture_output=True,
+                             text=True, check=True).stdout
     return root, printed
 
 
@@ -72,12 +82,21 @@ def test_demo_scores_its_predictions_with_the_official_metric_and_prints_the_run
         assert embedded_in_report(html, root / path), path  # the run's files, byte for byte
 
 
+def test_demo_runs_outside_the_clone_and_its_logs_hold_no_progress_bar(demo):
+    root, _ = demo
+    assert sorted(path.name for path in root.iterdir()) == [".snakemake", "data", "logs", "report.html", "results",
+                                                            "runs", "sample"]
+    logs = sorted(path for path in (root / "logs").rglob("*") if path.is_file())
+    assert len(logs) > 30  # every stage's
+    assert [str(path.relative_to(root)) for path in logs if b"\r" in path.read_bytes()] == []
+
+
 def test_fresh_runs_give_byte_identical_data_and_identical_phase1_weights(tmp_path):
     # Two checkouts, two hash seeds, 2 jobs at a time vs 1; the same config and seed, one training thread in both.
     # (Not the `demo` fixture: under `pytest -n 2` this test may run in another worker.)
     roots = []
     for name, cores, hash_seed in (("two_jobs", "2", "0"), ("one_job", "1", "1")):
-        root = copy_workflow(tmp_path / name)
+        root = run_directory(tmp_path / name)
         run = snakemake(root, "results/pretrain/phase1/model", "--cores", cores, "--set-threads",
                         "pretrain=1", PYTHONHASHSEED=hash_seed)
         assert run.returncode == 0, run.stderr[-4000:]

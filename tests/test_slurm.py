@@ -3,9 +3,10 @@
 Proves: every job went through sbatch (sacct lists it with its rule, GPU rules with their GPUs); the data half
 is a handful of grouped jobs; a phase-1 job that dies midway is rerun alone on the next invocation and resumes
 from its checkpoint; a phase-1 job stopped by Slurm's warning signal checkpoints and its launcher requeues it;
-a scancel stops the run naming the cancel, never resubmitted (a node failure: tests/test_multinode.py); a GPU job
-with fewer ranks than GPUs stops with one `error:` line; cluster_check runs the real trainer on 2 nodes; the
-profile check rejects requests no node can satisfy. The launcher's srun line, rank guard and retry decisions
+a scancel stops the run naming the cancel, never resubmitted (a node failure: tests/test_multinode.py); a head
+killed mid-phase is rerun and its running job taken over from its checkpoint; a GPU job with fewer ranks than GPUs
+stops with one `error:` line; cluster_check runs the real trainer on 2 nodes; the profile check rejects requests no
+node can satisfy, a runtime over the partition's MaxTime, an unknown QOS and a training job without its signal. The launcher's srun line, rank guard and retry decisions
 are also tested without a cluster. Cluster tests skip where no cluster can be started (not root), never
 under CI=true.
 """
@@ -309,7 +310,8 @@ def test_launcher_runs_tasks_per_node_ranks_each_with_its_share_of_the_node_core
     # No --gpus-per-task: each rank sees its node's GPUs (peer-to-peer stays possible) and takes its local rank's.
     assert srun_command(job, ["python", "t.py"]) == [
         "srun", "--ntasks=8", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=8",
-        "--kill-on-bad-exit=0", "--wait=300", "python", "t.py"]
+        "--kill-on-bad-exit=0", "--wait=300", sys.executable, "-m", "workflow.slurm.launch", "--rank", "--", "python",
+        "t.py"]
 
 
 def test_a_gpu_job_whose_ranks_differ_from_its_gpus_stops_naming_the_profile_keys():
@@ -379,6 +381,34 @@ def test_scancel_of_a_running_phase_job_stops_the_run_naming_the_cancel(demo_dat
     assert not run.active_jobs()
 
 
+def test_a_head_killed_mid_phase_is_rerun_and_its_running_job_taken_over_from_its_checkpoint(demo_data, new_run):
+    # The Snakemake head dies hard (kill -9: a lost login node, the OOM killer) while phase 1 runs. The Slurm job runs
+    # on; the rerun (after `--unlock`: the dead head's lock stays) submits phase 1 again, and that job cancels the
+    # first (its trainers checkpoint on Slurm's SIGTERM) and resumes from the newest checkpoint: nothing is lost.
+    run = new_run("head")
+    copy_data(demo_data, run)
+    longer = {"pretrain": {"phase1": {"total_steps": 300}}}  # long enough to outlive its head by a minute
+    process = run.start("results/pretrain/phase1/model", config=longer)
+    job_id = run.wait_for_phase1_checkpoint(process)
+    for head in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split():
+        os.kill(int(head), 9)
+    process.communicate(timeout=60)
+    assert job_records(job_id)[0]["State"] == "RUNNING"  # a head's death does not stop its jobs
+    for args in (["--unlock"], ["results/pretrain/phase1/model"]):
+        rerun = run.start(*args, config=longer)
+        output, _ = rerun.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
+        assert rerun.returncode == 0, output[-3000:]
+    jobs = run.phase_jobs("phase1")
+    assert [job["JobID"] for job in jobs][0] == job_id and len(jobs) == 2, jobs
+    assert jobs[0]["State"].startswith("CANCELLED") and jobs[1]["State"] == "COMPLETED", jobs
+    log = run.log_text("phase1")
+    assert f"in use by Slurm job {job_id}" in log and "cancelling it" in log, log[-3000:]
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
+    assert resumed and int(resumed.group(1)) >= 4, log[-3000:]  # the first job's work, not step 0
+    summary = json.loads((run.path / "results" / "pretrain" / "phase1" / "summary.json").read_text())
+    assert summary["steps"] == 300, summary
+
+
 def take_node_down(node: str, job_id: str, process: subprocess.Popen) -> None:
     """Set `node` DOWN under the running job `job_id` (as a lost node), once no other job runs on it (the cluster
     may be shared; a pending job, e.g. one requeued by an earlier test, is only held); wait until Slurm has taken
@@ -440,6 +470,58 @@ def test_profile_check_on_the_test_cluster_rejects_the_stock_profile_and_accepts
     assert small.returncode == 0, small.stderr
 
 
+def test_slurm_time_limits_parse_to_minutes():
+    from workflow.slurm.profile import parse_time_limit, parse_time_limits
+
+    assert [parse_time_limit(t) for t in ("infinite", "UNLIMITED", "30", "30:30", "2:00:00", "1-00:00:00", "2-12",
+                                          "1-01:30")] == [None, None, 30, 30.5, 120, 1440, 3600, 1530]
+    assert parse_time_limits("cpu* 1-00:00:00\ngpu 2:00:00\n") == {"cpu": 1440, "*": 1440, "gpu": 120}
+
+
+def test_profile_check_rejects_a_runtime_over_max_time_threads_over_a_node_an_unknown_qos_and_a_lost_signal():
+    from workflow.slurm.profile import check, merge, parse_sinfo, read_profile, rule_threads
+
+    nodes = parse_sinfo("".join(f"cpu* node{i} 2 21694 (null)\ngpu node{i} 2 21694 gpu:2\n" for i in (1, 2)))
+    small = merge(read_profile(REPO / "profiles" / "slurm"),
+                  yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
+    cluster = {"time_limits": {"cpu": None, "*": None, "gpu": 60}, "qos": {"normal"}, "threads": rule_threads()}
+    assert check(small, nodes, **cluster) == []
+    site = merge(small, {"slurm-qos": "gpu_long", "max-threads": None,
+                         "set-resources": {"pretrain": {"runtime": 2880, "slurm_extra": "--exclusive"},
+                                           "squad_finetune": {"slurm_extra": "--signal=USR1@600 --exclusive"}}})
+    assert check(site, nodes, where="site", **cluster) == [
+        "site: set-resources pretrain: slurm_extra '--exclusive' lacks --signal=USR1@<seconds>: without Slurm's "
+        "warning its trainers lose what they did since their last checkpoint at the time limit (add your sbatch "
+        "options after the signal, not instead of it)",
+        "site: set-resources squad_finetune: --signal=USR1@600 comes 600 s before the end of a 10-minute job: at its "
+        "start",
+        "site: set-resources pretrain: runtime 2880 min exceeds the MaxTime of partition gpu (60 min): set a runtime "
+        "within it (a training job requeues itself and resumes)",
+        "site: slurm-qos: qos=gpu_long is not a QOS here (sacctmgr show qos: normal)",
+        *[f"site: rule {rule}: threads asks 16 CPUs per node; the default partition has at most 2"
+          for rule in ("hdf5_dir", "compile_templates", "punkt", "shard", "vocab")],
+    ]
+
+
+def test_profile_check_on_the_test_cluster_rejects_a_runtime_over_its_partitions_max_time(cluster, tmp_path):
+    # A partition of its own with a MaxTime (the test cluster's are unlimited), gone after the test.
+    partition = f"maxtime{os.getpid()}"
+    subprocess.run(["scontrol", "create", f"PartitionName={partition}", "Nodes=node1", "MaxTime=60", "State=UP"],
+                   check=True)
+    try:
+        (tmp_path / "site.yaml").write_text(yaml.safe_dump(merge(
+            yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()),
+            {"slurm-qos": "normal", "set-resources": {"pretrain": {"slurm_partition": partition, "runtime": 61}}})))
+        derive(REPO / "profiles" / "slurm", tmp_path / "site.yaml", tmp_path / "site")
+        result = subprocess.run([sys.executable, "-m", "workflow.slurm.profile", "check", str(tmp_path / "site")],
+                                cwd=REPO, capture_output=True, text=True, env=clean_env())
+    finally:
+        subprocess.run(["scontrol", "delete", f"PartitionName={partition}"], check=True)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"error: {tmp_path / 'site' / 'config.v8+.yaml'}: set-resources pretrain: runtime 61 min exceeds the MaxTime "
+        f"of partition {partition} (60 min): set a runtime within it (a training job requeues itself and resumes)"]
+
+
 def test_cluster_check_runs_the_real_phase1_trainer_on_two_nodes_and_checks_packed_against_unpacked(demo_data,
                                                                                                       new_run):
     run = new_run("cluster_check")
@@ -489,9 +571,9 @@ def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_dec
     # `scontrol requeue` fails, which is reported on one `error:` line and ends the run with the trainer's status.
     (tmp_path / "logs").mkdir()
     checkpoints = tmp_path / "run" / "checkpoints"
-    script = ("import sys; from workflow.slurm.attempts import run_attempt; from workflow.slurm.launch import "
-              "SlurmJob; job = SlurmJob.parse(sys.argv[1]); run_attempt(job, ['sh', '-c', sys.argv[2], 'trainer'], {}, "
-              "sys.argv[3])")
+    script = ("import sys; from workflow.cli import configure_logging; from workflow.slurm.attempts import "
+              "run_attempt; from workflow.slurm.launch import SlurmJob; configure_logging(); "
+              "job = SlurmJob.parse(sys.argv[1]); run_attempt(job, ['sh', '-c', sys.argv[2], 'trainer'], {}, sys.argv[3])")
     trainer = f"echo training >&2; mkdir -p {checkpoints}; touch {checkpoints}/step_00000008.pt; exit 138"
     job = SCONTROL_2x4.replace("JobId=812", "JobId=999999999")
     with open(tmp_path / "logs" / "pretrain.log", "w") as log:
@@ -501,11 +583,12 @@ def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_dec
     kept = tmp_path / "logs" / "attempts" / "pretrain.job999999999.run0.log"
     assert kept.read_text() == (tmp_path / "logs" / "pretrain.log").read_text()  # the same file, hard-linked
     lines = kept.read_text().splitlines()
-    assert lines[0].startswith("launch: Slurm job 999999999 run 0 (rule pretrain), 8 rank(s) on 2 node(s), "
-                               "newest checkpoint step None: sh -c"), lines
+    logged = [re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", "", line) for line in lines]  # LOG_FORMAT's time
+    assert logged[0].startswith("INFO workflow.slurm.attempts: Slurm job 999999999 run 0 (rule pretrain), 8 rank(s) "
+                                "on 2 node(s), newest checkpoint step None: sh -c"), lines
     assert lines[1] == "training"
-    assert lines[2] == ("launch: Slurm job 999999999 run 0 stopped by the time-limit signal at checkpoint step 8: "
-                        "requeued")
+    assert logged[2] == ("INFO workflow.slurm.attempts: Slurm job 999999999 run 0 stopped by the time-limit signal at "
+                         "checkpoint step 8: requeued")
     assert lines[3].startswith("error: `scontrol requeue 999999999` failed (") and len(lines) == 4, lines
     history = json.loads((tmp_path / "logs" / "attempts" / "pretrain.history.jsonl").read_text())
     assert history == {"job": "999999999", "run": 0, "run_id": "3f1c-run", "start_step": None, "end_step": 8,

@@ -34,13 +34,23 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # unwinds `atomic_path` blocks: a cancelled job leaves no temporary behind
 
 
+# The one line format of every stage's log (logs/): time, level, module, message. Errors are `error: ...` lines.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(*own_loggers: str) -> None:
+    """INFO and above to stderr (the rule's log) in LOG_FORMAT; `own_loggers`: a library's loggers that keep a
+    handler they find (wikiextractor's) and never reach ours, each given one in LOG_FORMAT."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    for name in own_loggers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logging.getLogger(name).addHandler(handler)
+
+
 def run(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
     """Run a stage's `main`; a UserError becomes `error: <message>` on stderr and exit status 1."""
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # scancel, Snakemake's shutdown
     # Forked workers (multiprocessing.Pool) must die on SIGTERM as Pool.terminate() expects, not unwind: restore.
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))

@@ -21,12 +21,13 @@ def pretrain_init_args(wildcards):
 
 
 def pretrain_recipe(wildcards):
-    """What changes a phase's outputs (its params): the math, precision, max_steps and the evaluation size; not
-    cadence, micro-batch size or threads."""
+    """What changes a phase's outputs (its params): the math, precision, max_steps and the evaluation set; not
+    cadence (eval_every included: a rerun would not revisit trained steps), micro-batch size or threads."""
     pretrain = config["pretrain"]
     recipe = {key: value for key, value in pretrain[wildcards.phase].items() if key != "micro_batch_size"}
     recipe.update(lamb=pretrain["lamb"], precision=pretrain["precision"], seed=config["seed"],
-                  eval_max_sequences=pretrain["eval_max_sequences"], model=config["model"])
+                  eval_max_sequences=pretrain["eval_max_sequences"], eval_seed=pretrain["eval_seed"],
+                  model=config["model"])
     if wildcards.phase == "phase2":
         recipe["carry_optimizer_state"] = pretrain["carry_optimizer_state"]
         recipe["model"] = {k: v for k, v in config["model"].items() if k != "init_from"}  # phase 1's export

@@ -133,7 +133,7 @@ def _copy_local(source: Path, part: Path, label: str) -> None:
         part.unlink()
         offset = 0
     with open(source, "rb") as src, open(part, "ab") as dst, tqdm(
-        total=total, initial=offset, unit="B", unit_scale=True, desc=label
+        total=total, initial=offset, unit="B", unit_scale=True, desc=label, disable=None
     ) as bar:
         src.seek(offset)
         for chunk in iter(lambda: src.read(CHUNK), b""):
@@ -165,7 +165,8 @@ def _http_attempt(url: str, part: Path, label: str, timeout: float) -> None:
         length = response.headers.get("Content-Length")
         total = offset + int(length) if length is not None else None
         received = offset
-        with open(part, "ab") as out, tqdm(total=total, initial=offset, unit="B", unit_scale=True, desc=label) as bar:
+        with open(part, "ab") as out, tqdm(total=total, initial=offset, unit="B", unit_scale=True, desc=label,
+                                                 disable=None) as bar:
             while True:
                 chunk = response.read(CHUNK)
                 if not chunk:

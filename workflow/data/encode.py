@@ -384,7 +384,7 @@ def encode_shard(
     if settings.masking == "dynamic":  # what the load-time masker needs (workflow.train.masking)
         attributes.update(cls_id=vocab.cls, sep_id=vocab.sep, mask_id=vocab.mask)
     shapes = instance_shapes(n, settings)
-    starts = tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5)
+    starts = tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5, disable=None)
     if packing is not None:
         # Packing needs every instance's length (known from the plan): the shard's instances are built in memory.
         arrays = {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from workflow.atomic import atomic_path
-from workflow.cli import UserError, run
+from workflow.cli import UserError, configure_logging, run
 from workflow.data.templates import load_compiled
 
 log = logging.getLogger("extract")
@@ -131,10 +131,10 @@ def wikiextractor_main() -> None:
     fates = collections.Counter()
     collect_pages = WikiExtractor.collect_pages  # runs in this (the reading) process
     WikiExtractor.collect_pages = lambda lines: collect_pages(tally_pages(lines, fates))
+    configure_logging("wikiextractor")  # its lines in the workflow's one format too
     WikiExtractor.main()
-    print(f"INFO: {PAGES_LOG} {sum(fates.values())} read: {fates['articles']} articles, "
-          f"{fates['redirects']} redirects and {fates['other namespaces']} pages of other namespaces skipped",
-          file=sys.stderr)
+    log.info("%s %d read: %d articles, %d redirects and %d pages of other namespaces skipped", PAGES_LOG,
+             sum(fates.values()), fates["articles"], fates["redirects"], fates["other namespaces"])
 
 
 def load_compiled_templates(load_and_compact_templates):
@@ -146,7 +146,7 @@ def load_compiled_templates(load_and_compact_templates):
         if not template_file:
             return load_and_compact_templates(template_file, input_file, input, template_prefix)
         count, templates, redirects = load_compiled(template_file)
-        print(f"INFO: Loaded {count} compiled templates from {template_file}", file=sys.stderr)
+        log.info("loaded %d compiled templates from %s", count, template_file)
         return template_blob.compact_blobs(*templates), template_blob.compact_blobs(*redirects), input, template_prefix
 
     return load

@@ -406,7 +406,7 @@ def format_corpus(
     with atomic_path(output) as temporary, open(temporary, "w", encoding="utf-8") as out:
         with multiprocessing.get_context("fork").Pool(max(1, processes), _init_worker, (splitter, min_article_chars)) as pool:
             results = pool.imap(split_document, read_documents(source), chunksize=16)  # ordered: deterministic
-            for result in tqdm(results, desc=f"format {source.name}", unit=" docs"):
+            for result in tqdm(results, desc=f"format {source.name}", unit=" docs", disable=None):
                 counts.add(result)
                 if result.drop_reason is not None:
                     continue

@@ -57,7 +57,7 @@ def _document_sizes(path: Path, style: str) -> array:
     if not path.is_file():
         raise UserError(f"{path}: no such file")
     sizes = array("q")  # 8 bytes per document (a list of ints would take ~36 on a 6M-article dump)
-    for document in tqdm(documents(path, style), desc=f"measure {path.name}", unit=" docs"):
+    for document in tqdm(documents(path, style), desc=f"measure {path.name}", unit=" docs", disable=None):
         sizes.append(sum(len(line.encode("utf-8")) + 1 for line in document) + 1)
     return sizes
 
@@ -115,7 +115,8 @@ def _write_input(path: Path, style: str, shard_of: np.ndarray, offsets: np.ndarr
             cursor[shard] += len(data)
         pending.clear()
 
-    for index, document in enumerate(tqdm(documents(path, style), desc=f"shard {path.name}", unit=" docs")):
+    for index, document in enumerate(tqdm(documents(path, style), desc=f"shard {path.name}", unit=" docs",
+                                          disable=None)):
         text = ("\n".join(document) + "\n\n").encode("utf-8")
         pending.setdefault(int(shard_of[index]), []).append(text)
         pending_bytes += len(text)
@@ -180,7 +181,7 @@ def _append_in_order(inputs: list[Path], style: str, splitter, shard_of: np.ndar
 
     index = 0
     for path in inputs:
-        for document in tqdm(documents(path, style), desc=f"shard {path.name}", unit=" docs"):
+        for document in tqdm(documents(path, style), desc=f"shard {path.name}", unit=" docs", disable=None):
             document = [s.strip() for s in splitter.tokenize(document[0]) if s.strip()]
             text = "\n".join(document) + "\n\n"
             pending.setdefault(int(shard_of[index]), []).append(text)

@@ -139,7 +139,7 @@ def tokenize_lines(tokenizer, lines: Sequence[str], dtype, max_words: int = CACH
     cache = WordCache(tokenizer, dtype, max_words)
     pieces: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
-    for start in tqdm(range(0, len(lines), BATCH_LINES), desc="tokenize", unit="batch", mininterval=5):
+    for start in tqdm(range(0, len(lines), BATCH_LINES), desc="tokenize", unit="batch", mininterval=5, disable=None):
         ids, batch_lengths = cache.encode(lines[start : start + BATCH_LINES])
         pieces.append(ids)
         lengths.append(batch_lengths)

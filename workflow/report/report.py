@@ -2,6 +2,8 @@
 
     python -m workflow.report.report pretrain --phase phase1=results/pretrain/phase1 --phase phase2=results/pretrain/phase2 \
         --loss loss.png --accuracy mlm_accuracy.png --throughput throughput.png
+    python -m workflow.report.report heldout --phase phase1=results/pretrain/phase1 ... --target 0.72 \
+        --output heldout_accuracy.png
     python -m workflow.report.report telemetry --phase phase1=results/pretrain/phase1 ... --output gpu_telemetry.png
     python -m workflow.report.report squad --metrics results/squad/finetune_metrics.jsonl --eval results/squad/eval.json \
         --output squad.png
@@ -26,6 +28,8 @@ import pandas as pd  # noqa: E402
 
 from workflow.atomic import atomic_path, write_text  # noqa: E402
 from workflow.cli import UserError, phase_directory, run  # noqa: E402
+from workflow.report.summary import read_json, read_jsonl  # noqa: E402
+from workflow.report.target import accuracy_curve, describe  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +114,35 @@ def pretrain_figures(pairs) -> dict:
     return figures
 
 
+def plot_heldout(pairs, target: float, output) -> None:
+    """Held-out MLM accuracy against step and against training time, the target line, the time to target."""
+    _save(heldout_figure(pairs, target), output)
+
+
+def heldout_figure(pairs, target: float):
+    """The figure of plot_heldout, unsaved: the accuracy curve (workflow/report/target.py) of each phase by step,
+    and of the whole run by training time (later phases after earlier ones), the time to target as its title."""
+    phases = [(phase, read_jsonl(Path(directory) / "metrics.jsonl"),
+               read_json(Path(directory) / "summary.json") if (Path(directory) / "summary.json").is_file() else {})
+              for phase, directory in pairs]
+    curve = accuracy_curve(phases)
+    figure, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4))
+    for phase, _, _ in phases:
+        points = [point for point in curve if point["phase"] == phase]
+        accuracy = [point["test_mlm_accuracy"] for point in points]
+        by_step.plot([point["step"] for point in points], accuracy, "o-", label=phase)
+        by_time.plot([point["run_time_s"] for point in points], accuracy, "o-", label=phase)
+    for axis in (by_step, by_time):
+        axis.axhline(target, color="grey", linestyle="--", label=f"target {target:.3f}")
+        axis.set_ylabel("held-out masked-LM accuracy")
+        axis.legend()
+        axis.grid(alpha=0.3)
+    by_step.set(title="by step (each phase)", xlabel="step")
+    by_time.set(title="by training time (the whole run)", xlabel="training time (s)")
+    figure.suptitle(describe(curve, target))
+    return figure
+
+
 def plot_telemetry(pairs, output) -> None:
     """Power, utilisation, memory and temperature of every GPU over time; a note when no phase recorded any."""
     _save(telemetry_figure(pairs), output)
@@ -134,17 +167,21 @@ def telemetry_figure(pairs):
     figure, axes = plt.subplots(len(TELEMETRY_PANELS), len(frames), figsize=(6 * len(frames), 2.6 * 4),
                                 squeeze=False, sharex="col")
     for column, frame in enumerate(frames):
-        seconds = frame["time"] - frame["time"].min()
+        # Every node records its GPUs (the host column): a line per host and GPU, the host named when several.
+        frame = frame.assign(seconds=frame["time"] - frame["time"].min(), host=frame.get("host", ""))
+        series = frame.groupby(["host", "gpu"])
+        named = frame["host"].nunique() > 1
         for row, (key, label) in enumerate(TELEMETRY_PANELS):
             axis = axes[row][column]
             if key in frame:
-                for gpu, part in frame.assign(seconds=seconds).groupby("gpu"):
-                    axis.plot(part["seconds"], part[key], label=f"GPU {gpu}", linewidth=0.8)
+                for (host, gpu), part in series:
+                    axis.plot(part["seconds"], part[key], label=f"{host} GPU {gpu}" if named else f"GPU {gpu}",
+                              linewidth=0.8)
             axis.set_ylabel(label)
             axis.grid(alpha=0.3)
         axes[0][column].set_title(f"{frame['phase'].iloc[0]}: GPU telemetry")
         axes[-1][column].set_xlabel("time (s)")
-        if frame["gpu"].nunique() <= 8:
+        if series.ngroups <= 8:
             axes[0][column].legend(fontsize=7)
     return figure
 
@@ -241,6 +278,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     pretrain.add_argument("--loss", required=True)
     pretrain.add_argument("--accuracy", required=True)
     pretrain.add_argument("--throughput", required=True)
+    heldout = commands.add_parser("heldout", help="held-out MLM accuracy curve and the time to target")
+    heldout.add_argument("--phase", action="append", type=phase_directory, required=True, metavar="PHASE=DIR")
+    heldout.add_argument("--target", type=float, required=True, help="config pretrain.target_mlm_accuracy")
+    heldout.add_argument("--output", required=True)
     telemetry = commands.add_parser("telemetry", help="GPU telemetry plot (or a note when there is none)")
     telemetry.add_argument("--phase", action="append", type=phase_directory, required=True, metavar="PHASE=DIR")
     telemetry.add_argument("--output", required=True)
@@ -258,6 +299,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if args.command == "pretrain":
         plot_pretrain(args.phase, args.loss, args.accuracy, args.throughput)
+    elif args.command == "heldout":
+        plot_heldout(args.phase, args.target, args.output)
     elif args.command == "telemetry":
         plot_telemetry(args.phase, args.output)
     elif args.command == "squad":

@@ -2,12 +2,14 @@
 
     python -m workflow.report.summary --phase phase1=results/pretrain/phase1 --phase phase2=results/pretrain/phase2 \
         --squad-eval results/squad/eval.json --squad-metrics results/squad/finetune_metrics.jsonl \
-        --glue-eval results/glue/MRPC/eval.json --output results/summary.csv
+        --glue-eval results/glue/MRPC/eval.json --target-mlm-accuracy 0.72 --output results/summary.csv
     python -m workflow.report.summary --print results/summary.csv      # the table, EM/F1 and where the report is
 
 results/summary.csv has the columns stage, metric, value (one row per number; floats to 6 significant digits).
 GLUE rows: stage `glue`, metric `<task>.<metric>` (MNLI's dev sets as the GLUE leaderboard names them: MNLI-m, MNLI-mm).
 A pretraining directory holds metrics.jsonl (one line per logged step) and summary.json (the phase's totals).
+With --target-mlm-accuracy, stage `pretrain` rows: target_mlm_accuracy, time_to_target_s (training time of both phases
+until the first held-out evaluation at or above it; `not reached` otherwise) and time_to_target_step (phase:step).
 """
 import argparse
 import csv
@@ -19,6 +21,7 @@ from typing import Sequence
 
 from workflow.atomic import write_text
 from workflow.cli import UserError, phase_directory, run
+from workflow.report.target import accuracy_curve, time_to_target
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +81,15 @@ def glue_rows(eval_json: str | Path) -> list[tuple[str, str, object]]:
 
 def summarize(pretrain: dict[str, str | Path], squad_eval: str | Path | None,
               squad_metrics: str | Path | None = None,
-              glue_evals: Sequence[str | Path] = ()) -> list[tuple[str, str, object]]:
-    """(stage, metric, value) rows: per phase its totals and final training numbers, then SQuAD, then GLUE."""
+              glue_evals: Sequence[str | Path] = (), target: float | None = None) -> list[tuple[str, str, object]]:
+    """(stage, metric, value) rows: per phase its totals and final training numbers, the time to `target` held-out
+    accuracy, then SQuAD, then GLUE."""
     rows: list[tuple[str, str, object]] = []
+    phases = []
     for phase, directory in pretrain.items():
         totals = read_json(Path(directory) / "summary.json")
         metrics = read_jsonl(Path(directory) / "metrics.jsonl")
+        phases.append((phase, metrics, totals))
         for metric, key in PHASE_TOTALS:
             if key in totals:
                 rows.append((phase, metric, totals[key]))
@@ -91,6 +97,11 @@ def summarize(pretrain: dict[str, str | Path], squad_eval: str | Path | None,
             for metric, key in PHASE_FINAL:
                 if key in metrics[-1]:
                     rows.append((phase, metric, metrics[-1][key]))
+    if target is not None and phases:
+        reached = time_to_target(accuracy_curve(phases), target)
+        rows += [("pretrain", "target_mlm_accuracy", target),
+                 ("pretrain", "time_to_target_s", reached["run_time_s"] if reached else "not reached"),
+                 ("pretrain", "time_to_target_step", f"{reached['phase']}:{reached['step']}" if reached else "")]
     if squad_metrics:
         records = read_jsonl(squad_metrics)
         if records:
@@ -143,6 +154,13 @@ def render(rows: list[dict], report: str | Path = "report.html") -> str:
         lines.append("")
         lines.append(f"SQuAD v{squad.get('version', '1.1')} dev: EM {float(squad['exact_match']):.2f}  "
                      f"F1 {float(squad['f1']):.2f}  ({squad.get('total', '?')} questions)")
+    pretrain = {r["metric"]: r["value"] for r in rows if r["stage"] == "pretrain"}
+    if "time_to_target_s" in pretrain:
+        lines.append("")
+        reached = pretrain["time_to_target_s"]
+        lines.append(f"Time to held-out MLM accuracy {pretrain['target_mlm_accuracy']}: " + (
+            f"{float(reached):.1f} s of training ({pretrain['time_to_target_step']})" if reached != "not reached"
+            else "not reached"))
     glue = [r["metric"].rsplit(".", 1) + [r["value"]] for r in rows if r["stage"] == "glue"]
     scores = [f"{task} {metric} {float(value):.4f}" for task, metric, value in glue if metric != "examples"]
     if scores:
@@ -165,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--squad-metrics", help="fine-tuning metrics JSONL")
     parser.add_argument("--glue-eval", action="append", default=[], metavar="EVAL_JSON",
                         help="a GLUE task's results/glue/<task>/eval.json; repeatable")
+    parser.add_argument("--target-mlm-accuracy", type=float, help="held-out MLM accuracy whose time to reach the "
+                        "table gives (config pretrain.target_mlm_accuracy)")
     parser.add_argument("--output", help="summary.csv to write")
     args = parser.parse_args(argv)
 
@@ -173,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if not args.output:
         parser.error("--output is required unless --print is given")
-    rows = summarize(dict(args.phase), args.squad_eval, args.squad_metrics, args.glue_eval)
+    rows = summarize(dict(args.phase), args.squad_eval, args.squad_metrics, args.glue_eval, args.target_mlm_accuracy)
     write_text(args.output, to_csv(rows))
     log.info("%d numbers -> %s", len(rows), args.output)
 

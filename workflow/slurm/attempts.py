@@ -30,6 +30,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 TIME_LIMIT_EXIT = 128 + signal.SIGUSR1  # the trainers' exit status after checkpointing on SIGUSR1
+# A trainer's exits after a stop signal (SIGUSR1, SIGTERM: workflow/train/checkpoint.py StopSignals): every rank
+# wrote the checkpoint and met the others at a barrier first, so the step must not be cut short.
+STOP_EXITS = (TIME_LIMIT_EXIT, 128 + signal.SIGTERM)
 REQUEUE_WAIT_S = 600  # how long a requeued run waits for Slurm to end it
 
 
@@ -119,9 +122,8 @@ def run_attempt(job, command: list[str], rendezvous: dict, run_dir: str | Path |
         record_path = log_file.parent / "attempts" / f"{log_file.stem}.history.jsonl"
         earlier_failures = sum(1 for r in history(record_path) if r["job"] == job.job_id and r["cause"] == "failure")
     start_step = newest_step(run_dir)
-    print(f"launch: Slurm job {job.job_id} run {job.restarts} (rule {job.rule}), {job.tasks} rank(s) on "
-          f"{job.nodes} node(s), newest checkpoint step {start_step}: {' '.join(command)}", file=sys.stderr,
-          flush=True)
+    log.info("Slurm job %s run %s (rule %s), %s rank(s) on %s node(s), newest checkpoint step %s: %s", job.job_id,
+             job.restarts, job.rule, job.tasks, job.nodes, start_step, " ".join(command))
     status = subprocess.run(command, env={**os.environ, **rendezvous}).returncode
     status = 128 - status if status < 0 else status
     end_step = newest_step(run_dir)
@@ -134,7 +136,7 @@ def run_attempt(job, command: list[str], rendezvous: dict, run_dir: str | Path |
             out.write(json.dumps({"job": job.job_id, "run": job.restarts, "run_id": job.name, "start_step": start_step,
                                   "end_step": end_step, "exit": status, "cause": cause,
                                   "requeue": decision.requeue}) + "\n")
-    print(f"launch: Slurm job {job.job_id} run {job.restarts} {decision.why}", file=sys.stderr, flush=True)
+    log.info("Slurm job %s run %s %s", job.job_id, job.restarts, decision.why)
     if decision.requeue:
         requeue = subprocess.run(["scontrol", "requeue", job.job_id], capture_output=True, text=True)
         if requeue.returncode != 0:

@@ -3,8 +3,9 @@
 In the batch step of a Slurm job: check one rank per allocated GPU (else one `error:` line naming the profile keys),
 run CMD once per task with srun (own GPU, own share of cores, a rendezvous port the OS found free on the first
 node), then requeue or stop by cause (workflow/slurm/attempts.py; `--run-dir`: the run's checkpoints, by which it
-judges progress, and which it claims first: one job per run directory, workflow/slurm/owner.py). Inside a step or
-torchrun: the same GPU check, then CMD directly. Without Slurm: CMD once per visible GPU through torchrun
+judges progress, and which it claims first: one job per run directory, workflow/slurm/owner.py). Each task runs
+`launch --rank -- CMD` (guard_rank): a rank that dies by a signal or an error ends the whole step at once. Inside a
+step or torchrun: the same GPU check, then CMD directly. Without Slurm: CMD once per visible GPU through torchrun
 (SNAKEBERT_LOCAL_RANKS overrides the count, e.g. 2 CPU ranks in tests).
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +25,7 @@ from workflow.slurm import attempts, owner
 
 log = logging.getLogger(__name__)
 
-RANK_EXIT_WAIT_S = 300  # how long srun lets the other ranks finish (rank 0: its checkpoint) after one has exited
+RANK_EXIT_WAIT_S = 300  # how long srun lets the other ranks finish (rank 0: its export) after one has exited
 
 
 def first_host(nodelist: str) -> str | None:
@@ -94,10 +96,30 @@ def srun_command(job: SlurmJob, command: list[str]) -> list[str]:
         raise UserError(f"Slurm job {job.job_id} (rule {job.rule}) has {job.tasks} tasks on {job.nodes} nodes: "
                         "set `tasks_per_node` in the profile, not `tasks`, so every node runs as many ranks")
     cpus_per_task = max(1, job.cpus // job.nodes // per_node)
-    # Not --kill-on-bad-exit: after the time-limit signal the other ranks exit (138) while rank 0 still writes the
-    # checkpoint. --wait gives the last ranks that long after the first exits, then ends ranks hung on a dead peer.
+    # Not --kill-on-bad-exit: its SIGTERM would hit ranks leaving after the time-limit checkpoint (138), and srun
+    # would report the signal instead. --wait gives rank 0 that long for its export after the others end; a rank
+    # that dies ends the step at once through its guard (guard_rank).
     return ["srun", f"--ntasks={job.tasks}", f"--nodes={job.nodes}", f"--ntasks-per-node={per_node}",
-            f"--cpus-per-task={cpus_per_task}", "--kill-on-bad-exit=0", f"--wait={RANK_EXIT_WAIT_S}", *command]
+            f"--cpus-per-task={cpus_per_task}", "--kill-on-bad-exit=0", f"--wait={RANK_EXIT_WAIT_S}",
+            sys.executable, "-m", "workflow.slurm.launch", "--rank", "--", *command]
+
+
+def guard_rank(command: list[str], environ=os.environ) -> int:
+    """Run one rank of a step (CMD as a child) and return its exit status (-N: killed by signal N). When it dies by
+    a signal (the OOM killer, a GPU fault) or ends with an error, end the whole step at once (`scancel
+    --signal=KILL` of the step): its peers would fail or hang in their next collective and srun would keep the step
+    --wait seconds. A stop exit (attempts.STOP_EXITS: every rank checkpointed and met at a barrier) or 0 passes."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # the rank's to handle (Slurm signals the step)
+        signal.signal(signum, lambda *_: None)  # a handler, not SIG_IGN: the child starts with the default action
+    status = subprocess.run(command).returncode
+    if status != 0 and status not in attempts.STOP_EXITS:
+        step = f"{environ.get('SLURM_JOB_ID')}.{environ.get('SLURM_STEP_ID')}"
+        name = next((s.name for s in signal.Signals if s == -status), f"signal {-status}")
+        how = f"died of {name}" if status < 0 else f"exited with status {status}"
+        print(f"launch: rank {environ.get('SLURM_PROCID')} on {socket.gethostname()} {how}: ending step {step} now",
+              file=sys.stderr, flush=True)
+        subprocess.run(["scancel", "--signal=KILL", step])
+    return status
 
 
 def free_port() -> int:
@@ -121,11 +143,19 @@ def local_command(command: list[str], environ=os.environ) -> list[str]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m workflow.slurm.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", default=None, help="the run directory whose checkpoints show progress")
+    parser.add_argument("--rank", action="store_true", help="one task of the launcher's srun step (guard_rank)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]: one rank's command")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     argv = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not argv:
         raise UserError("usage: python -m workflow.slurm.launch [--run-dir DIR] -- COMMAND [ARGS...]")
+    if args.rank:
+        status = guard_rank(argv)
+        if status < 0:  # die as the rank did, so that srun reports the signal
+            if -status != signal.SIGKILL:
+                signal.signal(-status, signal.SIG_DFL)
+            os.kill(os.getpid(), -status)
+        sys.exit(status if status >= 0 else 128 - status)
     job_id = os.environ.get("SLURM_JOB_ID")
     if "RANK" in os.environ:  # torchrun's ranks
         os.execvp(argv[0], argv)

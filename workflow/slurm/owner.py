@@ -1,13 +1,15 @@
-"""One writer per run directory: a training job records itself in `<run dir>/owner.json` before its ranks start,
-and a second job on the same run directory refuses while the first is alive (two would interleave their steps and
-delete each other's checkpoints, e.g. after the Snakemake head process died and the user reran it).
+"""One writer per run directory: a training job records itself in `<run dir>/owner.json` before its ranks start.
+Two jobs would interleave their steps and delete each other's checkpoints: a second Slurm job on the directory
+(a rerun's, after the Snakemake head that submitted the first died) takes it over: it cancels the first, whose
+trainers write a checkpoint on Slurm's SIGTERM, waits until it is gone, and resumes from there. A job without Slurm
+refuses while the owner lives.
 
 An owner is a Slurm job (alive while Slurm lists it as pending, running, requeued, suspended or completing: a
 requeued run of the same job is the same owner) or, without Slurm, a process (host, pid and its start time, so a
 recycled pid is not taken for it; alive while that process is). A dead owner's directory is taken over, with a
 log line. Claims are atomic (a hard link that fails if the file exists), so of two jobs starting at once one wins.
 
-    claim(run_dir, me=this_owner())   raises UserError naming the live owner; returns the stale owner taken over
+    claim(run_dir, me=this_owner())   raises UserError naming the live owner; returns the owner taken over
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import logging
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 from workflow.cli import UserError
@@ -23,6 +26,7 @@ from workflow.cli import UserError
 log = logging.getLogger(__name__)
 
 OWNER_FILE = "owner.json"
+TAKEOVER_WAIT_S = 600  # for a cancelled job to end: Slurm's KillWait (30 s by default) and its epilog
 SLURM_ALIVE = {"PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
                "SUSPENDED", "COMPLETING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
 
@@ -92,7 +96,9 @@ def claim(run_dir: str | Path, me: dict | None = None) -> dict | None:
             current = {}
         if same_owner(current, me):
             return None  # e.g. Slurm requeued this very job
-        if current and is_alive(current):
+        if current.get("slurm_job") and me.get("slurm_job") and is_alive(current):
+            cancel(current, run_dir)
+        elif current and is_alive(current):
             raise UserError(f"{run_dir}: in use by {describe(current)}, which is still alive; two jobs on one run "
                             f"directory would overwrite each other's checkpoints. Wait for it or cancel it, then "
                             f"rerun; if you know it is gone, delete {path} (nothing was changed)")
@@ -104,6 +110,19 @@ def claim(run_dir: str | Path, me: dict | None = None) -> dict | None:
         return current
     finally:
         mine.unlink(missing_ok=True)
+
+
+def cancel(owner: dict, run_dir: Path, wait_s: float = TAKEOVER_WAIT_S) -> None:
+    """scancel a live Slurm owner (its trainers checkpoint on the SIGTERM) and wait until Slurm lists it no more."""
+    log.warning("%s: in use by %s, started by an earlier Snakemake run; cancelling it (its trainers write a "
+                "checkpoint) to take the run directory over", run_dir, describe(owner))
+    subprocess.run(["scancel", owner["slurm_job"]], capture_output=True, text=True)
+    deadline = time.monotonic() + wait_s
+    while is_alive(owner):
+        if time.monotonic() > deadline:
+            raise UserError(f"{run_dir}: {describe(owner)} is still alive {wait_s:.0f} s after `scancel`; cancel it, "
+                            "then rerun (nothing was changed)")
+        time.sleep(2)
 
 
 def release(run_dir: str | Path, me: dict | None = None) -> None:

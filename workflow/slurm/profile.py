@@ -6,9 +6,11 @@
         profile. Snakemake's own
         `--set-resources` on the command line replaces the profile's whole set-resources instead.
     python -m workflow.slurm.profile check profiles/my-cluster
-        compares every set-resources / default-resources entry and the group-job size (`cores`, `resources`)
-        with the nodes `sinfo` reports for the partition; a request no node can satisfy is one `error:` line
-        naming the rule and the key (Slurm would accept it and leave it pending forever: Reason=PartitionConfig).
+        compares every set-resources / default-resources entry, the group-job size (`cores`) and each rule's
+        threads with the nodes `sinfo` reports for the partition, each `runtime` with the partition's MaxTime,
+        each QOS with `sacctmgr show qos`, and checks that every training job keeps its time-limit signal; a
+        request the cluster cannot satisfy is one `error:` line naming the rule and the key (Slurm would accept
+        most and leave them pending forever: Reason=PartitionConfig).
 """
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ import yaml
 from workflow.cli import UserError
 
 PROFILE_FILE = "config.v8+.yaml"
+RULES_DIR = Path(__file__).resolve().parents[2] / "rules"
+# The rules whose trainers checkpoint on SIGUSR1 and whose launcher then requeues the job: Slurm's warning before
+# the time limit (`--signal=USR1@<seconds>` in slurm_extra) is what saves their work.
+TRAINING_RULES = ("pretrain", "squad_finetune", "glue_finetune")
+TIME_LIMIT_SIGNAL = re.compile(r"--signal=(?:R:)?USR1@(\d+)")
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -84,12 +91,56 @@ def requested_gpus(resources: dict) -> int:
     return int(match.group(1)) if match else int(resources.get("gpu", 0) or 0)
 
 
+def parse_time_limit(limit: str) -> float | None:
+    """A Slurm time limit as sinfo's %l prints it (`infinite`, `MM`, `MM:SS`, `HH:MM:SS`, `D-HH[:MM[:SS]]`) in
+    minutes; None when there is none."""
+    if limit.lower() in ("infinite", "unlimited", "n/a"):
+        return None
+    days, _, clock = limit.rpartition("-")
+    fields = [int(field) for field in clock.split(":")]
+    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
+        hours, minutes, seconds = (fields + [0, 0])[:3]
+    else:  # MM, MM:SS, HH:MM:SS
+        hours, minutes, seconds = ([0, 0] + fields)[-3:] if len(fields) == 3 else (0, fields[0], (fields + [0])[1])
+    return int(days or 0) * 1440 + hours * 60 + minutes + seconds / 60
+
+
+def parse_time_limits(text: str) -> dict[str, float | None]:
+    """MaxTime in minutes by partition from `sinfo -h -o '%P %l'` (the default partition also under '*')."""
+    limits: dict[str, float | None] = {}
+    for line in text.splitlines():
+        if line.strip():
+            partition, limit = line.split()
+            limits[partition.rstrip("*")] = parse_time_limit(limit)
+            if partition.endswith("*"):
+                limits["*"] = limits[partition.rstrip("*")]
+    return limits
+
+
+def rule_threads(rules_dir: Path = RULES_DIR) -> dict[str, int]:
+    """The `threads:` of each rule in rules/*.smk, where it is a number (a function's threads are left out)."""
+    threads = {}
+    for path in sorted(Path(rules_dir).glob("*.smk")):
+        for block in re.split(r"^\s*rule ", path.read_text(), flags=re.M)[1:]:  # (a rule may sit under an `if`)
+            found = re.search(r"^\s+threads:\s*(\d+)\b", block, re.M)
+            if found:
+                rule = block.split(":", 1)[0].strip()
+                threads[rule] = max(threads.get(rule, 0), int(found.group(1)))
+    return threads
+
+
+def resource_sets(profile: dict) -> list[tuple[str, str | None, dict]]:
+    """(label, rule, resources) of default-resources and of every set-resources entry merged over them."""
+    defaults = profile.get("default-resources") or {}
+    return [("default-resources", None, defaults), *[(f"set-resources {rule}", rule, merge(defaults, res or {}))
+                                                     for rule, res in (profile.get("set-resources") or {}).items()]]
+
+
 def requests(profile: dict) -> dict[str, dict]:
     """What each kind of job asks of one node: {label: {profile key: (amount, unit)}} plus its partition."""
     defaults = profile.get("default-resources") or {}
     asked = {}
-    for what, res in [("default-resources", defaults), *[(f"set-resources {rule}", merge(defaults, res or {}))
-                                                          for rule, res in (profile.get("set-resources") or {}).items()]]:
+    for what, _, res in resource_sets(profile):
         gpus = requested_gpus(res)
         cpu_key = "cpus_per_gpu" if res.get("cpus_per_gpu") and gpus else "cpus_per_task"
         cpus = int(res.get(cpu_key, 0)) * (gpus if cpu_key == "cpus_per_gpu" else int(res.get("tasks_per_node", 1)))
@@ -102,10 +153,73 @@ def requests(profile: dict) -> dict[str, dict]:
     return asked
 
 
-def check(profile: dict, partitions: dict[str, list[Node]], where: str = "profile") -> list[str]:
-    """One message per request that no node of its partition can satisfy."""
+def thread_requests(profile: dict, threads: dict[str, int]) -> dict[str, dict]:
+    """The CPUs a rule's own job asks as its threads (`--cpus-per-task`): every rule that is not grouped (a group
+    job asks `cores`) and sets no cpus_per_task / cpus_per_gpu, after the profile's set-threads and max-threads."""
+    set_resources, grouped = profile.get("set-resources") or {}, profile.get("groups") or {}
+    defaults = profile.get("default-resources") or {}
+    asked = {}
+    for rule, count in threads.items():
+        res = merge(defaults, set_resources.get(rule) or {})
+        if rule in grouped or res.get("cpus_per_task") or (res.get("cpus_per_gpu") and requested_gpus(res)):
+            continue
+        count = (profile.get("set-threads") or {}).get(rule, min(count, profile.get("max-threads") or count))
+        asked[f"rule {rule}"] = {"partition": res.get("slurm_partition") or "*", "threads": (int(count), "CPUs")}
+    return asked
+
+
+def signal_problems(profile: dict, where: str) -> list[str]:
+    """A training job whose slurm_extra lost the time-limit signal, or whose signal comes before it starts."""
     problems = []
-    for what, asked in requests(profile).items():
+    for what, rule, res in resource_sets(profile):
+        if rule not in TRAINING_RULES:
+            continue
+        extra = str(res.get("slurm_extra") or "")
+        signal = TIME_LIMIT_SIGNAL.search(extra)
+        if not signal:
+            problems.append(f"{where}: {what}: slurm_extra {extra!r} lacks --signal=USR1@<seconds>: without Slurm's "
+                            "warning its trainers lose what they did since their last checkpoint at the time limit "
+                            "(add your sbatch options after the signal, not instead of it)")
+        elif res.get("runtime") and int(signal.group(1)) >= int(res["runtime"]) * 60:
+            problems.append(f"{where}: {what}: --signal=USR1@{signal.group(1)} comes {signal.group(1)} s before the "
+                            f"end of a {res['runtime']}-minute job: at its start")
+    return problems
+
+
+def time_problems(profile: dict, time_limits: dict[str, float | None], where: str) -> list[str]:
+    """A runtime over its partition's MaxTime (sbatch refuses the job, or leaves it pending forever)."""
+    problems = []
+    for what, _, res in resource_sets(profile):
+        partition = res.get("slurm_partition") or "*"
+        limit = time_limits.get(partition)
+        if res.get("runtime") and limit is not None and int(res["runtime"]) > limit:
+            label = "the default partition" if partition == "*" else f"partition {partition}"
+            problems.append(f"{where}: {what}: runtime {res['runtime']} min exceeds the MaxTime of {label} "
+                            f"({limit:g} min): set a runtime within it (a training job requeues itself and resumes)")
+    return problems
+
+
+def qos_problems(profile: dict, known: set[str], where: str) -> list[str]:
+    """A QOS (the profile's slurm-qos, a job's `qos`) that sacctmgr does not list."""
+    named = [("slurm-qos", profile["slurm-qos"])] if profile.get("slurm-qos") else []
+    named += [(what, res["qos"]) for what, _, res in resource_sets(profile) if res.get("qos")]
+    return [f"{where}: {what}: qos={qos} is not a QOS here (sacctmgr show qos: {', '.join(sorted(known))})"
+            for what, qos in named if qos not in known]
+
+
+def named_qos(profile: dict) -> bool:
+    return bool(profile.get("slurm-qos") or any(res.get("qos") for _, _, res in resource_sets(profile)))
+
+
+def check(profile: dict, partitions: dict[str, list[Node]], where: str = "profile",
+          time_limits: dict[str, float | None] | None = None, qos: set[str] | None = None,
+          threads: dict[str, int] | None = None) -> list[str]:
+    """One message per request that the cluster cannot satisfy: no node of its partition (resources, threads),
+    its partition's MaxTime (`time_limits`), an unknown QOS (`qos`); and per training job without its signal."""
+    problems = signal_problems(profile, where)
+    problems += time_problems(profile, time_limits, where) if time_limits is not None else []
+    problems += qos_problems(profile, qos, where) if qos is not None else []
+    for what, asked in {**requests(profile), **thread_requests(profile, threads or {})}.items():
         partition = str(asked.pop("partition"))
         nodes = partitions.get(partition)
         if not nodes:
@@ -122,13 +236,22 @@ def check(profile: dict, partitions: dict[str, list[Node]], where: str = "profil
     return problems
 
 
-def sinfo() -> dict[str, list[Node]]:
+def query(*command: str) -> str:
     try:
-        out = subprocess.run(["sinfo", "-N", "-h", "-o", "%P %N %c %m %G"], check=True, capture_output=True,
-                             text=True).stdout
+        return subprocess.run(command, check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as error:
-        raise UserError(f"`sinfo` failed: {error}") from None
-    return parse_sinfo(out)
+        raise UserError(f"`{' '.join(command)}` failed: {error}") from None
+
+
+def sinfo() -> dict[str, list[Node]]:
+    return parse_sinfo(query("sinfo", "-N", "-h", "-o", "%P %N %c %m %G"))
+
+
+def cluster_check(profile: dict, where: str) -> list[str]:
+    """`check` against this cluster: sinfo's nodes and time limits, sacctmgr's QOS where the profile names one."""
+    time_limits = parse_time_limits(query("sinfo", "-h", "-o", "%P %l"))
+    qos = set(query("sacctmgr", "-n", "-P", "show", "qos", "format=name").split()) if named_qos(profile) else None
+    return check(profile, sinfo(), where, time_limits=time_limits, qos=qos, threads=rule_threads())
 
 
 def main(argv=None) -> None:
@@ -144,7 +267,7 @@ def main(argv=None) -> None:
     if args.command == "derive":
         print(derive(args.base, args.overrides, args.output))
         return
-    problems = check(read_profile(args.profile), sinfo(), where=str(args.profile / PROFILE_FILE))
+    problems = cluster_check(read_profile(args.profile), where=str(args.profile / PROFILE_FILE))
     if problems:  # one `error:` line per request that cannot start
         raise UserError("\nerror: ".join(problems))
     print(f"{args.profile}: every request fits a node of its partition")

@@ -193,7 +193,8 @@ def featurize(
 
     rows: dict[str, list] = {k: [] for k in ("input_ids", "token_type_ids", "attention_mask", "start_positions",
                                              "end_positions", "example_index", "offsets", "token_is_max_context")}
-    for index, (example, question) in enumerate(tqdm(list(zip(examples, questions)), desc="featurize", unit="q")):
+    for index, (example, question) in enumerate(tqdm(list(zip(examples, questions)), desc="featurize", unit="q",
+                                                     disable=None)):
         query_ids = question.ids[:max_query_length]
         context = encoded_contexts[example.context]
         doc_ids, doc_offsets = context.ids, context.offsets

@@ -117,7 +117,7 @@ def compute_logits(model, features: dict[str, np.ndarray], batch_size: int, devi
     model.eval()
     starts, ends = [], []
     with torch.no_grad():
-        for begin in tqdm(range(0, len(features["input_ids"]), batch_size), desc="predict", unit="batch"):
+        for begin in tqdm(range(0, len(features["input_ids"]), batch_size), desc="predict", unit="batch", disable=None):
             batch = {
                 k: torch.from_numpy(features[k][begin : begin + batch_size].astype(np.int64)).to(device)
                 for k in ("input_ids", "token_type_ids", "attention_mask")

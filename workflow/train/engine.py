@@ -7,7 +7,8 @@ API:
     train(env, model, optimizer, scheduler, task, settings, fingerprint) -> Outcome
         gradient accumulation (DDP no_sync on all but the last micro-batch), autocast, optional grad clipping,
         metrics.jsonl and TensorBoard scalars (tensorboard/) in the run directory, a log line with seq/s and the
-        ETA every log_every steps, checkpoints every `checkpoint_every` steps, resume, stop signals.
+        ETA every log_every steps, checkpoints every `checkpoint_every` steps, resume, stop signals; every
+        `eval_every` steps the held-out evaluation (`evaluate`), added to that step's metrics line.
     refuse_changes(old, new, run_dir)   UserError naming each changed key old -> new and how to start over
     set_threads(threads)  this rank's share of the job's CPU threads
 
@@ -27,6 +28,12 @@ zeroed in place so they stay views of its buckets (gradient_as_bucket_view). The
 own, also when fp16's scaler skips the step. Each rank's checkpointed RNG state holds the CUDA generator of its own
 device only (workflow/train/accelerator.py), so a resume may see fewer GPUs per node.
 
+Held-out evaluation: LoopSettings.evaluate(model) (every rank calls it; it returns the all-reduced metrics) runs
+every `eval_every` steps, before that step's checkpoint; its metrics and train_time_s (the training time so far, the
+checkpointed sum over resumed attempts, evaluation and checkpoint time excluded) join that step's metrics line, so
+the curve is truncated and recomputed on resume like every other metric. It draws no random numbers: training is the
+same with or without it.
+
 Checkpoints: `run_dir/checkpoints/step_*.pt` (never deleted on a settings change; only the newest
 `keep_checkpoints` of the run are kept). Rank 0 chooses the newest valid one and every rank loads that one.
 A stop signal (SIGTERM, SIGUSR1) on any rank: every rank finishes the step, the checkpoint is written, all ranks meet
@@ -42,7 +49,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -77,6 +84,8 @@ class LoopSettings:
     global_batch_key: str = "global_batch_size"  # its config name (SQuAD: batch_size)
     loader_workers: int = 0   # processes reading micro-batches ahead (0: read on the training thread)
     prefetch_steps: int = 2   # steps read ahead by the workers
+    eval_every: int = 0       # steps between held-out evaluations (0: none in the loop)
+    evaluate: Callable[[torch.nn.Module], dict] | None = None  # the held-out metrics of a model (all ranks call it)
 
 
 class Task(Protocol):
@@ -103,6 +112,7 @@ class Outcome:
     train_time_s: float
     stopped: int | None = None    # exit code (128 + signal) when a signal stopped the run
     micro_batches_per_step: float | None = None  # this rank's mean over the steps this run trained
+    evaluation: dict | None = None  # the held-out metrics at `step`, when the loop evaluated there
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world: int, config_key: str,
@@ -206,18 +216,46 @@ def sequence_micro_batches(task: Task, start: int, count: int, rank: int, world:
     return [task.read(first + i * size, size) for i in range(accumulation)]
 
 
+def stack_micro_batches(batches: list[dict]) -> dict:
+    """A step's micro-batches as one tensor per field ("stacked": their rows concatenated, "rows": each one's), a
+    field that cannot be concatenated as a list ("others"): a loader worker sends each tensor's storage as its own
+    file descriptor, so 128 micro-batches x 9 fields (BERT-large phase 1 on 8 ranks) would pass 1,152 per step.
+    (Dicts and lists: pin_memory turns tuples into lists.)"""
+    step = {"names": list(batches[0]), "stacked": {}, "rows": {}, "others": {}}
+    for name in step["names"]:
+        values = [batch[name] for batch in batches]
+        first = values[0]
+        if all(isinstance(v, torch.Tensor) and v.dim() and v.shape[1:] == first.shape[1:] and v.dtype == first.dtype
+               for v in values):
+            step["stacked"][name], step["rows"][name] = torch.cat(values), [len(v) for v in values]
+        else:
+            step["others"][name] = values
+    return step
+
+
+def unstack_micro_batches(step: dict) -> list[dict]:
+    """The micro-batches of stack_micro_batches again, their tensors views of the stacked ones (no copy)."""
+    fields = {**{name: values.split(step["rows"][name]) for name, values in step["stacked"].items()},
+              **step["others"]}
+    count = len(next(iter(fields.values()))) if fields else 0
+    return [{name: fields[name][k] for name in step["names"]} for k in range(count)]
+
+
 class _Steps(torch.utils.data.Dataset):
-    """Item `start` = this rank's micro-batches of the step of sequences [start, start + count): what a DataLoader
-    worker computes."""
+    """Item `start` = this rank's micro-batches of the step of sequences [start, start + count), stacked
+    (stack_micro_batches): what a DataLoader worker computes."""
 
     def __init__(self, task: Task, count: int, rank: int, world: int, size: int):
         self.task, self.count, self.rank, self.world, self.size = task, count, rank, world, size
 
-    def __getitem__(self, start: int) -> list[dict]:
+    def micro_batches(self, start: int) -> list[dict]:
         split = getattr(self.task, "micro_batches", None)
         if split is None:
             return sequence_micro_batches(self.task, start, self.count, self.rank, self.world, self.size)
         return split(start, self.count, self.rank, self.world, self.size)
+
+    def __getitem__(self, start: int) -> dict:
+        return stack_micro_batches(self.micro_batches(start))
 
 
 def _ignore_stop_signals(_worker: int) -> None:
@@ -229,7 +267,8 @@ def _ignore_stop_signals(_worker: int) -> None:
 def step_batches(task: Task, starts, s: LoopSettings, env):
     """Iterator of this rank's micro-batches (a list per step) of the steps at `starts` (sequence positions), read by
     `s.loader_workers` processes `s.prefetch_steps` steps ahead, in pinned memory on CUDA (so copies to the GPU overlap
-    compute). Reads are pure functions of the position, so reading ahead changes nothing: resume stays exact."""
+    compute); a step crosses from its worker as one tensor per field (stack_micro_batches). Reads are pure functions
+    of the position, so reading ahead changes nothing: resume stays exact."""
     workers = s.loader_workers
     loader = torch.utils.data.DataLoader(
         _Steps(task, s.global_batch_size, env.rank, env.world_size, s.micro_batch_size), batch_size=None,
@@ -237,7 +276,7 @@ def step_batches(task: Task, starts, s: LoopSettings, env):
         prefetch_factor=max(1, -(-s.prefetch_steps // workers)) if workers else None,
         pin_memory=env.device.type == "cuda", worker_init_fn=_ignore_stop_signals if workers else None,
         generator=torch.Generator())  # its own seed draw: the global RNG (dropout) must not move
-    return iter(loader)
+    return map(unstack_micro_batches, loader)
 
 
 def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerprint: dict) -> Outcome:
@@ -301,9 +340,10 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
     window, window_steps, window_start = {}, 0, time.perf_counter()
     loader = step_batches(task, [consumed + k * s.global_batch_size for k in range(max_steps - step)], s, env)
     model.train()
-    first_step, micro_batches = step, 0
-    with ckpt.StopSignals() as stop, GpuTelemetry(run_dir / "gpu_telemetry.csv",
-                                                  enabled=env.is_main and s.telemetry), \
+    first_step, micro_batches, evaluation = step, 0, None
+    with ckpt.StopSignals() as stop, GpuTelemetry(run_dir / "gpu_telemetry.csv",  # every node's
+                                                  enabled=env.local_rank == 0 and s.telemetry,
+                                                  merge=env.is_main), \
             _scalars(run_dir / "tensorboard", step, env.is_main) as scalars:
         # A bar on a terminal; in a log file (logs/), the periodic metrics lines alone (no carriage returns).
         progress = tqdm(total=max_steps, initial=step, desc=s.config_key, file=sys.stderr,
@@ -329,9 +369,18 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
             consumed += s.global_batch_size
             window_steps += 1
             window["grad_norm"] = window.get("grad_norm", 0) + grad_norm
-            if step % s.log_every == 0 or step == max_steps:
+            evaluation, line = None, {}
+            if s.evaluate is not None and s.eval_every and step % s.eval_every == 0:
+                evaluated = time.perf_counter()
+                evaluation = s.evaluate(model)
+                line = {**evaluation, "train_time_s": train_time + evaluated - started}
+                spent = time.perf_counter() - evaluated
+                started, window_start = started + spent, window_start + spent  # training time and throughput only
+                if env.is_main:
+                    log.info("step %d held-out %s", step, ", ".join(f"{k} {v:.4g}" for k, v in evaluation.items()))
+            if step % s.log_every == 0 or step == max_steps or line:
                 _log_metrics(task, window, window_steps, time.perf_counter() - window_start, step, max_steps,
-                             scheduler, s, env, metrics_path, scalars)
+                             scheduler, s, env, metrics_path, scalars, line)
                 window, window_steps, window_start = {}, 0, time.perf_counter()
             train_time += time.perf_counter() - started
             progress.update(1)
@@ -347,7 +396,7 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
                 return Outcome(step, train_time, 128 + stop_now)
         progress.close()
     return Outcome(step, train_time, micro_batches_per_step=micro_batches / (step - first_step) if step > first_step
-                   else None)
+                   else None, evaluation=evaluation)
 
 
 def _sum_counts(task: Task, batches: list, env) -> dict:
@@ -402,14 +451,15 @@ def _eta(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
 
 
-def _log_metrics(task, window, steps, elapsed, step, max_steps, scheduler, s, env, path: Path, scalars) -> None:
+def _log_metrics(task, window, steps, elapsed, step, max_steps, scheduler, s, env, path: Path, scalars,
+                 evaluation: dict) -> None:
     keys = sorted(window)
     values = distributed.all_reduce_(torch.stack([torch.as_tensor(window[k]).float() for k in keys]))
     sums = dict(zip(keys, values.tolist()))
     sequences = steps * s.global_batch_size
     record = {"step": step, **task.metrics(sums, steps, sequences, elapsed, step), "lr": scheduler.get_last_lr()[0],
               "grad_norm": sums["grad_norm"] / (steps * env.world_size),
-              "seq_per_s": sequences / max(elapsed, 1e-9)}
+              "seq_per_s": sequences / max(elapsed, 1e-9), **evaluation}
     if env.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as handle:

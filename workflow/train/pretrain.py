@@ -2,7 +2,8 @@
 
 API:
     TrainSettings.from_config(config, phase, **paths)   the phase's settings from the workflow config (validated)
-    pretrain(settings)     train (resuming from `run_dir/checkpoints`), evaluate on the test shards, export;
+    pretrain(settings)     train (resuming from `run_dir/checkpoints`), evaluate on the fixed held-out set
+                           (workflow/train/evaluation.py) every `eval_every` steps and at the end, export;
                            returns the summary dict
     build_model(...)       (config, BertForPreTraining) from preset / bert_config.json / HF directory / DLE
                            checkpoint (workflow/train/dle_checkpoint.py)
@@ -28,12 +29,17 @@ real_tokens_per_s counts the tokens that are not padding (what packing raises). 
 pre-normalisation (max_grad_norm), as in NVIDIA's recipe. Phase 2 starts from phase 1's weights and, unless
 `pretrain.carry_optimizer_state` is false, phase 1's LAMB moments with step and learning rate reset.
 
+Held-out evaluation: `eval_max_sequences` sequences of the test shards chosen by `eval_seed` (the same set for any
+world size and any run on the same data); every `eval_every` steps the metrics line of that step adds test_mlm_accuracy
+etc. and train_time_s (training time so far, summed over resumed attempts, evaluations and checkpoints excluded): the
+accuracy curve. The final evaluation (summary.json) is the same set's.
 Run directory (`--run-dir`, not a rule output): checkpoints/step_*.pt, metrics.jsonl, gpu_telemetry.csv. See
 workflow/train/engine.py for resume (elastic), refusals, stop signals and SNAKEBERT_FAIL_AT_STEP.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import shutil
@@ -52,13 +58,13 @@ from workflow.cli import UserError, config_sections, run
 from workflow.config import load_config
 from workflow.data.vocab import Normalization
 from workflow.train.engine import LoopSettings, set_threads, train
+from workflow.train.evaluation import EvaluationSet
 from workflow.train.lamb import make_optimizer, make_scheduler
 from workflow.train.model import (VARLEN_DEVICE_TYPES, BertConfig, BertForPreTraining, count_parameters,
                                   flops_per_sequence, host_indices, load_pretrained, load_weights, pretraining_loss,
                                   save_pretrained, unpadded_of)
 from workflow.train.precision import autocast, resolve_precision
-from workflow.train.pretraining_data import (ORDER, PretrainingSequences, data_identity, datasets, iterate_in_order,
-                                            list_shards)
+from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, datasets, list_shards
 
 # A stop signal after the last checkpoint: the job is minutes from done, and a rerun would redo this part anyway.
 FINISH_AFTER_TRAINING = "the last checkpoint is written; finishing the evaluation and export first"
@@ -99,7 +105,9 @@ class TrainSettings:
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     log_every: int = 10
-    eval_max_sequences: int | None = None
+    eval_max_sequences: int | None = None   # size of the fixed held-out set (None: every test sequence)
+    eval_seed: int = 0                  # chooses the held-out set (config pretrain.eval_seed)
+    eval_every: int = 0                 # steps between held-out evaluations during training (0: at the end only)
     out_telemetry: str | None = None
     device: str = "auto"
     threads: int | None = None
@@ -120,6 +128,7 @@ class TrainSettings:
             values.update({key: section[key] for key in ("precision", "checkpoint_every", "keep_checkpoints",
                                                          "log_every", "eval_max_sequences", "compile",
                                                          "loader_workers")})
+            values.update({key: section.get(key, getattr(cls, key)) for key in ("eval_seed", "eval_every")})
             values.update(preset=config["model"]["preset"], bert_config=config["model"]["bert_config"],
                           seed=config["seed"])
         except (KeyError, TypeError, AttributeError) as error:
@@ -258,13 +267,12 @@ def pretraining_forward(model, batch: dict) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, shards, env, precision, batch_size, limit) -> dict:
-    """Held-out MLM/NSP accuracy and loss; test shards split over ranks, counts summed."""
+def evaluate(model, evaluation_set: EvaluationSet, env, precision, batch_size) -> dict:
+    """Held-out MLM/NSP accuracy and loss on the fixed evaluation set: each rank scores its share, the sums are
+    all-reduced (the counts exactly: an accuracy does not depend on the world size). Every rank calls it."""
     model.eval()
-    mine = shards[env.rank::env.world_size]
-    per_rank = None if limit is None else -(-limit // env.world_size)
     sums = torch.zeros(6, dtype=torch.float64, device=env.device)
-    for batch in iterate_in_order(mine, batch_size, per_rank):
+    for batch in evaluation_set.batches(env.rank, env.world_size, batch_size):
         batch = {k: v.to(env.device) if isinstance(v, torch.Tensor) else v for k, v in host_indices(batch).items()}
         with autocast(env.device, precision):
             out = pretraining_forward(model, batch)
@@ -381,11 +389,15 @@ def train_phase(s: TrainSettings, env) -> dict:
     log.info("%s: %s, %d parameters, %s, %s, seq %d", s.phase, env.device, count_parameters(model), precision,
              optimizer_name, seq_length)
     sequences = PretrainingSequences(train_shards, s.seed)
+    evaluation_set = EvaluationSet(test_shards, s.eval_max_sequences, s.eval_seed)
+    log.info("held-out evaluation set: %s", evaluation_set.identity)
+    held_out = functools.partial(evaluate, evaluation_set=evaluation_set, env=env, precision=precision,
+                                 batch_size=s.micro_batch_size * 2)
     loop = LoopSettings(config_key=f"pretrain.{s.phase}", run_dir=s.run_dir, total_steps=s.total_steps,
                         global_batch_size=s.global_batch_size, micro_batch_size=s.micro_batch_size,
                         max_steps=s.max_steps, precision=precision, checkpoint_every=s.checkpoint_every,
                         keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed, compile=s.compile,
-                        loader_workers=s.loader_workers)
+                        loader_workers=s.loader_workers, eval_every=s.eval_every, evaluate=held_out)
     try:
         task = PretrainingTask(sequences, seq_length, train_shards[0].objective == "nsp")
         outcome = train(env, model, optimizer, scheduler, task, loop,
@@ -398,16 +410,17 @@ def train_phase(s: TrainSettings, env) -> dict:
 
     with ckpt.StopSignals(then=FINISH_AFTER_TRAINING):
         ckpt.signal_at("evaluation")
-        return _evaluate_and_export(s, env, model, config, optimizer, optimizer_name, outcome, train_shards,
-                                    test_shards, precision)
+        # The loop's own evaluation when it evaluated at its last step (the same set, the same weights).
+        evaluation = outcome.evaluation if outcome.evaluation is not None else held_out(model)
+        return _export(s, env, model, config, optimizer, optimizer_name, outcome, train_shards, evaluation,
+                       evaluation_set.identity, precision)
 
 
-def _evaluate_and_export(s: TrainSettings, env, model, config, optimizer, optimizer_name, outcome, train_shards,
-                         test_shards, precision) -> dict:
+def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, outcome, train_shards, evaluation: dict,
+            evaluation_set: str, precision) -> dict:
     step, train_time = outcome.step, outcome.train_time_s
     seq_length = train_shards[0].seq_length
     real_tokens = _real_tokens(Path(s.run_dir) / "metrics.jsonl") if env.is_main else 0
-    evaluation = evaluate(model, test_shards, env, precision, s.micro_batch_size * 2, s.eval_max_sequences)
     summary = {
         "phase": s.phase, "steps": step, "total_steps": s.total_steps, "train_time_s": round(train_time, 3),
         "sequences": step * s.global_batch_size, "seq_length": seq_length,
@@ -418,8 +431,9 @@ def _evaluate_and_export(s: TrainSettings, env, model, config, optimizer, optimi
         "optimizer": optimizer_name, "parameters": count_parameters(model), "global_batch_size": s.global_batch_size,
         "micro_batch_size": s.micro_batch_size, "accumulation_steps": outcome.micro_batches_per_step,
         "train_flops_per_sequence": flops_per_sequence(config, seq_length, train_shards[0].max_predictions),
-        "model": config.to_dict(), **evaluation, "masking": "dynamic" if train_shards[0].dynamic else "static",
-        "objective": train_shards[0].objective, "next_sentence_prediction": train_shards[0].objective == "nsp",
+        "model": config.to_dict(), **evaluation, "test_set": evaluation_set,
+        "masking": "dynamic" if train_shards[0].dynamic else "static", "objective": train_shards[0].objective,
+        "next_sentence_prediction": train_shards[0].objective == "nsp",
     }
     if env.is_main:
         run_dir = Path(s.run_dir)

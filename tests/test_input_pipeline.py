@@ -1,0 +1,86 @@
+"""The training input pipeline at the recipe's size: one rank's steps through the real DataLoader with workers.
+
+Proves: at BERT-large phase 1's batch sizes (global batch 65,536 sequences, micro-batches of 64 rows, 8 ranks: 128
+micro-batches per rank and step unpacked) a step crosses from a loader worker to the trainer under the common
+`ulimit -n 1024` (each tensor's storage travels as its own file descriptor: the micro-batches of a step are
+stacked into one tensor per field), and the trainer gets exactly the micro-batches of a read in its own process.
+"""
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from tests.fixtures.pretraining_shards import write_synthetic_shards
+from workflow.train import engine
+from workflow.train.pretraining_data import PretrainingSequences, list_shards
+
+GLOBAL_BATCH, MICRO_BATCH, WORLD = 65_536, 64, 8  # BERT-large phase 1 (config.yaml) on 8 ranks
+DESCRIPTORS = 1024
+STEPS = 4  # more than the workers hold ahead (2 workers x prefetch)
+IDLE_S = 10  # the subprocess: torch import and 4 steps of a rank (~8,192 sequences each)
+
+
+def loader_settings() -> engine.LoopSettings:
+    return engine.LoopSettings("pretrain.phase1", "unused", total_steps=STEPS, global_batch_size=GLOBAL_BATCH,
+                               micro_batch_size=MICRO_BATCH, loader_workers=2, prefetch_steps=2)
+
+
+def rank(index: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(rank=index, world_size=WORLD, device=torch.device("cpu"))
+
+
+def read_through_loader(directory: str, rank_index: int, output: str) -> None:
+    """The subprocess: rank `rank_index`'s first STEPS steps through engine.step_batches, saved to `output`."""
+    sequences = PretrainingSequences(list_shards(directory, "training"), seed=1)
+    steps = engine.step_batches(sequences, [k * GLOBAL_BATCH for k in range(STEPS)], loader_settings(),
+                                rank(rank_index))
+    torch.save([[{name: value.clone() for name, value in batch.items()} for batch in step] for step in steps], output)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_a_ranks_full_size_steps_cross_from_loader_workers_under_ulimit_1024_unchanged(tmp_path, packed):
+    # Short sequences keep it fast; the number of micro-batches per step and of fields is the recipe's.
+    directory = write_synthetic_shards(tmp_path / "data", seq_length=16, max_predictions=3, n_training_shards=2,
+                                       sequences_per_shard=1024, max_sequences_per_pack=3 if packed else None,
+                                       short_seq_prob=0.5 if packed else 0.0)
+    output = tmp_path / "steps.pt"
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    child = subprocess.run(
+        [sys.executable, "-c", "import sys; from tests.test_input_pipeline import read_through_loader as r; "
+                               "r(sys.argv[1], 3, sys.argv[2])", str(directory), str(output)],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (DESCRIPTORS, hard)),
+        capture_output=True, text=True, timeout=5 * IDLE_S)
+    assert child.returncode == 0, child.stderr[-3000:]
+    received = torch.load(output)
+
+    reference = PretrainingSequences(list_shards(directory, "training"), seed=1)
+    expected = [reference.micro_batches(k * GLOBAL_BATCH, GLOBAL_BATCH, 3, WORLD, MICRO_BATCH) for k in range(STEPS)]
+    fields = 9 if packed else 6
+    assert [len(step) for step in received] == [len(step) for step in expected]
+    assert all(len(step) * fields > DESCRIPTORS // 2 for step in expected)  # the old layout's share of the limit
+    if not packed:
+        assert {len(step) for step in expected} == {GLOBAL_BATCH // (MICRO_BATCH * WORLD)}  # 128
+    for got_step, want_step in zip(received, expected):
+        for got, want in zip(got_step, want_step):
+            assert got.keys() == want.keys() and len(got) == fields
+            for name in want:
+                assert torch.equal(got[name], want[name]), name
+
+
+def test_a_steps_micro_batches_stack_into_one_tensor_per_field_and_split_back_into_views():
+    batches = [{"input_ids": torch.arange(6).view(2, 3) + 10 * k, "ids": [k], "count": torch.tensor(k)}
+               for k in range(3)]
+    step = engine.stack_micro_batches(batches)
+    assert list(step["stacked"]) == ["input_ids"] and step["rows"] == {"input_ids": [2, 2, 2]}
+    assert set(step["others"]) == {"ids", "count"}  # not concatenable: passed as they are
+    back = engine.unstack_micro_batches(step)
+    assert len(back) == 3 and all(list(b) == ["input_ids", "ids", "count"] for b in back)
+    for got, want in zip(back, batches):
+        assert torch.equal(got["input_ids"], want["input_ids"]) and got["ids"] == want["ids"]
+        assert got["input_ids"].untyped_storage().data_ptr() == step["stacked"]["input_ids"].untyped_storage(
+        ).data_ptr()  # a view: no copy in the trainer
