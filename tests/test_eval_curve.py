@@ -180,3 +180,24 @@ def test_the_report_plots_the_curve_and_the_summary_gives_the_time_to_target(cur
         summary.read_summary(output)).splitlines()
     missed = {(s, m): v for s, m, v in summary.summarize(dict(curve_run), None, target=0.9)}
     assert missed[("pretrain", "time_to_target_s")] == "not reached"
+
+
+def test_a_phase_trained_before_times_were_recorded_gives_its_step_and_no_time(tmp_path):
+    old = tmp_path / "phase1"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 10, "loss": 1.0}) + "\n")
+    (old / "summary.json").write_text(json.dumps({"steps": 10, "test_mlm_accuracy": 0.75, "global_batch_size": 32}))
+    phase2 = _phase(tmp_path / "phase2", {20: (0.76, 30.0)}, 40.0, 20, final=0.76)
+    curve = accuracy_curve([(p, summary.read_jsonl(d / "metrics.jsonl"), summary.read_json(d / "summary.json"))
+                            for p, d in [("phase1", old), ("phase2", phase2)]])
+    assert [(p["phase"], p["step"], p["run_time_s"]) for p in curve] == [("phase1", 10, None), ("phase2", 20, None)]
+    rows = {(s, m): v for s, m, v in summary.summarize({"phase1": old, "phase2": phase2}, None, target=0.72)}
+    assert (rows[("pretrain", "time_to_target_s")], rows[("pretrain", "time_to_target_step")]) == ("not recorded",
+                                                                                                    "phase1:10")
+    output = tmp_path / "summary.csv"
+    output.write_text(summary.to_csv(list((s, m, v) for (s, m), v in rows.items())))
+    assert "Time to held-out MLM accuracy 0.72: at a time not recorded (phase1:10)" in summary.render(
+        summary.read_summary(output)).splitlines()
+    assert report.heldout_figure([("phase1", old), ("phase2", phase2)], 0.72)._suptitle.get_text() == (
+        "held-out MLM accuracy 0.720 reached after an unrecorded time of training (phase1 step 10: 0.7500)")
+    plt.close("all")

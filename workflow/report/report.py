@@ -131,7 +131,9 @@ def heldout_figure(pairs, target: float):
         points = [point for point in curve if point["phase"] == phase]
         accuracy = [point["test_mlm_accuracy"] for point in points]
         by_step.plot([point["step"] for point in points], accuracy, "o-", label=phase)
-        by_time.plot([point["run_time_s"] for point in points], accuracy, "o-", label=phase)
+        timed = [point for point in points if point["run_time_s"] is not None]  # untimed: trained before times were kept
+        by_time.plot([point["run_time_s"] for point in timed], [point["test_mlm_accuracy"] for point in timed], "o-",
+                     label=phase)
     for axis in (by_step, by_time):
         axis.axhline(target, color="grey", linestyle="--", label=f"target {target:.3f}")
         axis.set_ylabel("held-out masked-LM accuracy")

@@ -100,7 +100,8 @@ def summarize(pretrain: dict[str, str | Path], squad_eval: str | Path | None,
     if target is not None and phases:
         reached = time_to_target(accuracy_curve(phases), target)
         rows += [("pretrain", "target_mlm_accuracy", target),
-                 ("pretrain", "time_to_target_s", reached["run_time_s"] if reached else "not reached"),
+                 ("pretrain", "time_to_target_s", ("not reached" if not reached else "not recorded"
+                                                    if reached["run_time_s"] is None else reached["run_time_s"])),
                  ("pretrain", "time_to_target_step", f"{reached['phase']}:{reached['step']}" if reached else "")]
     if squad_metrics:
         records = read_jsonl(squad_metrics)
@@ -157,10 +158,10 @@ def render(rows: list[dict], report: str | Path = "report.html") -> str:
     pretrain = {r["metric"]: r["value"] for r in rows if r["stage"] == "pretrain"}
     if "time_to_target_s" in pretrain:
         lines.append("")
-        reached = pretrain["time_to_target_s"]
-        lines.append(f"Time to held-out MLM accuracy {pretrain['target_mlm_accuracy']}: " + (
-            f"{float(reached):.1f} s of training ({pretrain['time_to_target_step']})" if reached != "not reached"
-            else "not reached"))
+        reached, step = pretrain["time_to_target_s"], pretrain["time_to_target_step"]
+        when = {"not reached": "not reached", "not recorded": f"at a time not recorded ({step})"}.get(reached) \
+            or f"{float(reached):.1f} s of training ({step})"
+        lines.append(f"Time to held-out MLM accuracy {pretrain['target_mlm_accuracy']}: {when}")
     glue = [r["metric"].rsplit(".", 1) + [r["value"]] for r in rows if r["stage"] == "glue"]
     scores = [f"{task} {metric} {float(value):.4f}" for task, metric, value in glue if metric != "examples"]
     if scores:
