@@ -2,7 +2,7 @@
 
 The files then hold unmasked rows (workflow.data.encode, masked_lm_* all zero) and what the masker needs: the
 settings as root attributes and the vocab's "##" continuation table (dataset `continues_word`, for whole-word
-masking); [CLS]/[SEP] are found by their ids. The rule is encode's own (workflow.data.encode.mask_rows: Google's
+masking); [CLS]/[SEP] are found by their ids. The rule is encode's own (workflow.data.masking_rule.mask_rows: Google's
 create_pretraining_data.py), so dynamic masks have the statistics of static ones (tests/test_masking.py).
 
 The random numbers are counter-based: each is a hash (SplitMix64's finaliser) of (seed, epoch, shard, instance,
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from workflow.data.encode import EncodeSettings, Vocab, mask_rows
+from workflow.data.masking_rule import EncodeSettings, Vocab, mask_rows
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 STREAMS = {"keys": 0, "fractions": 1, "tokens": 2}
