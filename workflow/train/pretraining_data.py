@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -401,20 +400,3 @@ class PretrainingSequences:
                 handle.close()
         self._files, self._chunks = {}, {}
 
-
-def iterate_in_order(shards: list[ShardInfo], batch_size: int, limit: int | None = None):
-    """Every row of `shards` once, in file order, in batches of `batch_size` rows (held-out evaluation), until the
-    rows hold `limit` sequences (packed rows are taken whole: up to S - 1 more). Reads one batch's rows at a time."""
-    remaining = math.inf if limit is None else limit
-    for index, shard in enumerate(shards):
-        if remaining <= 0:
-            return
-        masker = LoadTimeMasker.of_shard(shard.path) if shard.dynamic else None  # fixed masks: the encode seed
-        per_row = shard.sequences_per_row.astype(np.int64) if shard.packed else np.ones(shard.rows, np.int64)
-        n = int(np.searchsorted(np.cumsum(per_row), remaining) + 1) if remaining < shard.n else shard.rows
-        with h5py.File(shard.path, "r") as handle:
-            arrays = datasets(handle, shard)
-            for start in range(0, n, batch_size):
-                rows = read_rows(arrays, start, min(start + batch_size, n))
-                yield make_batch(masker(rows, 0, index, np.arange(start, start + len(rows["input_ids"]))) if masker else rows, slice(None))
-        remaining -= int(per_row[:n].sum())
