@@ -17,6 +17,7 @@ wikiextractor's own rate on these pages is measured by the benchmarks (1-2 MB of
 is reported for the real dump with template expansion).
 """
 import bz2
+import itertools
 import random
 from html import escape
 from pathlib import Path
@@ -191,22 +192,31 @@ def template_set(n_templates: int, seed: int = 0):
 
 
 TEMPLATE_SHARE = 0.017  # of the dump's XML: ~1.7 GB of template pages in ~100 GB
+PART_IDS = 5_000_000  # article page ids of part k start at 4 * k * PART_IDS (templates: 10,000,000 + index)
 
 
-def dump(megabytes: float, output: Path, n_templates: int | None = None, seed: int = 0) -> dict:
+def default_templates(megabytes: float) -> int:
+    """Template pages of a dump of `megabytes` MB of XML: TEMPLATE_SHARE of it, ~1.8 KB each."""
+    return max(len(NAMED) + 10, round(megabytes * 1e6 * TEMPLATE_SHARE / 1800))
+
+
+def dump(megabytes: float, output: Path, n_templates: int | None = None, seed: int = 0, part: int = 0,
+         parts: int = 1) -> dict:
     """A bz2 (or plain, by suffix) dump of about `megabytes` MB of XML: its template pages first (by default
     TEMPLATE_SHARE of it), then articles, each followed by its share of redirects and other-namespace pages.
+    Part `part` of a dump in `parts` parts (as Wikimedia splits one): every parts-th page of the dump's template
+    set (`n_templates`, by default TEMPLATE_SHARE of all parts), its own articles and page ids.
     Returns its sizes and counts."""
-    rng = random.Random(seed)
-    n_templates = n_templates or max(len(NAMED) + 10, round(megabytes * 1e6 * TEMPLATE_SHARE / 1800))
+    rng = random.Random(seed + 1_000_003 * part)
+    n_templates = n_templates or default_templates(megabytes * parts)
     opener = bz2.open if output.suffix == ".bz2" else open
-    counts = {"articles": 0, "redirects": 0, "templates": n_templates, "other": 0}
+    counts = {"articles": 0, "redirects": 0, "templates": len(range(part, n_templates, parts)), "other": 0}
     written = 0
     with opener(output, "wt", encoding="utf-8") as out:
-        for chunk in [HEAD, *template_set(n_templates, seed)]:
+        for chunk in [HEAD, *itertools.islice(template_set(n_templates, seed), part, None, parts)]:
             out.write(chunk)
             written += len(chunk.encode())
-        page_id = 0
+        page_id = first_id = PART_IDS * part
         while written < megabytes * 1e6:
             page_id += 1
             title = f"{rng.choice(CAPITALS)} {words(rng, 2).title()} {page_id}"
@@ -223,7 +233,8 @@ def dump(megabytes: float, output: Path, n_templates: int | None = None, seed: i
                 out.write(page)
                 written += len(page.encode())
         out.write(TAIL)
-    return {"xml_bytes": written + len(TAIL), "bytes": output.stat().st_size, **counts}
+    return {"xml_bytes": written + len(TAIL), "bytes": output.stat().st_size, "first_id": first_id * 4 + 4,
+            "last_id": page_id * 4 + 3, **counts}
 
 
 def paragraph_only(rng: random.Random) -> str:

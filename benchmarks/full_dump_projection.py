@@ -15,8 +15,8 @@ wikiextractor with template expansion, --templates compiled; on CPython, and on 
 (envs/extract.yaml), where one is here: benchmarks/wikipedia_sample.pypy_python; at 1 and 2 workers, PyPy's
 JIT warming up in each; the JSON of both compared; punkt's own extraction of its first pages runs on CPython), punkt, format (with that model), shard (pass 1 timed
 apart), vocab (trained at two sizes: fixed cost + per MB, its CPU split into the main thread's and the rest; and on
-1 against 2 threads on the same input, whose files must be equal), tokenize and encode (seq 128 and 512) and
-hdf5_dir's checksumming. Text from format on is given --novel of its words new (wikipedia_sample.with_novel_words),
+1 against 2 threads on the same input, whose files must be equal), tokenize and encode (seq 128 and 512; NVIDIA's
+recipe and the dynamic-masking, full-sentences one: RECIPES) and hdf5_dir's checksumming. Text from format on is given --novel of its words new (wikipedia_sample.with_novel_words),
 as a real shard keeps meeting new words. Rates are per CPU second (the process and its children, from wait4), so a
 shared machine slows the wall clock more than the figures.
 
@@ -40,7 +40,9 @@ vocab is copied on the submit host (localrules). Dependencies: compile waits for
 format, vocab for shard, tokenize for vocab, each shard's encode for its tokenize, hdf5_dir for its length's
 encodes. The wall time is that schedule's end. Serial parts are modelled where the code has them: wikiextractor's
 one mapper process reads (and bz2-decompresses) its part, whatever --processes; the vocab trainer's main thread;
-Punkt's training.
+Punkt's training. The other encode recipe is projected as a second row (wall time, HDF5, peak disk).
+
+The model is held against a measured run of the real DAG by benchmarks/projection_check.py.
 """
 import argparse
 import bz2
@@ -79,6 +81,11 @@ FULL = {  # the full English Wikipedia dump the projection is for (enwiki-202410
 }
 TARGET_HOURS = {"given": 0.25, "trained": 0.3}  # one node; LDDL: 0.27 h from extracted text on one DGX A100
 PREDICTIONS = {128: 20, 512: 80}
+# The encode recipes projected (their key suffix: encode options, what the files hold): NVIDIA's (the default
+# config) and the field's current one, whose files hold the corpus once, unmasked.
+RECIPES = {"": ([], "static masks, next-sentence pairs, dupe_factor 5"),
+           "_dynamic": (["--masking", "dynamic", "--objective", "full_sentences"],
+                        "encode.masking: dynamic, encode.objective: full_sentences: unmasked, written once")}
 TEMPLATE_FILES = 8  # the generated template set is compiled from this many files (parts)
 # A Slurm job's start inside its allocation before its first member runs: the jobstep's Snakemake parsing the
 # workflow, Slurm's prolog. MEASURED by benchmarks/slurm_polling.py on the test cluster (Elapsed - sleep: 3.0 s
@@ -196,9 +203,9 @@ def cpu(task):  # user + system seconds of one thread of this process
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 main = cpu(os.getpid())
-children = resource.getrusage(resource.RUSAGE_CHILDREN)
-print(json.dumps({"serial": main, "parallel": sum(map(cpu, os.listdir("/proc/self/task"))) - main
-                  + children.ru_utime + children.ru_stime}))
+total = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+            for field in ("ru_utime", "ru_stime"))  # the process's ended threads and processes included
+print(json.dumps({"serial": main, "parallel": total - main}))
 """
 # The CPU of the main thread (serial) and of the others (parallel) of: vocab training; the template scan; the
 # template compile (its worker processes: parallel).
@@ -219,6 +226,13 @@ import json, os, resource, sys
 from workflow.data.template_pages import collect_template_pages
 collect_template_pages(sys.argv[1], sys.argv[2], int(sys.argv[3]))
 """ + THREAD_SPLIT
+
+
+def least_cpu(command: list, env: dict | None = None, repeats: int = 5):
+    """The run of `command` of least CPU of `repeats`. A stage of a second or two, measured once, is off by this
+    shared machine's noise, which only ever slows a run: back to back, one encode took 1.33 to 1.68 CPU s, and
+    the real DAG's encode jobs ran at the low end (benchmarks/projection_check.py)."""
+    return min((run_stage(command, env) for _ in range(repeats)), key=lambda run: run.cpu)
 
 
 def vocab_run(shard_dir: Path, n_shards: int, size: int, threads: int, output: Path):
@@ -257,14 +271,14 @@ def measure(args, work: Path) -> dict:
     m["bz2"] = bz2_rates(dump)
     # What a process costs before it does any work (interpreter, imports; wikiextractor's processes for extract):
     # subtracted from the rates, then paid once per job in the projection.
-    m["startup"] = {module: run_stage([PYTHON, "-c", f"import workflow.data.{module}"]).cpu for module in
+    m["startup"] = {module: least_cpu([PYTHON, "-c", f"import workflow.data.{module}"]).cpu for module in
                     ("format", "punkt", "shard", "vocab", "tokenize", "encode", "hdf5_dir")}
     m["startup"]["templates"] = run_stage([PYTHON, "-m", "workflow.data.template_pages", "--input",
                                            SAMPLE_XML, "--output", work / "sample.templates.xml"]).cpu
     templates, compiled, extracted = work / "part.templates.xml", work / "templates.bin", work / "part.jsonl"
     m["templates"] = run_stage([PYTHON, "-m", "workflow.data.template_pages", "--input", dump,
                                 "--output", templates])
-    m["templates_split"] = json.loads(run_stage([PYTHON, "-c", TEMPLATES_SPLIT, dump, templates, 2]).stdout)
+    m["templates_split"] = json.loads(least_cpu([PYTHON, "-c", TEMPLATES_SPLIT, dump, templates, 2]).stdout)
     run_stage([PYTHON, "-m", "workflow.data.templates", "--input", templates, "--output", compiled])
     # compile_templates (once) and the compiled file's load (every extract job) on a template set of
     # --template-sample generated pages: both scale with the count, projected to FULL["templates"]
@@ -284,7 +298,7 @@ def measure(args, work: Path) -> dict:
     # the extract job's runs on CPython (punkt's own extraction; extract_wikipedia where no PyPy is here) and on
     # PyPy (extract_wikipedia's env): the same work, the JSON compared
     m["extract_runs"] = {"CPython": extract_runs(PYTHON, dump, compiled, sample_compiled, extracted, work)}
-    pypy = pypy_python()
+    pypy = pypy_python() if args.pypy else None
     if pypy is not None:
         m["extract_runs"]["PyPy"] = extract_runs(pypy, dump, compiled, sample_compiled, work / "part.pypy.jsonl", work)
         m["pypy_equal"] = (work / "part.pypy.jsonl").read_bytes() == extracted.read_bytes()
@@ -339,20 +353,21 @@ def measure(args, work: Path) -> dict:
     vocab = work / f"vocab_{len(args.vocab_mb) - 1}.txt"
     m["vocab_equal"] = (work / "vocab_1thread.txt").read_bytes() == (work / "vocab_2threads.txt").read_bytes() == vocab.read_bytes()
     tokenized = work / "novel.npz"
-    m["tokenize"] = run_stage([PYTHON, "-m", "workflow.data.tokenize", "--text", novel, "--vocab", vocab,
+    m["tokenize"] = least_cpu([PYTHON, "-m", "workflow.data.tokenize", "--text", novel, "--vocab", vocab,
                                "--output", tokenized, "--threads", 1], env={"RAYON_NUM_THREADS": "1"})
     with np.load(tokenized) as data:
         m["tokens"] = int(len(data["ids"]))
     m["tokenized_bytes"] = tokenized.stat().st_size
     for length in (128, 512):
-        output = work / f"seq{length}.hdf5"
-        m[f"encode{length}"] = run_stage([PYTHON, "-m", "workflow.data.encode", "--tokenized", tokenized, "--vocab",
-                                          vocab, "--output", output, "--max-seq-length", length,
-                                          "--max-predictions-per-seq", PREDICTIONS[length], "--split", "training",
-                                          "--shard-index", 0])
-        with h5py.File(output, "r") as handle:
-            m[f"instances{length}"] = int(handle["input_ids"].shape[0])
-        m[f"hdf5_bytes{length}"] = output.stat().st_size
+        for recipe, options in RECIPES.items():
+            output = work / f"seq{length}{recipe}.hdf5"
+            m[f"encode{length}{recipe}"] = least_cpu([PYTHON, "-m", "workflow.data.encode", "--tokenized", tokenized,
+                                                      "--vocab", vocab, "--output", output, "--max-seq-length", length,
+                                                      "--max-predictions-per-seq", PREDICTIONS[length], "--split",
+                                                      "training", "--shard-index", 0, *options[0]])
+            with h5py.File(output, "r") as handle:
+                m[f"instances{length}{recipe}"] = int(handle["input_ids"].shape[0])
+            m[f"hdf5_bytes{length}{recipe}"] = output.stat().st_size
     start = time.process_time()
     hashed = 0
     for length in (128, 512):
@@ -413,18 +428,21 @@ def vocab_scaling(m: dict) -> tuple[float, float]:
     return serial / one_cpu, overhead
 
 
-def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list[dict], list[dict], dict]:
-    """The full dump's stages (work, rate, jobs, bytes written) and its jobs (seconds at their threads, with their
-    writes and the Slurm gap after their inputs; dependencies)."""
+def model(m: dict, threads: dict, args, given_vocab: bool = False, target: dict = FULL,
+          recipe: str = "") -> tuple[list[dict], list[dict], dict]:
+    """The stages (work, rate, jobs, bytes written) and jobs (seconds at their threads, with their writes and the
+    Slurm gap after their inputs; dependencies) of `target`: by default the full dump; a dict like FULL may also
+    give its parts' MB of XML (part_mb), the vocab's training shards and the extract job's interpreter. `recipe`:
+    the encode recipe (a key of RECIPES)."""
     xml_mb = m["dump"]["xml_bytes"] / 1e6
-    parts = FULL["dump_parts"]
-    part_mb = [FULL["xml_gb"] * 1e3 * weight for weight in part_weights(parts)]
-    extracted_mb = FULL["xml_gb"] * 1e3 * m["extracted_bytes"] / 1e6 / xml_mb
+    parts = target["dump_parts"]
+    part_mb = target.get("part_mb") or [target["xml_gb"] * 1e3 * weight for weight in part_weights(parts)]
+    extracted_mb = target["xml_gb"] * 1e3 * m["extracted_bytes"] / 1e6 / xml_mb
     formatted_mb = extracted_mb * m["formatted_bytes"] / m["extracted_bytes"]
     novel_mb = formatted_mb * m["novel_bytes"] / m["formatted_bytes"]
     tokens = novel_mb * 1e6 * m["tokens"] / m["novel_bytes"]
-    train_share = 1 - FULL["test_fraction"]
-    n_train, n_test = FULL["n_training_shards"], FULL["n_test_shards"]
+    train_share = 1 - target["test_fraction"]
+    n_train, n_test = target["n_training_shards"], target["n_test_shards"]
     startup = m["startup"]
     # a real dump's bz2 may decompress slower per MB of XML than the generated one: the difference is added
     bz2_extra = max(0.0, 1 / m["bz2"]["real"] - 1 / m["bz2"]["replicated"])  # CPU seconds per MB of XML
@@ -440,19 +458,20 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
         "shard_pass2": m["shard_bytes"] / 1e6 / max(m["shard"].cpu - m["shard_pass1"].cpu, 1e-6),
         "tokenize": m["tokens"] / 1e6 / net_cpu(m, "tokenize", "tokenize"),
     }
-    per_template = FULL["templates"] / m["template_sample"]
+    per_template = target["templates"] / m["template_sample"]
     compile_cpu = max(m["compile"].cpu - startup["templates"], 0) * per_template
     compile_serial = min(m["compile_split"]["serial"] / sum(m["compile_split"].values()), 1.0)  # its share
     compile_s = startup["templates"] + compile_cpu * (compile_serial + (1 - compile_serial) / min(threads["compile"], parts))
     # extract_wikipedia on PyPy where measured (envs/extract.yaml), punkt's own extraction on CPython (envs/data.yaml)
-    cost = extract_costs(m, "PyPy" if "PyPy" in m["extract_runs"] else "CPython", bz2_extra)
+    cost = extract_costs(m, target.get("interpreter") or ("PyPy" if "PyPy" in m["extract_runs"] else "CPython"), bz2_extra)
     prefix_cost = extract_costs(m, "CPython", bz2_extra)
-    load_s = cost["load_per_template"] * FULL["templates"]  # each extract job, before its first page
+    load_s = cost["load_per_template"] * target["templates"]  # each extract job, before its first page
     template_mb = m["template_pages_bytes"] * per_template / 1e6
     compiled_mb = m["compiled_bytes"] * per_template / 1e6
     serial_fixed, serial_per_mb = linear([(b / 1e6, serial) for b, serial, _ in m["vocab_runs"]])
     parallel_fixed, parallel_per_mb = linear([(b / 1e6, parallel) for b, _, parallel in m["vocab_runs"]])
-    vocab_mb = novel_mb * train_share * vocab_training_shards() / n_train
+    training_shards = target.get("vocab_training_shards") or vocab_training_shards()
+    vocab_mb = novel_mb * train_share * min(training_shards, n_train) / n_train
     serial_fraction, overhead = vocab_scaling(m)
     one_thread_cpu = m["vocab_threads"][1][0] / m["vocab_threads"][2][0]  # the fit's sizes are of 2-thread runs
     t = threads
@@ -473,42 +492,45 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
                          cpu=seconds * width, deps=list(deps), threads=t[stage_key.split()[0]], local=local))
         return len(jobs) - 1
 
-    stage("templates", "MB XML", FULL["xml_gb"] * 1e3, rate["templates"], parts,
+    stage("templates", "MB XML", target["xml_gb"] * 1e3, rate["templates"], parts,
           f"template pages of each part: bz2 decompressed on {t['templates']} threads, a byte search for <ns>10</ns>",
           written_mb=template_mb)
     template_jobs = [job(f"templates[{p}]", startup["templates"] + mb * (templates_serial + templates_parallel / t["templates"]),
-                         written_mb=template_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts)
+                         written_mb=template_mb * mb / target["xml_gb"] / 1e3, siblings=parts)
                      for p, mb in enumerate(part_mb)]
-    stage("compile", "k templates", FULL["templates"] / 1e3, FULL["templates"] / 1e3 / compile_cpu, 1,
-          f"one job: wikiextractor's parse of all {FULL['templates'] / 1e3:.0f}k template pages, the parts' files "
+    stage("compile", "k templates", target["templates"] / 1e3, target["templates"] / 1e3 / compile_cpu, 1,
+          f"one job: wikiextractor's parse of all {target['templates'] / 1e3:.0f}k template pages, the parts' files "
           f"in {min(t['compile'], parts)} processes ({compile_serial:.0%} of its CPU serial: the pages added to the "
           f"blobs in order), written once", written_mb=compiled_mb)
     compile_job = job("compile", compile_s, template_jobs, written_mb=compiled_mb)
     jobs[compile_job]["cpu"] = compile_cpu
     extract_speed = min(cost["rate"] * t["extract"], cost["mapper"])
-    stage("extract", "MB XML", FULL["xml_gb"] * 1e3, cost["rate"], parts,
+    stage("extract", "MB XML", target["xml_gb"] * 1e3, cost["rate"], parts,
           f"wikiextractor on {cost['interpreter']}, bz2 input; each job first loads the compiled templates "
           f"({load_s:.1f} s), each of its workers warms up ({cost['warmup']:.1f} CPU s)",
           cap=cost["mapper"], written_mb=extracted_mb)
     extract_jobs = [job(f"extract[{p}]", cost["startup"] + load_s + cost["warmup"] + mb / extract_speed, [compile_job],
-                        written_mb=extracted_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts)
+                        written_mb=extracted_mb * mb / target["xml_gb"] / 1e3, siblings=parts)
                     for p, mb in enumerate(part_mb)]
     # punkt extracts the first pages of the first part itself: PREFIX_MB steps of XML until they hold its characters
-    needed_mb = FULL["punkt_chars"] / (m["prose_chars"] / xml_mb)
-    steps = [mb for mb in PREFIX_MB if mb < needed_mb] + [next((mb for mb in PREFIX_MB if mb >= needed_mb), part_mb[0])]
+    # (a part smaller than a step: the whole part, once), and trains on as many of them as it has
+    needed_mb = target["punkt_chars"] / (m["prose_chars"] / xml_mb)
+    steps = [mb for mb in PREFIX_MB if mb < min(needed_mb, part_mb[0])]
+    steps.append(min(next((mb for mb in PREFIX_MB if mb >= needed_mb), part_mb[0]), part_mb[0]))
+    punkt_chars = min(target["punkt_chars"], m["prose_chars"] / xml_mb * part_mb[0])
     prefix_speed = min(prefix_cost["rate"] * t["punkt"], prefix_cost["mapper"])
-    prefix_load_s = prefix_cost["load_per_template"] * FULL["templates"]
+    prefix_load_s = prefix_cost["load_per_template"] * target["templates"]
     prefix_s = sum(prefix_cost["startup"] + prefix_load_s + mb / prefix_speed for mb in steps)
-    stage("punkt", "M chars", FULL["punkt_chars"] / 1e6, rate["punkt"] / 1e6, 1,
-          f"one model on the first {FULL['punkt_chars'] / 1e6:.0f} M characters: the first {steps[-1]} MB of XML "
+    stage("punkt", "M chars", punkt_chars / 1e6, rate["punkt"] / 1e6, 1,
+          f"one model on the first {punkt_chars / 1e6:.0f} M characters: the first {steps[-1]} MB of XML "
           f"of the first part extracted in {prefix_s:.0f} s ({needed_mb:.0f} MB needed), then trained (serial)")
-    punkt_job = job("punkt", startup["punkt"] + prefix_s + FULL["punkt_chars"] / rate["punkt"], [compile_job])
-    jobs[punkt_job]["cpu"] = prefix_s * t["punkt"] + FULL["punkt_chars"] / rate["punkt"]
+    punkt_job = job("punkt", startup["punkt"] + prefix_s + punkt_chars / rate["punkt"], [compile_job])
+    jobs[punkt_job]["cpu"] = prefix_s * t["punkt"] + punkt_chars / rate["punkt"]
     stage("format", "MB JSON", extracted_mb, rate["format"], parts, "Punkt model loaded, split in processes",
           written_mb=formatted_mb)
-    format_jobs = [job(f"format[{p}]", startup["format"] + extracted_mb * mb / FULL["xml_gb"] / 1e3
+    format_jobs = [job(f"format[{p}]", startup["format"] + extracted_mb * mb / target["xml_gb"] / 1e3
                        / (rate["format"] * t["format"]), [punkt_job, extract_jobs[p]],
-                       written_mb=formatted_mb * mb / FULL["xml_gb"] / 1e3, siblings=parts) for p, mb in enumerate(part_mb)]
+                       written_mb=formatted_mb * mb / target["xml_gb"] / 1e3, siblings=parts) for p, mb in enumerate(part_mb)]
     pass1 = formatted_mb / (rate["shard_pass1"] * min(t["shard"], parts))
     pass2 = formatted_mb / (rate["shard_pass2"] * min(t["shard"], parts))
     stage("shard", "MB text", formatted_mb, 1 / (1 / rate["shard_pass1"] + 1 / rate["shard_pass2"]), 1,
@@ -523,12 +545,12 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
         n = t["vocab"]
         wall = one_thread * (serial_fraction + (1 - serial_fraction) * (1 + overhead * (n - 1)) / n)
         stage("vocab", "MB text", vocab_mb, vocab_mb / one_thread, 1,
-              f"{vocab_training_shards()} training shards; {one_thread:.0f} s on 1 thread, serial "
+              f"{training_shards} training shards; {one_thread:.0f} s on 1 thread, serial "
               f"{serial_fraction:.2f}, +{overhead:.0%} CPU per added thread (fit to 1 and 2 threads): "
               f"{one_thread / wall:.1f}x on {n} threads")
         vocab_job = job("vocab", wall, [shard_job])
         jobs[vocab_job]["cpu"] = one_thread
-    train_tokens, test_tokens = tokens * train_share / n_train, tokens * FULL["test_fraction"] / n_test
+    train_tokens, test_tokens = tokens * train_share / n_train, tokens * target["test_fraction"] / n_test
     shard_tokens = [train_tokens] * n_train + [test_tokens] * n_test
     tokenized_mb = tokens * m["tokenized_bytes"] / m["tokens"] / 1e6
     stage("tokenize", "M tokens", tokens / 1e6, rate["tokenize"], n_train + n_test,
@@ -538,18 +560,18 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
                      for s, n in enumerate(shard_tokens)]
     encoded = {}
     for length in (128, 512):
-        per_token = m[f"instances{length}"] / m["tokens"]
-        encode_rate = m[f"instances{length}"] / 1e6 / net_cpu(m, f"encode{length}", "encode")
-        hdf5_mb = tokens * m[f"hdf5_bytes{length}"] / m["tokens"] / 1e6
-        stage(f"encode {length}", "M instances", tokens * per_token / 1e6, encode_rate, n_train + n_test,
-              f"per shard, after its tokenize; {per_token * 1e3:.2f} instances per 1k tokens, dupe_factor 5",
+        per_token = m[f"instances{length}{recipe}"] / m["tokens"]
+        encode_rate = m[f"instances{length}{recipe}"] / 1e6 / net_cpu(m, f"encode{length}{recipe}", "encode")
+        hdf5_mb = tokens * m[f"hdf5_bytes{length}{recipe}"] / m["tokens"] / 1e6
+        stage(f"encode {length}", "M rows", tokens * per_token / 1e6, encode_rate, n_train + n_test,
+              f"per shard, after its tokenize; {per_token * 1e3:.2f} packed rows per 1k tokens; {RECIPES[recipe][1]}",
               written_mb=hdf5_mb)
         encoded[length] = [job(f"encode {length}[{s}]", startup["encode"] + n * per_token / 1e6 / (encode_rate * t["encode"]),
                                [tokenize_jobs[s]], stage_name=f"encode {length}", written_mb=hdf5_mb * n / tokens,
                                siblings=n_train + n_test)
                            for s, n in enumerate(shard_tokens)]
     for length in (128, 512):
-        hdf5_mb = tokens * m[f"hdf5_bytes{length}"] / m["tokens"] / 1e6
+        hdf5_mb = tokens * m[f"hdf5_bytes{length}{recipe}"] / m["tokens"] / 1e6
         stage(f"hdf5_dir {length}", "MB HDF5", hdf5_mb, m["sha256_rate"] / 1e6, 1, "sha256 of every shard + hard links")
         job(f"hdf5_dir {length}", startup["hdf5_dir"] + hdf5_mb / (m["sha256_rate"] / 1e6 * t["hdf5_dir"]),
             encoded[length], stage_name=f"hdf5_dir {length}")
@@ -558,6 +580,28 @@ def model(m: dict, threads: dict, args, given_vocab: bool = False) -> tuple[list
              "extract": cost,
              "serial_fraction": serial_fraction}
     return stages, jobs, sizes
+
+
+def hdf5_gb(stages: list[dict]) -> float:
+    """GB of HDF5 the encode stages write."""
+    return sum(row["written_mb"] for row in stages if row["stage"].startswith("encode")) / 1e3
+
+
+def recipe_rows(m: dict, threads: dict, args, policy) -> None:
+    """Each encode recipe's projection on the fewest nodes: wall time, HDF5 bytes, all bytes written, peak disk
+    (everything written and the download) and the disk after `clean_intermediates` (the HDF5 and the download)."""
+    if not all(f"encode{length}{recipe}" in m for length in (128, 512) for recipe in RECIPES):
+        print("encode recipes: measured before the dynamic recipe was; measure again for its row")
+        return
+    nodes = min(args.nodes)
+    print(f"encode recipes, the full dump on {nodes} node(s), a trained vocab (the DAG up to tokenize the same):")
+    print(f"  {'recipe':<84s} {'wall':>7s} {'HDF5':>7s} {'written':>8s} {'peak disk':>9s} {'after clean':>11s}")
+    for recipe, (_, description) in RECIPES.items():
+        stages, jobs, _ = model(m, threads, args, recipe=recipe)
+        end = max(last for _, last in schedule(jobs, nodes, args.cores_per_node, policy).values())
+        written, hdf5 = sum(row["written_mb"] for row in stages) / 1e3, hdf5_gb(stages)
+        print(f"  {description:<84s} {end / 3600:6.3f}h {hdf5:5.0f}GB {written:6.0f}GB {written + FULL['bz2_gb']:7.0f}GB "
+              f"{hdf5 + FULL['bz2_gb']:9.0f}GB")
 
 
 def report(m: dict, args) -> None:
@@ -598,8 +642,9 @@ def report(m: dict, args) -> None:
     print(f"  vocab     same input: 1 thread {one_wall:.1f} s wall ({one_cpu:.1f} s CPU), 2 threads {two_wall:.1f} s wall "
           f"({two_cpu:.1f} s CPU): serial fraction {sizes['serial_fraction']:.2f} (Amdahl fit), applied at "
           f"{threads['vocab']} threads; files {'EQUAL' if m['vocab_equal'] else 'DIFFERENT'}")
-    for name in ("tokenize", "encode128", "encode512"):
-        print(f"  {name:9s} {m[name].cpu:7.1f} s CPU, peak RSS {m[name].rss_mb:.0f} MB")
+    for name in ("tokenize", *(f"encode{length}{recipe}" for recipe in RECIPES for length in (128, 512))):
+        if name in m:
+            print(f"  {name:9s} {m[name].cpu:7.1f} s CPU, peak RSS {m[name].rss_mb:.0f} MB")
     print(f"\nfull dump: {FULL['bz2_gb']} GB bz2 = {FULL['xml_gb']} GB XML in {FULL['dump_parts']} parts (sizes 0.5-1.5x "
           f"the mean, assumed), {FULL['articles'] / 1e6:.1f} M articles, {FULL['templates'] / 1e3:.0f}k templates "
           f"({sizes['template_gb']:.1f} GB) -> {sizes['extracted_gb']:.1f} GB JSON, {sizes['formatted_gb']:.1f} GB text, "
@@ -636,12 +681,13 @@ def report(m: dict, args) -> None:
         few, many = min(args.nodes), max(args.nodes)
         print(f"{many} nodes / {few}: {end[many] / end[few]:.2f} (target <= 0.6: "
               f"{'MET' if end[many] / end[few] <= 0.6 else 'MISSED'})")
+    recipe_rows(m, threads, args, policy)
     units = slurm_jobs(jobs, policy)
     print(f"Slurm jobs: {sum(not u['local'] for u in units)} for {len(jobs)} rule jobs (profiles/slurm groups)")
     order = sorted(spans[min(args.nodes)].items(), key=lambda item: item[1])
     print(f"\ncritical path on {min(args.nodes)} node(s), stage spans in start order (stages overlap part by part and "
           f"shard by shard): " + " -> ".join(f"{stage} {stop - start:.0f} s" for stage, (start, stop) in order))
-    hdf5 = sum(row["written_mb"] for row in stages if row["stage"].startswith("encode")) / 1e3
+    hdf5 = hdf5_gb(stages)
     print(f"disk: {written:.0f} GB written, all of it on disk at the end with the {FULL['bz2_gb']} GB download: peak "
           f"{written + FULL['bz2_gb']:.0f} GB; after `snakemake clean_intermediates` (template pages, JSON, text, "
           f"shards, tokenized gone) {hdf5 + FULL['bz2_gb']:.0f} GB: the HDF5 ({hdf5:.0f} GB) and the download")
@@ -686,6 +732,8 @@ def main() -> None:
     parser.add_argument("--profile", default=str(PROFILE), help="the Snakemake profile whose groups are scheduled")
     parser.add_argument("--group-cores", type=int, default=None,
                         help="CPUs of one group job (default: the Slurm profile's `cores`)")
+    parser.add_argument("--no-pypy", dest="pypy", action="store_false",
+                        help="measure extract on CPython only (as a run without conda envs runs it)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--cores-per-node", type=int, default=128)
     parser.add_argument("--threads", nargs="*", default=[], metavar="STAGE=N",
