@@ -228,11 +228,11 @@ collect_template_pages(sys.argv[1], sys.argv[2], int(sys.argv[3]))
 """ + THREAD_SPLIT
 
 
-def least_cpu(command: list, env: dict | None = None, repeats: int = 5):
-    """The run of `command` of least CPU of `repeats`. A stage of a second or two, measured once, is off by this
-    shared machine's noise, which only ever slows a run: back to back, one encode took 1.33 to 1.68 CPU s, and
-    the real DAG's encode jobs ran at the low end (benchmarks/projection_check.py)."""
-    return min((run_stage(command, env) for _ in range(repeats)), key=lambda run: run.cpu)
+def median_cpu(command: list, env: dict | None = None, repeats: int = 5):
+    """The run of `command` of median CPU of `repeats`. A stage of a few seconds, measured once, is off by this
+    shared machine's noise: back to back, one encode took 1.33 to 1.68 CPU s; two runs of the same DAG differed by
+    22-27% on the encode 512 and format jobs (benchmarks/projection_check.py)."""
+    return sorted((run_stage(command, env) for _ in range(repeats)), key=lambda run: run.cpu)[repeats // 2]
 
 
 def vocab_run(shard_dir: Path, n_shards: int, size: int, threads: int, output: Path):
@@ -271,14 +271,14 @@ def measure(args, work: Path) -> dict:
     m["bz2"] = bz2_rates(dump)
     # What a process costs before it does any work (interpreter, imports; wikiextractor's processes for extract):
     # subtracted from the rates, then paid once per job in the projection.
-    m["startup"] = {module: least_cpu([PYTHON, "-c", f"import workflow.data.{module}"]).cpu for module in
+    m["startup"] = {module: median_cpu([PYTHON, "-c", f"import workflow.data.{module}"]).cpu for module in
                     ("format", "punkt", "shard", "vocab", "tokenize", "encode", "hdf5_dir")}
     m["startup"]["templates"] = run_stage([PYTHON, "-m", "workflow.data.template_pages", "--input",
                                            SAMPLE_XML, "--output", work / "sample.templates.xml"]).cpu
     templates, compiled, extracted = work / "part.templates.xml", work / "templates.bin", work / "part.jsonl"
     m["templates"] = run_stage([PYTHON, "-m", "workflow.data.template_pages", "--input", dump,
                                 "--output", templates])
-    m["templates_split"] = json.loads(least_cpu([PYTHON, "-c", TEMPLATES_SPLIT, dump, templates, 2]).stdout)
+    m["templates_split"] = json.loads(median_cpu([PYTHON, "-c", TEMPLATES_SPLIT, dump, templates, 2]).stdout)
     run_stage([PYTHON, "-m", "workflow.data.templates", "--input", templates, "--output", compiled])
     # compile_templates (once) and the compiled file's load (every extract job) on a template set of
     # --template-sample generated pages: both scale with the count, projected to FULL["templates"]
@@ -312,8 +312,9 @@ def measure(args, work: Path) -> dict:
     m["prose_chars"] = sum(map(len, prose_texts(read_documents(extracted))))
     m["punkt_chars"] = min(FULL["punkt_chars"], m["prose_chars"])
     formatted = work / "part.txt"
-    m["format"] = run_stage([PYTHON, "-m", "workflow.data.format", "--input", extracted, "--output", formatted,
-                             "--summary", work / "part.summary.json", "--punkt-model", punkt, "--processes", 1])
+    m["format"] = median_cpu([PYTHON, "-m", "workflow.data.format", "--input", extracted, "--output", formatted,
+                              "--summary", work / "part.summary.json", "--punkt-model", punkt, "--processes", 1],
+                             repeats=3)
     m["formatted_bytes"] = formatted.stat().st_size
     # From here on the text has new words at a steady rate, as a real corpus does.
     novel = novel_text(formatted, m["formatted_bytes"] / 1e6, work / "novel.txt", args.novel, seed=0)
@@ -353,7 +354,7 @@ def measure(args, work: Path) -> dict:
     vocab = work / f"vocab_{len(args.vocab_mb) - 1}.txt"
     m["vocab_equal"] = (work / "vocab_1thread.txt").read_bytes() == (work / "vocab_2threads.txt").read_bytes() == vocab.read_bytes()
     tokenized = work / "novel.npz"
-    m["tokenize"] = least_cpu([PYTHON, "-m", "workflow.data.tokenize", "--text", novel, "--vocab", vocab,
+    m["tokenize"] = median_cpu([PYTHON, "-m", "workflow.data.tokenize", "--text", novel, "--vocab", vocab,
                                "--output", tokenized, "--threads", 1], env={"RAYON_NUM_THREADS": "1"})
     with np.load(tokenized) as data:
         m["tokens"] = int(len(data["ids"]))
@@ -361,7 +362,7 @@ def measure(args, work: Path) -> dict:
     for length in (128, 512):
         for recipe, options in RECIPES.items():
             output = work / f"seq{length}{recipe}.hdf5"
-            m[f"encode{length}{recipe}"] = least_cpu([PYTHON, "-m", "workflow.data.encode", "--tokenized", tokenized,
+            m[f"encode{length}{recipe}"] = median_cpu([PYTHON, "-m", "workflow.data.encode", "--tokenized", tokenized,
                                                       "--vocab", vocab, "--output", output, "--max-seq-length", length,
                                                       "--max-predictions-per-seq", PREDICTIONS[length], "--split",
                                                       "training", "--shard-index", 0, *options[0]])

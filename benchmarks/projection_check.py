@@ -106,10 +106,12 @@ def parse_log(text: str) -> list[dict]:
 
 
 def when(stamp: str) -> float:
+    """Epoch seconds of a Snakemake log stamp ("Thu Nov 26 00:36:24 2026", local time)."""
     return datetime.strptime(" ".join(stamp.split()), "%a %b %d %H:%M:%S %Y").timestamp()
 
 
 def stage_of(job: dict) -> str | None:
+    """The projection's stage of a logged job (encode and hdf5_dir per sequence length); None: not a data stage."""
     stage = STAGE_OF_RULE.get(job["rule"])
     if stage in ("encode", "hdf5_dir"):
         wildcards = dict(re.findall(r"(\w+)=(\w+)", job["wildcards"]))
