@@ -426,9 +426,24 @@ def take_node_down(node: str, job_id: str, process: subprocess.Popen) -> None:
         deadline = time.time() + 60
         while job_records(job_id)[0]["State"] == "RUNNING" and time.time() < deadline:
             time.sleep(1)
-    finally:  # (ReturnToService=2 may have brought it back already: then there is nothing to resume)
-        if "down" in subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True).stdout:
-            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
+    finally:
+        resume_node(node)
+
+
+def resume_node(node: str) -> None:
+    """Bring `node` back from DOWN. ReturnToService=2 also brings it back when its slurmd registers, which may happen
+    between reading its state and asking: Slurm then refuses the resume ("Invalid node state specified") of a node
+    that is up already, so a refusal is only an error while the node stays down."""
+    for _ in range(30):
+        if "down" not in subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"],
+                                        capture_output=True, text=True, check=True).stdout:
+            return
+        asked = subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"],
+                               capture_output=True, text=True)
+        if asked.returncode == 0:
+            return
+        time.sleep(1)
+    raise AssertionError(f"{node} stays down; scontrol: {asked.stderr.strip()}")
 
 
 # A node failure under a running phase job (Slurm requeues it, it resumes from its checkpoint, no second job, its
