@@ -84,6 +84,31 @@ def read_metrics(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
+def test_the_export_merges_the_telemetry_rows_other_nodes_write_after_rank_0s_sampler_stopped(data, tmp_path,
+                                                                                               monkeypatch):
+    # Rank 0 merges the node files when its own sampler stops; another node's sampler may write its last second
+    # after that. The export merges again once every rank has stopped: that row is in the phase's telemetry.
+    from workflow.train import pretrain as module
+    from workflow.train.telemetry import COLUMNS, node_files
+
+    out = tmp_path / "out"
+    other_node = node_files(out / "run" / "gpu_telemetry.csv") / "node2.csv"
+    other_node.parent.mkdir(parents=True)
+    row = "{},node2,0,300.0,60,1980,2619,90,40,1000,81920\n"
+    other_node.write_text(",".join(COLUMNS) + "\n" + row.format(1.0))
+    real_evaluate = module.evaluate
+
+    def late_row_then_evaluate(*args, **kwargs):  # after the training loop (and rank 0's sampler) has ended
+        with open(other_node, "a") as handle:
+            handle.write(row.format(2.0))
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(module, "evaluate", late_row_then_evaluate)
+    pretrain(settings(data, out, total_steps=4, checkpoint_every=4, out_telemetry=str(out / "gpu_telemetry.csv")))
+    exported = (out / "gpu_telemetry.csv").read_text().splitlines()
+    assert exported == [",".join(COLUMNS), row.format(1.0).strip(), row.format(2.0).strip()]
+
+
 def test_tiny_model_loss_falls_and_mlm_accuracy_beats_chance(data, tmp_path):
     summary = pretrain(settings(data, tmp_path / "out"))
     metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")

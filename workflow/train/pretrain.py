@@ -65,6 +65,7 @@ from workflow.train.model import (VARLEN_DEVICE_TYPES, BertConfig, BertForPreTra
                                   save_pretrained, unpadded_of)
 from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, datasets, list_shards
+from workflow.train.telemetry import merge_node_files
 
 # A stop signal after the last checkpoint: the job is minutes from done, and a rerun would redo this part anyway.
 FINISH_AFTER_TRAINING = "the last checkpoint is written; finishing the evaluation and export first"
@@ -435,8 +436,10 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
         "masking": "dynamic" if train_shards[0].dynamic else "static", "objective": train_shards[0].objective,
         "next_sentence_prediction": train_shards[0].objective == "nsp",
     }
+    distributed.barrier()  # every node's telemetry sampler has stopped: its last rows are on disk
     if env.is_main:
         run_dir = Path(s.run_dir)
+        merge_node_files(run_dir / "gpu_telemetry.csv")  # again: rank 0 merged on its own stop, before the others'
         with atomic_path(s.out_model) as temporary:
             save_pretrained(model, config, s.vocab, temporary, normalization=s.normalization, dle_checkpoint=True,
                             next_sentence_prediction=summary["next_sentence_prediction"])
