@@ -15,7 +15,7 @@ from workflow.cli import UserError
 from workflow.data.hdf5 import read_encoded
 from workflow.data.pack import pack_shard
 from tests.fixtures.gpu_standins import install_apex
-from tests.fixtures.pretraining_shards import write_synthetic_shards
+from workflow.data.synthetic_shards import write_synthetic_shards
 from tests.test_pretrain import config_of, packed_data, settings  # noqa: F401  (the packed_data fixture)
 from workflow.slurm.cluster_check import (AGREEMENT, FAST_PATHS, check, disagreement, fast_paths, report,
                                           report_fast_paths, unpacked)

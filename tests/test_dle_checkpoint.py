@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.fixtures.pretraining_shards import write_synthetic_shards
+from workflow.data.synthetic_shards import write_synthetic_shards
 from tests.test_pretrain import settings
 from workflow.cli import UserError, run
 from workflow.data.vocab import Normalization

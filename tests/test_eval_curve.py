@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fixtures.pretraining_shards import write_synthetic_shards
+from workflow.data.synthetic_shards import write_synthetic_shards
 from tests.test_pretrain import _free_port, _rank_worker, bert_config, read_metrics, settings
 from workflow.report import report, summary
 from workflow.report.target import accuracy_curve, time_to_target

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.fixtures.gpu_standins import FusedLAMB, VisibleDevices, install_apex
-from tests.fixtures.pretraining_shards import write_synthetic_shards
+from workflow.data.synthetic_shards import write_synthetic_shards
 from tests.test_pretrain import bert_config, data, settings  # noqa: F401  (the data fixture)
 from workflow.cli import UserError
 from workflow.train import accelerator, engine

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from tests.fixtures.pretraining_shards import write_synthetic_shards
+from workflow.data.synthetic_shards import write_synthetic_shards
 from workflow.train import engine
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 

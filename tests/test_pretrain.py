@@ -21,7 +21,7 @@ from workflow.cli import UserError, run
 from workflow.train.model import BertConfig, load_pretrained
 from workflow.train.engine import accumulation_steps
 from workflow.train.pretrain import LAMB_KEYS, PHASE_KEYS, TrainSettings, main, pretrain
-from tests.fixtures.pretraining_shards import write_synthetic_shards
+from workflow.data.synthetic_shards import write_synthetic_shards
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
 REPO = Path(__file__).resolve().parents[1]
