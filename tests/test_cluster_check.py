@@ -14,6 +14,7 @@ from tests.test_pack import encoded, read  # noqa: F401  (the fixture: encoded s
 from workflow.cli import UserError
 from workflow.data.hdf5 import read_encoded
 from workflow.data.pack import pack_shard
+from tests.conftest import REPO
 from tests.fixtures.gpu_standins import install_apex
 from workflow.data.synthetic_shards import write_synthetic_shards
 from tests.test_pretrain import config_of, packed_data, settings  # noqa: F401  (the packed_data fixture)
@@ -147,3 +148,88 @@ def test_the_whole_check_runs_on_one_cpu_process_with_its_fast_paths_in_the_resu
     assert re.search(r"^rank   0: optimizer torch.Lamb, attention rows \(SDPA with a mask\), precision fp32; ",
                      capsys.readouterr().err, re.M)
     assert not (tmp_path / "scratch").exists()
+
+
+def test_with_synthetic_data_the_check_runs_before_the_data_half_on_data_of_the_configured_layout(workflow_copy):
+    # `cluster_check.data: synthetic`: no download, extract or encode of the corpus; the check trains on random ids
+    # encoded by the encode stage's code in the layout the config's encode section asks, and reruns them only for
+    # a change of that layout.
+    import json
+    import subprocess
+
+    from tests.conftest import snakemake_env
+
+    (workflow_copy / "check.yaml").write_text("cluster_check: {data: synthetic}\n")
+    (workflow_copy / "cadence.yaml").write_text("pretrain: {log_every: 7}\n")
+    (workflow_copy / "masking.yaml").write_text("encode: {masked_lm_prob: 0.3}\n")
+
+    def snakemake(*extra, configfiles=()):
+        return subprocess.run(["snakemake", "--cores", "2", "cluster_check", *extra, "--configfile",
+                               "sample/config.yaml", "check.yaml", *configfiles], cwd=workflow_copy,
+                              env=snakemake_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+
+    ran = snakemake()
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert sorted(re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", ran.stderr)) == [
+        "cluster_check", "cluster_check_synthetic_data"]
+    assert sorted(p.name for p in (workflow_copy / "data").iterdir()) == ["cluster_check_synthetic"]
+    result = json.loads((workflow_copy / "results" / "cluster_check.json").read_text())
+    assert result["steps"] == 20 and result["seq_length"] == 128 and result["preset"] == "tiny"
+    assert result["packed_vs_unpacked"][0]["packed"]
+    assert result["packed_vs_unpacked"][0]["relative_difference"] <= AGREEMENT
+    manifest = json.loads((workflow_copy / "data" / "cluster_check_synthetic" / "hdf5" / "manifest.json").read_text())
+    assert manifest["format"] == "packed" and manifest["n_instances"]["training"] >= 40_000
+    settings_ = manifest["settings"]
+    assert {k: settings_[k] for k in ("max_seq_length", "max_predictions_per_seq", "dupe_factor", "packing",
+                                      "max_sequences_per_pack")} == {
+        "max_seq_length": 128, "max_predictions_per_seq": 20, "dupe_factor": 5, "packing": "gapfill",
+        "max_sequences_per_pack": 3}
+    vocab = (workflow_copy / "data" / "cluster_check_synthetic" / "vocab.txt").read_text().splitlines()
+    assert len(vocab) == 2000 and vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    # A training key does not touch the synthetic data; an encode key makes other data.
+    assert "Nothing to be done" in snakemake("-n", configfiles=["cadence.yaml"]).stdout
+    planned = snakemake("-n", configfiles=["masking.yaml"]).stdout
+    assert "cluster_check_synthetic_data" in planned, planned[-2000:]
+
+
+@pytest.mark.parametrize("layout", [dict(masking="dynamic", objective="full_sentences", packing=False),
+                                    dict(masking="static", objective="nsp", packing=True)])
+def test_synthetic_check_data_take_the_encode_sections_layout_and_a_given_vocab_file(tmp_path, layout):
+    import yaml
+
+    from workflow.data.synthetic_shards import write_check_data
+
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["encode"].update(masking=layout["masking"], objective=layout["objective"], whole_word_masking=True)
+    config["encode"]["packing"]["enabled"] = layout["packing"]
+    given = tmp_path / "given_vocab.txt"
+    given.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"t{i}" for i in range(300)),
+                                *(f"##s{i}" for i in range(100))]) + "\n")
+    config["vocab"]["file"] = str(given)
+    manifest = write_check_data(config, tmp_path / "hdf5", tmp_path / "vocab.txt", training_instances=2000,
+                                test_instances=500)
+    assert (tmp_path / "vocab.txt").read_bytes() == given.read_bytes()
+    assert manifest["format"] == ("packed" if layout["packing"] else "unpacked")
+    expected = {"masking": "dynamic", "objective": "full_sentences"} if layout["masking"] == "dynamic" else {}
+    assert {k: manifest["settings"].get(k) for k in ("masking", "objective")} == {
+        "masking": expected.get("masking"), "objective": expected.get("objective")}
+    assert manifest["settings"]["whole_word_masking"] is True
+    shards = list_shards(tmp_path / "hdf5", "training")
+    assert len(shards) == 4 and {s.dynamic for s in shards} == {layout["masking"] == "dynamic"}
+    batch = PretrainingSequences(shards, seed=1).read(0, 8)
+    assert int(batch["input_ids"].max()) < 405
+
+
+def test_synthetic_check_data_name_a_vocab_they_cannot_make_or_read(tmp_path):
+    import yaml
+
+    from workflow.data.synthetic_shards import write_check_data
+
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["vocab"]["size"] = 6
+    with pytest.raises(UserError, match=r"^vocab.size 6: must exceed the 5 special tokens by at least 3$"):
+        write_check_data(config, tmp_path / "hdf5", tmp_path / "vocab.txt")
+    config["vocab"]["file"] = str(tmp_path / "missing.txt")
+    with pytest.raises(UserError, match=r"^vocab.file .*missing.txt: cannot read \(No such file or directory\)$"):
+        write_check_data(config, tmp_path / "hdf5", tmp_path / "vocab.txt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written
