@@ -4,8 +4,8 @@ API:
     GpuTelemetry(path, interval_s=1.0, enabled=True, merge=True)   context manager. Enabled on one rank per node
         (local rank 0), it samples the GPUs this process sees into `<path without suffix>/<host>.csv`; with `merge`
         (global rank 0), on exit it writes `path`: every node's rows so far, by time (the phase's export merges
-        again once every rank has stopped). `.active` is False (and nothing is
-        written) when disabled, without a CUDA device, or without nvidia-ml-py.
+        again once every rank has stopped). `.active` is False (and nothing is written) when disabled, without a
+        CUDA device, or without nvidia-ml-py.
     merge_node_files(path)   `path` from the node files beside it (atomic); False when there are none
 Columns: time (unix s), host, gpu (the CUDA index this process sees), power_w, temperature_c, sm_clock_mhz,
 memory_clock_mhz, utilization_gpu_pct, utilization_memory_pct, memory_used_mib, memory_total_mib.
