@@ -146,7 +146,8 @@ def test_an_export_of_an_unpadded_vocab_loads_into_dles_padded_model_with_no_mis
     torch.manual_seed(0)
     model = BertForPreTraining(config)
     (tmp_path / "vocab.txt").write_text("\n".join(f"t{i}" for i in range(61)) + "\n")
-    save_pretrained(model, config, tmp_path / "vocab.txt", tmp_path / "model", normalization=Normalization(), dle_checkpoint=True)
+    save_pretrained(model, config, tmp_path / "vocab.txt", tmp_path / "model", normalization=Normalization())
+    save_dle_checkpoint(model, tmp_path / "model" / "dle_checkpoint.pt")
     exported = torch.load(tmp_path / "model" / "dle_checkpoint.pt", weights_only=True)["model"]
     # What DLE's run_squad.py builds from the exported config.json: vocab_size padded from 61 to 64.
     assert json.loads((tmp_path / "model" / "config.json").read_text())["vocab_size"] == 61

@@ -11,6 +11,8 @@ Parameter names (DLE PyTorch/LanguageModeling/BERT/modeling.py) equal ours (Hugg
 The task heads (`qa_outputs.*`, `classifier.*`) are named alike.
 
 API:
+    load_checkpoint(path, bert_config) -> (BertConfig, state dict in our names)   an HF directory
+                                               (model.load_pretrained) or a DLE checkpoint file (as below)
     load_dle_checkpoint(path, bert_config) -> (BertConfig, state dict in our names)   every tensor mapped or refused
     save_dle_checkpoint(model, config, path)   {'model': state dict in DLE's names}, vocab rows padded to 8
     from_dle(dle_state, path) / to_dle(state)  the name mapping itself
@@ -132,6 +134,14 @@ def load_dle_checkpoint(path: str | os.PathLike, bert_config: str | os.PathLike 
     if wrong:
         raise UserError(f"{path}: shapes differ from {bert_config}'s model: {', '.join(wrong)}")
     return config, state
+
+
+def load_checkpoint(path: str | os.PathLike, bert_config: str | os.PathLike | None) -> tuple[BertConfig, dict]:
+    """(config, state dict in BertForPreTraining names) of a starting point: a path that is a file is a DLE
+    checkpoint (with the bert_config.json it was trained with), a directory a Hugging Face one."""
+    if Path(path).is_file():
+        return load_dle_checkpoint(path, bert_config)
+    return load_pretrained(path)
 
 
 def save_dle_checkpoint(model: torch.nn.Module, path: str | os.PathLike) -> None:

@@ -15,12 +15,12 @@ API (stable; the SQuAD stage builds on it):
                                     slots, packed rows' real tokens and sequence offsets), computed where the batch is
                                     built: no host sync remains in the forward (what the training task passes)
     pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict of loss/accuracy tensors
-    save_pretrained(model, config, vocab_path, out_dir, normalization=None, dle_checkpoint=False)   HF directory:
-                                    model.safetensors + config.json + vocab.txt (+ tokenizer_config.json for
-                                    AutoTokenizer, with normalization; + dle_checkpoint.pt for NVIDIA DLE's scripts)
-    load_pretrained(path, bert_config=None) -> (config, state_dict)   an HF directory, or an NVIDIA DLE checkpoint
-                                    file with its bert_config.json (workflow/train/dle_checkpoint.py); state_dict in
-                                    BertForPreTraining names (heads may be absent)
+    save_pretrained(model, config, vocab_path, out_dir, normalization=None)   HF directory: model.safetensors +
+                                    config.json + vocab.txt (+ tokenizer_config.json for AutoTokenizer, with
+                                    normalization)
+    load_pretrained(directory) -> (config, state_dict)   an HF directory; state_dict in BertForPreTraining names
+                                    (heads may be absent). NVIDIA DLE checkpoints in and out:
+                                    workflow/train/dle_checkpoint.py (which builds on this module)
     encoder_state_dict(state_dict)  the `bert.*` entries with the prefix stripped, for BertModel.load_state_dict
     load_weights(model, state_dict) load what matches; returns (missing, unexpected) key lists
 
@@ -498,14 +498,11 @@ NSP_HEAD = "cls.seq_relationship."  # the next-sentence head's weights (left out
 
 
 def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.PathLike | None,
-                    out_dir: str | os.PathLike, normalization=None, dle_checkpoint: bool = False,
-                    next_sentence_prediction: bool = True) -> None:
+                    out_dir: str | os.PathLike, normalization=None, next_sentence_prediction: bool = True) -> None:
     """Write an HF directory (model.safetensors, config.json, vocab.txt) into `out_dir` (created); with
     `normalization` (workflow.data.vocab.Normalization: how the vocab was built and the data tokenized), also
     tokenizer_config.json, so that `AutoTokenizer.from_pretrained` loads BERT's WordPiece tokenizer that lower-cases,
-    strips accents and splits CJK characters exactly as the data was tokenized; with
-    `dle_checkpoint`, also dle_checkpoint.pt for NVIDIA DLE's run_squad.py/run_glue.py (--config_file config.json).
-    Without `next_sentence_prediction` (a model trained without NSP), the untrained NSP head is left out and
+    strips accents and splits CJK characters exactly as the data was tokenized. Without `next_sentence_prediction` (a model trained without NSP), the untrained NSP head is left out and
     config.json says BertForMaskedLM."""
     from safetensors.torch import save_file
 
@@ -516,10 +513,6 @@ def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.P
              for k, v in model.state_dict().items()
              if k not in _TIED_ALIASES and (next_sentence_prediction or not k.startswith(NSP_HEAD))}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    if dle_checkpoint:
-        from workflow.train.dle_checkpoint import save_dle_checkpoint
-
-        save_dle_checkpoint(model, out_dir / "dle_checkpoint.pt")
     config.to_json(out_dir / "config.json", "BertForPreTraining" if next_sentence_prediction else "BertForMaskedLM")
     if vocab_path is not None:
         shutil.copyfile(vocab_path, out_dir / "vocab.txt")
@@ -545,15 +538,9 @@ def _normalise_names(state: dict) -> dict:
     return out
 
 
-def load_pretrained(directory: str | os.PathLike, bert_config: str | os.PathLike | None = None
-                    ) -> tuple[BertConfig, dict]:
-    """(config, state_dict) of an HF BERT directory, or of an NVIDIA DLE checkpoint file and the bert_config.json
-    it was trained with; never unpickles arbitrary objects."""
+def load_pretrained(directory: str | os.PathLike) -> tuple[BertConfig, dict]:
+    """(config, state_dict) of an HF BERT directory; never unpickles arbitrary objects."""
     directory = Path(directory)
-    if directory.is_file():
-        from workflow.train.dle_checkpoint import load_dle_checkpoint  # imports this module
-
-        return load_dle_checkpoint(directory, bert_config)
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise UserError(f"{directory}: not a BERT model directory (no config.json)")

@@ -57,11 +57,12 @@ from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, config_sections, run
 from workflow.config import load_config
 from workflow.data.vocab import Normalization
+from workflow.train.dle_checkpoint import load_checkpoint, save_dle_checkpoint
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.evaluation import EvaluationSet
 from workflow.train.lamb import make_optimizer, make_scheduler
 from workflow.train.model import (VARLEN_DEVICE_TYPES, BertConfig, BertForPreTraining, count_parameters,
-                                  flops_per_sequence, host_indices, load_pretrained, load_weights, pretraining_loss,
+                                  flops_per_sequence, host_indices, load_weights, pretraining_loss,
                                   save_pretrained, unpadded_of)
 from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, datasets, list_shards
@@ -168,7 +169,7 @@ def build_model(preset: str, bert_config: str | None, init_from: str | None, voc
     bert_config.json, or a preset sized to the vocab."""
     state = None
     if init_from:
-        config, state = load_pretrained(init_from, bert_config)
+        config, state = load_checkpoint(init_from, bert_config)
         source = init_from
         check_same_vocab(init_from, config.vocab_size, vocab_size, vocab)
     elif bert_config:
@@ -441,8 +442,9 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
         run_dir = Path(s.run_dir)
         merge_node_files(run_dir / "gpu_telemetry.csv")  # again: rank 0 merged on its own stop, before the others'
         with atomic_path(s.out_model) as temporary:
-            save_pretrained(model, config, s.vocab, temporary, normalization=s.normalization, dle_checkpoint=True,
+            save_pretrained(model, config, s.vocab, temporary, normalization=s.normalization,
                             next_sentence_prediction=summary["next_sentence_prediction"])
+            save_dle_checkpoint(model, Path(temporary) / "dle_checkpoint.pt")
         with atomic_path(s.out_metrics) as temporary:
             shutil.copyfile(run_dir / "metrics.jsonl", temporary)
         if s.out_telemetry and (run_dir / "gpu_telemetry.csv").exists():
