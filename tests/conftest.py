@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:
 # The tests that use the Slurm test cluster: `make test` (pytest-xdist) runs them all in one worker, one after the
 # other, so that none meets another's jobs (a node is taken down under one). By nodeid prefix under tests/.
 CLUSTER_TESTS = ("test_slurm.py::", "test_multinode.py::", "test_scaling.py::test_scaling_on_slurm",
-                 "test_pretrain.py::test_srun_tasks_join")
+                 "test_pretrain.py::test_srun_tasks_join", "test_export_race.py::test_an_export_slower")
 
 
 def is_cluster_test(nodeid: str) -> bool:

@@ -25,7 +25,9 @@ from workflow.slurm import attempts, owner
 
 log = logging.getLogger(__name__)
 
-RANK_EXIT_WAIT_S = 300  # how long srun lets the other ranks finish (rank 0: its export) after one has exited
+# How long srun lets the other ranks finish after one has exited (the trainers leave together: rank 0's export is
+# waited for); SNAKEBERT_RANK_EXIT_WAIT_S overrides it for tests.
+RANK_EXIT_WAIT_S = 300
 
 
 def first_host(nodelist: str) -> str | None:
@@ -97,10 +99,12 @@ def srun_command(job: SlurmJob, command: list[str]) -> list[str]:
                         "set `tasks_per_node` in the profile, not `tasks`, so every node runs as many ranks")
     cpus_per_task = max(1, job.cpus // job.nodes // per_node)
     # Not --kill-on-bad-exit: its SIGTERM would hit ranks leaving after the time-limit checkpoint (138), and srun
-    # would report the signal instead. --wait gives rank 0 that long for its export after the others end; a rank
-    # that dies ends the step at once through its guard (guard_rank).
+    # would report the signal instead. --wait: how long the others may take after one rank ended (the trainers
+    # wait for rank 0's export before any leaves); a rank that dies ends the step at once through its guard
+    # (guard_rank).
+    wait = int(os.environ.get("SNAKEBERT_RANK_EXIT_WAIT_S") or RANK_EXIT_WAIT_S)
     return ["srun", f"--ntasks={job.tasks}", f"--nodes={job.nodes}", f"--ntasks-per-node={per_node}",
-            f"--cpus-per-task={cpus_per_task}", "--kill-on-bad-exit=0", f"--wait={RANK_EXIT_WAIT_S}",
+            f"--cpus-per-task={cpus_per_task}", "--kill-on-bad-exit=0", f"--wait={wait}",
             sys.executable, "-m", "workflow.slurm.launch", "--rank", "--", *command]
 
 

@@ -42,7 +42,9 @@ import argparse
 import functools
 import json
 import logging
+import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -438,6 +440,9 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
         "next_sentence_prediction": train_shards[0].objective == "nsp",
     }
     distributed.barrier()  # every node's telemetry sampler has stopped: its last rows are on disk
+    # No rank leaves before rank 0's export is on disk, however long it takes (BERT-large: over 5 GB): srun kills
+    # a step's last ranks RANK_EXIT_WAIT_S after its first one exits (workflow/slurm/launch.py).
+    exported = distributed.patient_group()
     if env.is_main:
         run_dir = Path(s.run_dir)
         merge_node_files(run_dir / "gpu_telemetry.csv")  # again: rank 0 merged on its own stop, before the others'
@@ -445,6 +450,7 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
             save_pretrained(model, config, s.vocab, temporary, normalization=s.normalization,
                             next_sentence_prediction=summary["next_sentence_prediction"])
             save_dle_checkpoint(model, Path(temporary) / "dle_checkpoint.pt")
+        _slow_storage()
         with atomic_path(s.out_metrics) as temporary:
             shutil.copyfile(run_dir / "metrics.jsonl", temporary)
         if s.out_telemetry and (run_dir / "gpu_telemetry.csv").exists():
@@ -457,7 +463,16 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
         write_json(s.out_summary, summary)
         log.info("%s done: %s", s.phase, {k: summary[k] for k in ("steps", "seq_per_s", "test_mlm_accuracy",
                                                                    "test_nsp_accuracy")})
+    distributed.barrier(exported)
     return summary
+
+
+def _slow_storage() -> None:
+    """Simulate slow shared storage for tests: SNAKEBERT_EXPORT_DELAY_S=N makes rank 0's export N s longer."""
+    delay = float(os.environ.get("SNAKEBERT_EXPORT_DELAY_S") or 0)
+    if delay:
+        log.warning("SNAKEBERT_EXPORT_DELAY_S=%s: the export waits that long (slow storage)", delay)
+        time.sleep(delay)
 
 
 def parse_args(argv=None) -> TrainSettings:
