@@ -6,17 +6,20 @@ API:
         (global rank 0), on exit it writes `path`: every node's rows so far, by time (the phase's export merges
         again once every rank has stopped). `.active` is False (and nothing is written) when disabled, without a
         CUDA device, or without nvidia-ml-py.
-    merge_node_files(path)   `path` from the node files beside it (atomic); False when there are none
+    merge_node_files(path)   `path` from the node files beside it (atomic, streamed: one row per node in memory);
+        False when there are none
 Columns: time (unix s), host, gpu (the CUDA index this process sees), power_w, temperature_c, sm_clock_mhz,
 memory_clock_mhz, utilization_gpu_pct, utilization_memory_pct, memory_used_mib, memory_total_mib.
 
 NVML numbers a node's GPUs its own way (PCI order, blind to CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER) and answers
-NO_PERMISSION for GPUs outside the job's cgroup: each CUDA device is found by its UUID, and a device NVML refuses is
-left out of the samples (logged once), never the end of a sample.
+NO_PERMISSION for GPUs outside the job's cgroup: each CUDA device is found by its UUID (a MIG device under its
+parent GPU), and a device NVML refuses is left out of the samples (logged once), never the end of a sample. A MIG
+device's row holds its own memory; its other readings are blank where NVML gives them only for the whole GPU.
 """
 from __future__ import annotations
 
 import csv
+import heapq
 import logging
 import socket
 import threading
@@ -36,37 +39,75 @@ def node_files(path) -> Path:
     return Path(path).with_suffix("")
 
 
-def merge_node_files(path) -> bool:
-    """Write `path` from every node's file (rows by time, host, GPU; a row cut short by a killed node is dropped and
-    counted). False, and nothing written, when no node recorded anything."""
-    rows, dropped = [], 0
-    for node in sorted(node_files(path).glob("*.csv")):
-        with open(node, newline="") as handle:
-            reader = csv.reader(handle)
-            if next(reader, None) != COLUMNS:
-                log.warning("%s: not a telemetry file of this version (header differs); left out", node)
+def _node_rows(node: Path, counts: dict):
+    """(key, row) of a node file's rows in file order, key = (time, host, GPU); rows cut short by a killed node are
+    left out and counted in counts["incomplete"], rows whose key goes back (a clock set back) in counts["unordered"]."""
+    with open(node, newline="") as handle:
+        reader = csv.reader(handle)
+        if next(reader, None) != COLUMNS:
+            log.warning("%s: not a telemetry file of this version (header differs); left out", node)
+            return
+        last = None
+        for row in reader:
+            try:
+                key = (float(row[0]), row[1], int(row[2]))
+            except (IndexError, ValueError):
+                key = None
+            if key is None or len(row) != len(COLUMNS):
+                counts["incomplete"] += 1
                 continue
-            for row in reader:
-                if len(row) != len(COLUMNS):
-                    dropped += 1
-                    continue
-                rows.append(((float(row[0]), row[1], int(row[2])), row))
-    if dropped:
-        log.warning("%s: %d incomplete telemetry row(s) left out (a node stopped mid-write)", path, dropped)
-    if not rows:
-        return False
-    rows.sort(key=lambda r: r[0])
-    with atomic_path(path) as temporary, open(temporary, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(COLUMNS)
-        writer.writerows(row for _, row in rows)
-    return True
+            if last is not None and key < last:
+                counts["unordered"] += 1
+            last = key
+            yield key, row
 
 
-def nvml_uuid(cuda_uuid) -> str:
-    """NVML's form of a CUDA device UUID (torch prints it without NVML's "GPU-" prefix)."""
-    text = str(cuda_uuid)
-    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+def merge_node_files(path) -> bool:
+    """Write `path` from every node's file, rows by time, host, GPU (a row cut short by a killed node is dropped and
+    counted). Each node writes its rows in that order, so the files are merged as streams: one row per node in
+    memory, whatever the length of the run. False, and nothing written, when no node recorded anything."""
+    counts = {"incomplete": 0, "unordered": 0}
+    nodes = [_node_rows(node, counts) for node in sorted(node_files(path).glob("*.csv"))]
+    rows = heapq.merge(*nodes, key=lambda keyed: keyed[0])  # stable: equal keys keep the node files' order
+    first = next(rows, None)
+    if first is not None:
+        with atomic_path(path) as temporary, open(temporary, "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(COLUMNS)
+            writer.writerow(first[1])
+            writer.writerows(row for _, row in rows)
+    if counts["incomplete"]:
+        log.warning("%s: %d incomplete telemetry row(s) left out (a node stopped mid-write)", path,
+                    counts["incomplete"])
+    if counts["unordered"]:
+        log.warning("%s: %d telemetry row(s) earlier than the row before them in their node file (the clock was set "
+                    "back); kept there, out of time order", path, counts["unordered"])
+    return first is not None
+
+
+def nvml_handle(nvml, cuda_uuid):
+    """The NVML handle of the CUDA device of UUID `cuda_uuid` (torch prints it without NVML's "GPU-" or "MIG-"
+    prefix): a whole GPU by its UUID, else a MIG device, found under its parent GPU (NVML looks up only whole GPUs
+    by UUID). Raises NVMLError (NOT_FOUND) when NVML knows no such device."""
+    bare = str(cuda_uuid).removeprefix("GPU-").removeprefix("MIG-")
+    try:
+        return nvml.nvmlDeviceGetHandleByUUID(f"GPU-{bare}")
+    except nvml.NVMLError_NotFound:
+        pass
+    for index in range(nvml.nvmlDeviceGetCount()):
+        try:
+            parent = nvml.nvmlDeviceGetHandleByIndex(index)
+            slots = nvml.nvmlDeviceGetMaxMigDeviceCount(parent)
+        except nvml.NVMLError:  # outside the job's cgroup, or no MIG on this GPU
+            continue
+        for slot in range(slots):
+            try:
+                device = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, slot)
+            except nvml.NVMLError_NotFound:  # a slot no MIG device holds
+                continue
+            if nvml.nvmlDeviceGetUUID(device) == f"MIG-{bare}":
+                return device
+    raise nvml.NVMLError(nvml.NVML_ERROR_NOT_FOUND)
 
 
 class GpuTelemetry:
@@ -110,9 +151,9 @@ class GpuTelemetry:
         """(CUDA index, NVML handle) of every visible device NVML lets us read, by UUID; the others logged once."""
         nvml, devices = self._nvml, []
         for index in range(torch.cuda.device_count()):
-            uuid = nvml_uuid(torch.cuda.get_device_properties(index).uuid)
+            uuid = torch.cuda.get_device_properties(index).uuid
             try:
-                devices.append((index, nvml.nvmlDeviceGetHandleByUUID(uuid)))
+                devices.append((index, nvml_handle(nvml, uuid)))
             except nvml.NVMLError as error:
                 refused = error.value == nvml.NVML_ERROR_NO_PERMISSION
                 log.warning("GPU telemetry leaves out GPU %d (%s): NVML %s", index, uuid,
@@ -120,10 +161,11 @@ class GpuTelemetry:
         return devices
 
     def _read(self, query, handle, *args):
-        """One reading; blank where the GPU does not support it (e.g. power on some boards)."""
+        """One reading; blank where the GPU does not support it (e.g. power on some boards, or a MIG device's
+        readings of its whole GPU: NOT_SUPPORTED, INVALID_ARGUMENT by driver)."""
         try:
             return query(handle, *args)
-        except self._nvml.NVMLError_NotSupported:
+        except (self._nvml.NVMLError_NotSupported, self._nvml.NVMLError_InvalidArgument):
             return ""
 
     def _sample(self, writer) -> None:
