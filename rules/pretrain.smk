@@ -53,10 +53,12 @@ rule import_dle_checkpoint:
         directory("data/init/{finetune_section}"),
     params:
         normalization=normalization_flags(),
+        gelu=config["model"]["dle_gelu"],
     log:
         "logs/import_dle_checkpoint/{finetune_section}.log",
     conda:
         "../envs/train.yaml"
     shell:
         "python -m workflow.train.dle_checkpoint import --checkpoint {input.checkpoint:q}"
-        " --bert-config {input.bert_config:q} --vocab {input.vocab:q} {params.normalization} --output {output:q} 2> {log}"
+        " --bert-config {input.bert_config:q} --vocab {input.vocab:q} {params.normalization} --gelu {params.gelu}"
+        " --output {output:q} 2> {log}"

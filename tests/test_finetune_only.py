@@ -34,7 +34,7 @@ def workdir(tmp_path_factory):
     save_pretrained(BertForPreTraining(config), config, root / "cased" / "vocab.txt", root / "hf_model",
                     normalization=Normalization(lowercase=False))
     config.vocab_size = (vocab_size + 7) // 8 * 8
-    save_dle_checkpoint(BertForPreTraining(config), root / "ckpt_8601.pt")
+    save_dle_checkpoint(BertForPreTraining(config), root / "ckpt_8601.pt", gelu="erf")
     return root
 
 

@@ -53,12 +53,14 @@ def randomise(model):
     return model
 
 
-def test_exported_weights_give_identical_logits_in_hf_bert_for_pretraining(tmp_path):
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_pytorch_tanh"])  # the exact GELU; its tanh form (DLE's since 2022)
+def test_exported_weights_give_identical_logits_in_hf_bert_for_pretraining(tmp_path, hidden_act):
     torch.manual_seed(0)
-    config = tiny_config()
+    config = tiny_config(hidden_act=hidden_act)
     ours = randomise(BertForPreTraining(config)).eval()
     save_pretrained(ours, config, write_vocab(tmp_path / "vocab.txt"), tmp_path / "model")
     assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json", "model.safetensors", "vocab.txt"]
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["hidden_act"] == hidden_act
 
     hf = transformers.BertForPreTraining.from_pretrained(tmp_path / "model", attn_implementation="sdpa").eval()
     input_ids, token_type_ids, attention_mask, positions = example_inputs()

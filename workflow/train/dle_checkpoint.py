@@ -7,19 +7,32 @@ Parameter names (DLE PyTorch/LanguageModeling/BERT/modeling.py) equal ours (Hugg
     - the fused Linear+activation layers are `dense_act` (LinearActivation): `bert.encoder.layer.N.intermediate`,
       `bert.pooler` and `cls.predictions.transform` (ours: `dense`);
     - `cls.predictions.decoder.weight` is stored (tied to the word embeddings; we drop the alias);
-    - older checkpoints name LayerNorm parameters gamma/beta (read as weight/bias; DLE itself needs weight/bias).
+    - older checkpoints name LayerNorm parameters gamma/beta (read as weight/bias; DLE itself needs weight/bias);
+    - a checkpoint saved from a DDP-wrapped model prefixes every name with `module.` (read without it).
 The task heads (`qa_outputs.*`, `classifier.*`) are named alike.
 
+Activations: DLE's bert_config.json says "gelu" for the same model in every version, but DLE computed it as the
+exact erf GELU before 2022 and as F.gelu(x, approximate=True), the tanh form, since. `gelu` ("tanh" or "erf",
+config model.dle_gelu) says which DLE a checkpoint comes from or goes to; we name the two forms as Hugging Face
+does (GELU). DLE 2020's "bias_gelu" (bias + the erf form, fused) is read as the erf form.
+
 API:
-    load_checkpoint(path, bert_config) -> (BertConfig, state dict in our names)   an HF directory
+    load_checkpoint(path, bert_config, gelu=) -> (BertConfig, state dict in our names)   an HF directory
                                                (model.load_pretrained) or a DLE checkpoint file (as below)
-    load_dle_checkpoint(path, bert_config) -> (BertConfig, state dict in our names)   every tensor mapped or refused
-    save_dle_checkpoint(model, config, path)   {'model': state dict in DLE's names}, vocab rows padded to 8
+    load_dle_checkpoint(path, bert_config, gelu=) -> (BertConfig, state dict in our names)   every tensor mapped or
+                                               refused; hidden_act in our names
+    save_dle_checkpoint(model, path, gelu=)    {'model': state dict in DLE's names}, vocab rows padded to 8, and
+                                               beside it (.json) the bert_config.json DLE runs it with (--config_file);
+                                               refused when that DLE has no activation equal to the model's
+    save_dle_export(model, directory, gelu=)   the same into an export directory (dle_checkpoint.pt/.json); a
+                                               model that DLE cannot run exactly gets the weights and a warning
     from_dle(dle_state, path) / to_dle(state)  the name mapping itself
+    our_activation / dle_activation            the activation names, DLE's -> ours and back
 
     python -m workflow.train.dle_checkpoint import --checkpoint ckpt_8601.pt --bert-config bert_config.json \
-        --vocab vocab.txt [--no-lowercase] --output DIR     (an HF directory, as our exports)
-    python -m workflow.train.dle_checkpoint export --model results/pretrain/phase2/model --output ckpt.pt
+        --vocab vocab.txt [--no-lowercase] [--gelu tanh|erf] --output DIR     (an HF directory, as our exports)
+    python -m workflow.train.dle_checkpoint export --model results/pretrain/phase2/model [--gelu tanh|erf] \
+        --output ckpt.pt     (and ckpt.json, DLE's --config_file)
 """
 from __future__ import annotations
 
@@ -31,10 +44,11 @@ from pathlib import Path
 
 import torch
 
-from workflow.atomic import atomic_path
+from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, run
 from workflow.data.vocab import Normalization
-from workflow.train.model import BertConfig, BertForPreTraining, load_pretrained, load_weights, save_pretrained
+from workflow.train.model import (BertConfig, BertForPreTraining, load_pretrained, load_weights, read_config_json,
+                                  save_pretrained)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +58,36 @@ DECODER = "cls.predictions.decoder.weight"  # DLE stores the tied decoder weight
 WORD_EMBEDDINGS = "bert.embeddings.word_embeddings.weight"
 VOCAB_ROWS = (WORD_EMBEDDINGS, "cls.predictions.bias")  # rows per vocabulary entry
 TASK_HEADS = ("qa_outputs.weight", "qa_outputs.bias", "classifier.weight", "classifier.bias")
+GELU_KEY = "model.dle_gelu"
+GELU = {"tanh": "gelu_pytorch_tanh", "erf": "gelu"}  # what DLE's "gelu" computes, since 2022 and before, our names
+_SINCE = {"tanh": "since", "erf": "before"}  # ... 2022
+_ALIKE = ("relu", "swish", "tanh")  # DLE's other activations (modeling.py ACT2FN), named as ours
+DLE_ACTIVATIONS = ("gelu", "bias_gelu", *_ALIKE)
+
+
+def our_activation(name: str, gelu: str, source) -> str:
+    """Our name of what DLE computes for its hidden_act `name`, its "gelu" read as the `gelu` form."""
+    if name == "gelu":
+        return GELU[gelu]
+    if name == "bias_gelu":  # DLE 2020: bias + the erf form, fused
+        return GELU["erf"]
+    if name in _ALIKE:
+        return name
+    raise UserError(f"{source}: hidden_act {name!r} is not an activation of DLE's BERT (one of "
+                    f"{', '.join(DLE_ACTIVATIONS)})")
+
+
+def dle_activation(name: str, gelu: str) -> str:
+    """DLE's hidden_act for our activation `name` in the DLE whose "gelu" is the `gelu` form; refused in one line
+    when that DLE computes no equal (the erf GELU since 2022, the tanh form before)."""
+    if name == GELU[gelu] or (gelu == "tanh" and name == "gelu_new"):  # gelu_new: the tanh form, written out
+        return "gelu"
+    if name in _ALIKE:
+        return name
+    other = "tanh" if name in ("gelu_new", GELU["tanh"]) else "erf" if name == GELU["erf"] else None
+    fix = f": set {GELU_KEY}: {other} for DLE {_SINCE[other]} 2022" if other else ""
+    raise UserError(f"hidden_act {name!r}: DLE {_SINCE[gelu]} 2022 ({GELU_KEY}: {gelu}, its gelu the {gelu} form) "
+                    f"computes no equal activation{fix}")
 
 
 def padded_vocab_size(size: int) -> int:
@@ -106,16 +150,22 @@ def read_dle_state(path: str | os.PathLike) -> dict:
     state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict) or not state or not all(torch.is_tensor(v) for v in state.values()):
         raise UserError(f"{path}: not a DLE BERT checkpoint (no 'model' state dict of tensors)")
+    if all(name.startswith("module.") for name in state):  # saved from a DDP-wrapped model
+        state = {name[len("module."):]: tensor for name, tensor in state.items()}
     return state
 
 
-def load_dle_checkpoint(path: str | os.PathLike, bert_config: str | os.PathLike | None) -> tuple[BertConfig, dict]:
+def load_dle_checkpoint(path: str | os.PathLike, bert_config: str | os.PathLike | None, *, gelu: str
+                        ) -> tuple[BertConfig, dict]:
     """(config, state dict in BertForPreTraining names, task heads kept) of a DLE checkpoint and the bert_config.json
-    it was trained with; its vocab_size becomes the checkpoint's rows (DLE pads the json's to a multiple of 8)."""
+    it was trained with; its vocab_size becomes the checkpoint's rows (DLE pads the json's to a multiple of 8), its
+    hidden_act ours (its "gelu" read as the `gelu` form)."""
     if not bert_config:
         raise UserError(f"{path}: a DLE checkpoint holds weights only: give the bert_config.json it was trained with "
                         "(config model.bert_config)")
-    config = BertConfig.from_json(bert_config)
+    fields = read_config_json(bert_config)
+    fields["hidden_act"] = our_activation(fields.get("hidden_act", "gelu"), gelu, bert_config)
+    config = BertConfig.from_dict(fields)
     state = from_dle(read_dle_state(path), path)
     if WORD_EMBEDDINGS not in state:
         raise UserError(f"{path}: no {dle_name(WORD_EMBEDDINGS)}: not a DLE BERT checkpoint")
@@ -136,24 +186,49 @@ def load_dle_checkpoint(path: str | os.PathLike, bert_config: str | os.PathLike 
     return config, state
 
 
-def load_checkpoint(path: str | os.PathLike, bert_config: str | os.PathLike | None) -> tuple[BertConfig, dict]:
+def load_checkpoint(path: str | os.PathLike, bert_config: str | os.PathLike | None, *, gelu: str
+                    ) -> tuple[BertConfig, dict]:
     """(config, state dict in BertForPreTraining names) of a starting point: a path that is a file is a DLE
-    checkpoint (with the bert_config.json it was trained with), a directory a Hugging Face one."""
+    checkpoint (with the bert_config.json it was trained with; "gelu" read as the `gelu` form), a directory a
+    Hugging Face one."""
     if Path(path).is_file():
-        return load_dle_checkpoint(path, bert_config)
+        return load_dle_checkpoint(path, bert_config, gelu=gelu)
     return load_pretrained(path)
 
 
-def save_dle_checkpoint(model: torch.nn.Module, path: str | os.PathLike) -> None:
-    """Write {'model': state dict in DLE's names} (float32) to `path`, loadable by DLE's run_squad.py/run_glue.py."""
-    model = getattr(model, "module", model)  # unwrap DDP
+def _save_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """{'model': state dict in DLE's names} (float32) to `path`, loadable by DLE's run_squad.py/run_glue.py."""
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()
              if k != "cls.predictions.decoder.bias"}
-    torch.save({"model": to_dle(state)}, path)
+    with atomic_path(path) as temporary:
+        torch.save({"model": to_dle(state)}, temporary)
+
+
+def save_dle_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, gelu: str) -> None:
+    """Write the model (a BertForPreTraining, DDP-wrapped or not) as a DLE checkpoint to `path` and the
+    bert_config.json DLE runs it with beside it (`path` with .json: DLE's --config_file, hidden_act in DLE's name
+    for the DLE of `gelu`); refused before anything is written when that DLE computes no equal activation."""
+    model = getattr(model, "module", model)  # unwrap DDP
+    activation = dle_activation(model.config.hidden_act, gelu)
+    _save_weights(model, path)
+    write_json(Path(path).with_suffix(".json"), {**model.config.to_dict(), "hidden_act": activation})
+
+
+def save_dle_export(model: torch.nn.Module, directory: str | os.PathLike, *, gelu: str) -> None:
+    """dle_checkpoint.pt and dle_checkpoint.json (save_dle_checkpoint) in an export directory. A model whose
+    activation that DLE lacks (our erf-GELU presets and DLE since 2022) gets the weights alone, which DLE loads and
+    runs with its own GELU, and a warning saying so."""
+    path = Path(directory) / "dle_checkpoint.pt"
+    try:
+        save_dle_checkpoint(model, path, gelu=gelu)
+    except UserError as refused:
+        log.warning("%s: the weights only, no %s (DLE would run them with its own activation): %s", path,
+                    path.with_suffix(".json").name, refused)
+        _save_weights(getattr(model, "module", model), path)
 
 
 def _import(args) -> None:
-    config, state = load_dle_checkpoint(args.checkpoint, args.bert_config)
+    config, state = load_dle_checkpoint(args.checkpoint, args.bert_config, gelu=args.gelu)
     model = BertForPreTraining(config)
     missing, task_heads = load_weights(model, state)
     if any(k.startswith("bert.") for k in missing):
@@ -171,8 +246,10 @@ def _export(args) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UserError(f"{args.model}: not a pretrained BERT (missing {missing}, unexpected {unexpected})")
-    with atomic_path(args.output) as temporary:
-        save_dle_checkpoint(model, temporary)
+    try:
+        save_dle_checkpoint(model, args.output, gelu=args.gelu)
+    except UserError as refused:
+        raise UserError(f"{args.model}: {refused}") from None
 
 
 def main(argv=None) -> None:
@@ -184,9 +261,13 @@ def main(argv=None) -> None:
     into.add_argument("--vocab", required=True, help="the vocab.txt it was trained with")
     Normalization.add_arguments(into)  # --lowercase: the vocab is uncased (DLE's --do_lower_case)
     into.add_argument("--output", required=True, help="HF directory to write")
+    gelu = dict(choices=sorted(GELU), default="tanh", help="DLE's 'gelu' is the tanh form (DLE since 2022) or the "
+                "exact erf form (before): config model.dle_gelu")
+    into.add_argument("--gelu", **gelu)
     out = commands.add_parser("export", help="an HF BERT directory -> a DLE checkpoint")
     out.add_argument("--model", required=True, help="HF BERT directory (e.g. results/pretrain/phase2/model)")
-    out.add_argument("--output", required=True, help="DLE checkpoint .pt to write")
+    out.add_argument("--output", required=True, help="DLE checkpoint .pt to write (and its .json beside)")
+    out.add_argument("--gelu", **gelu)
     args = parser.parse_args(argv)
     (_import if args.command == "import" else _export)(args)
 

@@ -100,11 +100,7 @@ class BertConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "BertConfig":
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as error:
-            raise UserError(f"{path}: cannot read a bert config: {error}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_json(path))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -117,12 +113,21 @@ class BertConfig:
         Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def read_config_json(path: str | os.PathLike) -> dict:
+    """The fields of a bert_config.json or config.json, as written (an unreadable file refused in one line)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(f"{path}: cannot read a bert config: {error}") from None
+
+
 def _gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
+# Hugging Face's names: "gelu" is the exact (erf) GELU, "gelu_pytorch_tanh" and "gelu_new" its tanh approximation.
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu,
-                "tanh": torch.tanh}
+                "swish": F.silu, "tanh": torch.tanh}
 
 
 class BertEmbeddings(nn.Module):

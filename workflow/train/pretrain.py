@@ -59,7 +59,7 @@ from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, config_sections, run
 from workflow.config import load_config
 from workflow.data.vocab import Normalization
-from workflow.train.dle_checkpoint import load_checkpoint, save_dle_checkpoint
+from workflow.train.dle_checkpoint import load_checkpoint, save_dle_export
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.evaluation import EvaluationSet
 from workflow.train.lamb import make_optimizer, make_scheduler
@@ -95,6 +95,7 @@ class TrainSettings:
     max_steps: int | None = None
     preset: str = "bert-large"
     bert_config: str | None = None
+    dle_gelu: str = "tanh"              # what a DLE checkpoint's "gelu" computes (config model.dle_gelu)
     init_from: str | None = None
     init_optimizer: str | None = None   # phase 1's LAMB moments (phase 2 of NVIDIA's recipe)
     out_optimizer: str | None = None    # where this phase's final LAMB moments go
@@ -134,7 +135,7 @@ class TrainSettings:
                                                          "loader_workers")})
             values.update({key: section.get(key, getattr(cls, key)) for key in ("eval_seed", "eval_every")})
             values.update(preset=config["model"]["preset"], bert_config=config["model"]["bert_config"],
-                          seed=config["seed"])
+                          dle_gelu=config["model"].get("dle_gelu", cls.dle_gelu), seed=config["seed"])
         except (KeyError, TypeError, AttributeError) as error:
             raise UserError(f"config: missing key {error} for pretrain.{phase} (see config.schema.yaml)") from None
         return cls(phase=phase, **values, **paths)
@@ -166,12 +167,12 @@ def check_same_vocab(init_from: str, rows: int, vocab_size: int, vocab: str | No
 
 
 def build_model(preset: str, bert_config: str | None, init_from: str | None, vocab_size: int, seq_length: int,
-                vocab: str | None = None) -> tuple[BertConfig, BertForPreTraining]:
+                vocab: str | None = None, dle_gelu: str = "tanh") -> tuple[BertConfig, BertForPreTraining]:
     """Model from (in order of precedence) an HF directory or a DLE checkpoint (with its bert_config.json), a
     bert_config.json, or a preset sized to the vocab."""
     state = None
     if init_from:
-        config, state = load_checkpoint(init_from, bert_config)
+        config, state = load_checkpoint(init_from, bert_config, gelu=dle_gelu)
         source = init_from
         check_same_vocab(init_from, config.vocab_size, vocab_size, vocab)
     elif bert_config:
@@ -379,7 +380,7 @@ def train_phase(s: TrainSettings, env) -> dict:
 
     torch.manual_seed(s.seed)  # identical initial weights on every rank
     config, model = build_model(s.preset, s.bert_config, s.init_from, read_vocab_size(s.vocab), seq_length,
-                                s.vocab)
+                                s.vocab, s.dle_gelu)
     check_token_ids(train_shards + test_shards, s.vocab, config.vocab_size)
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank (as NVIDIA seeds seed + rank); weights stay identical
@@ -449,7 +450,7 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
         with atomic_path(s.out_model) as temporary:
             save_pretrained(model, config, s.vocab, temporary, normalization=s.normalization,
                             next_sentence_prediction=summary["next_sentence_prediction"])
-            save_dle_checkpoint(model, Path(temporary) / "dle_checkpoint.pt")
+            save_dle_export(model, temporary, gelu=s.dle_gelu)
         _slow_storage()
         with atomic_path(s.out_metrics) as temporary:
             shutil.copyfile(run_dir / "metrics.jsonl", temporary)
