@@ -31,6 +31,7 @@ include: "rules/scaling.smk"
 # Seconds of work each: run by Snakemake itself on the submit host, not through sbatch.
 localrules:
     all,
+    wikipedia_dump_date,
     summary,
     report_pretrain_plots,
     report_gpu_telemetry,

@@ -38,6 +38,7 @@ rule extract_wikipedia:
     input:
         dump="data/download/wikipedia/{part}.xml.bz2",
         templates="data/extracted/wikipedia/templates.bin",
+        date="data/download/wikipedia/dump_date.txt",  # one date for every part: a new one re-extracts them
     output:
         "data/extracted/wikipedia/{part}.jsonl",
     # wikiextractor's processes: its one reader (bz2 + page parsing) feeds ~14 PyPy workers; more would wait for it
@@ -49,4 +50,4 @@ rule extract_wikipedia:
         "../envs/extract.yaml"  # PyPy: ~1.3x less CPU than CPython, the same JSON
     shell:
         "python -m workflow.data.extract --input {input.dump:q} --output {output:q} --processes {threads}"
-        " --templates {input.templates:q} 2> {log}"
+        " --templates {input.templates:q} --date-file {input.date:q} 2> {log}"

@@ -29,9 +29,12 @@ def articles(tmp_path_factory, sample_dir):
 
 
 def run_cli(dump, output, env, python=sys.executable, templates=None):
+    """The extract rule's command: the dump's date from the file the workflow writes (tests/test_dump_date.py)."""
+    date = output.parent.parent / f"{output.parent.name}-dump_date.txt"
+    date.write_text("2024-09-16\n")
     return subprocess.run(
-        [str(python), "-m", "workflow.data.extract", "--input", str(dump), "--output", str(output), "--processes", "2"]
-        + ([] if templates is None else ["--templates", str(templates)]),
+        [str(python), "-m", "workflow.data.extract", "--input", str(dump), "--output", str(output), "--processes", "2",
+         "--date-file", str(date)] + ([] if templates is None else ["--templates", str(templates)]),
         capture_output=True, text=True, env=env,
     )
 

@@ -6,8 +6,11 @@ and the file is renamed to `destination` only after its size and checksum are ve
 
 A Wikipedia dump is also published in parts (`enwiki-YYYYMMDD-pages-articlesN.xml-pFIRSTpLAST.bz2`, listed in the
 dump's md5sums file): `dump_parts` reads that list before any job runs, so each part is its own download job.
+`dump_date` finds the day the dump was taken (its name, wikipedia.date, or a `latest` dump's list), which every
+part is extracted with.
 """
 import argparse
+import datetime
 import hashlib
 import http.client
 import logging
@@ -26,6 +29,7 @@ from tqdm import tqdm
 
 from workflow.atomic import atomic_path, write_text
 from workflow.cli import UserError, run
+from workflow.data.extract import date_in_name, dump_date as parse_date
 
 log = logging.getLogger("download")
 
@@ -376,6 +380,53 @@ def dump_parts(url: str, checksum_url: str | None, mode: str, cache_dir: str | o
     return listed_parts(url, listing, text) or [DumpPart(WHOLE, url, listing)]
 
 
+def date_without_listing(url: str, date: str | None) -> datetime.date | None:
+    """The day dump `url` was taken as its name or `date` (config wikipedia.date) gives it; None for a `latest` dump
+    (its checksum list dates it: dump_date). Raises UserError, naming the key, for a dump nothing dates."""
+    named = date_in_name(basename(url))
+    if date is not None:
+        given = parse_date(date)
+        if named is not None and given != named:
+            raise UserError(f"config key 'wikipedia.date': {given}, but the dump {basename(url)} is of {named}; "
+                            "remove the key (the dump's name dates it)")
+        return given
+    if named is None and not is_latest(url):
+        raise UserError(f"config key 'wikipedia.date': not set, and the dump {basename(url)} has no date in its name "
+                        "(<wiki>-YYYYMMDD-pages-articles...); set wikipedia.date: YYYY-MM-DD, the day the dump was "
+                        "taken (its {{CURRENTYEAR}} and the like are filled from it)")
+    return named
+
+
+def is_latest(url: str) -> bool:
+    match = DUMP_NAME.fullmatch(basename(url))
+    return bool(match) and match["prefix"].endswith("-latest")
+
+
+def dump_date(url: str, checksum_url: str | None, date: str | None) -> datetime.date:
+    """The day dump `url` was taken, which every part's {{CURRENTYEAR}} and the like are filled from: the date in its
+    name (enwiki-20241001-pages-articles.xml.bz2), else `date` (config wikipedia.date), else for a `latest` dump the
+    date of the dated files its checksum list names (`checksum_url`, the list its parts were verified against: the
+    copy dump_parts keeps, else the list beside the dump)."""
+    known = date_without_listing(url, date)
+    if known is not None:
+        return known
+    listing = checksum_url or checksum_list_beside(url)
+    dated = re.compile(re.escape(DUMP_NAME.fullmatch(basename(url))["prefix"][: -len("latest")]) + "[0-9]{8}-")
+    dates = {date_in_name(name) for name in checksums_listed(read_small(listing)) if dated.match(name)} - {None}
+    if len(dates) != 1:
+        found = ", ".join(sorted(map(str, dates))) or "none"
+        raise UserError(f"config key 'wikipedia.date': not set, and {listing} gives the dump {basename(url)} "
+                        f"{len(dates)} dates ({found}); set wikipedia.date: YYYY-MM-DD, the day the dump was taken")
+    return dates.pop()
+
+
+def record_dump_date(url: str, checksum_url: str | None, date: str | None, output: str | os.PathLike) -> None:
+    """Write the dump's date (dump_date) to `output` (`YYYY-MM-DD`): resolved once, for every part's extract job."""
+    day = dump_date(url, checksum_url, date)
+    write_text(output, f"{day.isoformat()}\n")
+    log.info("%s: dump of %s -> %s", url, day, output)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m workflow.data.download", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -387,6 +438,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     dump.add_argument("--url", required=True, help="http(s)://, file:// or local path")
     dump.add_argument("--checksum-url", default=None, help="md5sums list (default: <prefix>-md5sums.txt beside the dump)")
     dump.add_argument("--output", required=True)
+    date = commands.add_parser("date", help="the day a Wikipedia dump was taken (its magic words' date), to a file")
+    date.add_argument("--url", required=True, help="the dump's URL or path (its name may carry the date)")
+    date.add_argument("--checksum-url", default=None, help="the md5sums list its parts were verified against (default: "
+                                                           "<prefix>-md5sums.txt beside the dump)")
+    date.add_argument("--date", default=None, help="YYYY-MM-DD (config wikipedia.date); default: the dump's own")
+    date.add_argument("--output", required=True)
     books = commands.add_parser("books", help="BookCorpus: a directory of .txt books or a list of book URLs")
     books.add_argument("--source", required=True)
     books.add_argument("--output", required=True, help="output directory")
@@ -395,6 +452,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         fetch(args.url, args.output, args.checksum_url or None)
     elif args.command == "dump":
         fetch_dump(args.url, args.output, args.checksum_url or None)
+    elif args.command == "date":
+        record_dump_date(args.url, args.checksum_url or None, args.date or None, args.output)
     else:
         fetch_books(args.source, args.output)
 

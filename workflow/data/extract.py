@@ -17,13 +17,18 @@ Runs the real wikiextractor 3.1.0 (parallel processes; it keeps only namespace-0
 - it expands templates with the definitions found in its input file: a dump processed in parts is extracted with
   the template pages of every part (`workflow.data.template_pages` collects them from one part, `workflow.data.templates`
   compiles them all once, `--templates` loads that file in place of wikiextractor's own parse), so each part's
-  articles read exactly as they would in the whole dump.
+  articles read exactly as they would in the whole dump;
+- it fills {{CURRENTYEAR}}, {{CURRENTMONTH}}, {{CURRENTDAY}}, {{CURRENTHOUR}} and {{CURRENTTIME}} from the clock
+  (`time.strftime`, before every page), and templates such as {{age}} expand through them: here every date and
+  time magic word is the dump's date at 00:00:00 UTC (`--date`, DumpDateMagicWords), so the text is the same
+  whatever day and second a part is extracted.
 """
 from __future__ import annotations  # also runs on PyPy 3.9 (the extract rule)
 
 import argparse
 import bz2
 import collections
+import datetime
 import html
 import json
 import logging
@@ -96,10 +101,62 @@ def join_wrapped_lines(source: list[str], kept: list[str]) -> list[str]:
     return joined
 
 
-def wikiextractor_main() -> None:
+# MediaWiki's names (English: the words a {{CURRENTMONTHNAME}} of enwiki writes), not the locale's
+MONTH_NAMES = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+               "November", "December")
+DAY_NAMES = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+DATE_IN_NAME = re.compile(r".+?-(?P<date>[0-9]{8})-pages-articles")  # dumps.wikimedia.org: enwiki-20241001-...
+
+
+def date_in_name(name: str) -> datetime.date | None:
+    """The dump date a dump site's file name carries (`enwiki-20241001-pages-articles1.xml-p1p41242.bz2`), or None."""
+    match = DATE_IN_NAME.match(name)
+    try:
+        return datetime.datetime.strptime(match["date"], "%Y%m%d").date() if match else None
+    except ValueError:  # eight digits that are no date
+        return None
+
+
+def date_magic_words(date: datetime.date) -> dict[str, str]:
+    """MediaWiki's date and time magic words at 00:00:00 UTC of `date`, lower-cased as wikiextractor looks them up;
+    LOCAL* as CURRENT* (enwiki's local time is UTC). Formats as MediaWiki's: CURRENTDAY unpadded, CURRENTTIME `00:00`,
+    CURRENTDOW 0 for Sunday, CURRENTWEEK the ISO week."""
+    words = {
+        "year": f"{date.year}", "month": f"{date.month:02d}", "month1": f"{date.month}", "month2": f"{date.month:02d}",
+        "monthname": MONTH_NAMES[date.month - 1], "monthnamegen": MONTH_NAMES[date.month - 1],
+        "monthabbrev": MONTH_NAMES[date.month - 1][:3], "day": f"{date.day}", "day2": f"{date.day:02d}",
+        "dayname": DAY_NAMES[date.weekday()], "dow": f"{date.isoweekday() % 7}", "week": f"{date.isocalendar()[1]}",
+        "hour": "00", "time": "00:00", "timestamp": f"{date:%Y%m%d}000000",
+    }  # fmt: skip
+    return {scope + name: value for scope in ("current", "local") for name, value in words.items()}
+
+
+CLOCK_WORDS = frozenset(date_magic_words(datetime.date(2000, 1, 1)))  # their names
+
+
+def dump_date(text: str, source: str = "config key 'wikipedia.date'") -> datetime.date:
+    """The YYYY-MM-DD date `text` (of wikipedia.date, or a file named by `source`)."""
+    try:
+        if len(text) == 10:  # Python 3.11's fromisoformat also takes 20241001
+            return datetime.date.fromisoformat(text)
+    except ValueError:
+        pass
+    raise UserError(f"{source}: {text!r} is not a date (YYYY-MM-DD)")
+
+
+def read_dump_date(path: str | Path) -> datetime.date:
+    """The date a dump date file holds (`YYYY-MM-DD`, as `python -m workflow.data.download date` writes it)."""
+    try:
+        return dump_date(Path(path).read_text(encoding="utf-8").strip(), str(path))
+    except FileNotFoundError as error:
+        raise UserError(f"{path}: no such file") from error
+
+
+def wikiextractor_main(date: str | None) -> None:
     """wikiextractor's own CLI with its `mark_headers` on (section titles come out as `## Title.` lines), the
-    wrapped lines of a paragraph joined (join_wrapped_lines), ending with one log line of the pages it read by fate
-    (it skips redirects and other namespaces without a word)."""
+    wrapped lines of a paragraph joined (join_wrapped_lines), every date and time magic word that of `date`
+    (YYYY-MM-DD, the dump's date; None: none, they expand to nothing; DumpDateMagicWords), ending with one log line of the pages it read by fate (it
+    skips redirects and other namespaces without a word)."""
     from wikiextractor import WikiExtractor
     from wikiextractor import extract as wikiextract
     from wikiextractor.extract import Extractor
@@ -123,7 +180,22 @@ def wikiextractor_main() -> None:
             return paragraph_tags.sub(f"\n{PARAGRAPH_BREAK}\n", text)
         return substitute(pattern, text, separator)
 
+    words = {} if date is None else date_magic_words(datetime.date.fromisoformat(date))
+
+    class DumpDateMagicWords(wikiextract.MagicWords):
+        """A page's magic words, those of date and time the dump's: the clock's values that wikiextractor's
+        clean_text sets before every page (time.strftime) are never taken."""
+
+        def __init__(self):
+            super().__init__()
+            self.values.update(words)
+
+        def __setitem__(self, name, value):
+            if name not in CLOCK_WORDS:
+                super().__setitem__(name, value)
+
     # its workers are forked, so they inherit these
+    wikiextract.MagicWords = DumpDateMagicWords  # the one seam: Extractor.__init__ makes its magic words with it
     Extractor.clean_text = clean_text_marking_headers
     WikiExtractor.load_and_compact_templates = load_compiled_templates(WikiExtractor.load_and_compact_templates)
     wikiextract.compact = compact_paragraphs
@@ -185,10 +257,13 @@ def check_mediawiki_export(path: Path) -> None:
         raise UserError(f"{path}: not a MediaWiki XML export (root element: {tag})")
 
 
-def run_wikiextractor(dump: Path, workdir: Path, processes: int, templates: Path | None = None) -> None:
-    """Run wikiextractor on `dump`, writing JSON files under `workdir`; its log goes to our stderr."""
+def run_wikiextractor(dump: Path, workdir: Path, processes: int, date: datetime.date | None,
+                      templates: Path | None = None) -> None:
+    """Run wikiextractor on `dump`, its magic words of `date`, writing JSON files under `workdir`; its log goes to our
+    stderr."""
+    main = f"from workflow.data.extract import wikiextractor_main; wikiextractor_main({date and date.isoformat()!r})"
     command = [
-        sys.executable, "-c", "from workflow.data.extract import wikiextractor_main; wikiextractor_main()",
+        sys.executable, "-c", main,
         "--json", "--html-safe", "",
         "--processes", str(processes), "-b", OUTPUT_FILE_SIZE, "-o", str(workdir), str(dump),
     ]  # fmt: skip
@@ -211,12 +286,14 @@ def run_wikiextractor(dump: Path, workdir: Path, processes: int, templates: Path
 
 
 def extract(dump: str | Path, output: str | Path, processes: int = 1, templates: str | Path | None = None,
-            require_articles: bool = True) -> int:
+            require_articles: bool = True, date: datetime.date | None = None) -> int:
     """Extract the articles of MediaWiki dump `dump` to JSON lines `output`; return the number of articles.
 
     `templates`: the compiled template file (workflow.data.templates) to expand templates with; None:
     wikiextractor takes them from `dump` itself. `require_articles`: none is an error (a dump's first pages may
-    hold none: punkt reads on).
+    hold none: punkt reads on). `date`: the day the dump was taken, which {{CURRENTYEAR}} and the other date
+    and time magic words are filled from (the workflow passes wikipedia.date or the dump's own); None: the date in
+    the dump's file name, else none (they expand to nothing, as an unknown template does); never the clock.
     """
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
@@ -224,11 +301,16 @@ def extract(dump: str | Path, output: str | Path, processes: int = 1, templates:
     check_mediawiki_export(dump)
     if templates is not None:
         load_compiled(templates)  # a bad file is one error line here, not a traceback from wikiextractor
+    date = date or date_in_name(dump.name)
+    if date is None:
+        log.warning("%s: no date given or in its name: {{CURRENTYEAR}} and the like expand to nothing", dump)
+    else:
+        log.info("%s: {{CURRENTYEAR}} and the like of the dump's date, %s", dump, date)
     count = 0
     with ExitStack() as stack:
         temporary = stack.enter_context(atomic_path(output))
         work = stack.enter_context(tempfile.TemporaryDirectory(dir=output.parent, prefix=".wikiextractor-"))
-        run_wikiextractor(dump, Path(work) / "json", processes, None if templates is None else Path(templates))
+        run_wikiextractor(dump, Path(work) / "json", processes, date, None if templates is None else Path(templates))
         # wikiextractor names its files AA/wiki_00, AA/wiki_01, ..., AB/wiki_00: sorted = written order
         parts = sorted((Path(work) / "json").glob("*/wiki_*"))
         with open(temporary, "w", encoding="utf-8") as out:
@@ -251,8 +333,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="JSON lines: one {id, title, text} per article")
     parser.add_argument("--processes", type=int, default=1, help="wikiextractor worker processes")
     parser.add_argument("--templates", default=None, help="the dump's compiled templates (workflow.data.templates)")
+    parser.add_argument("--date-file", default=None,
+                        help="the day the dump was taken (YYYY-MM-DD, as `workflow.data.download date` writes it): "
+                             "the date of {{CURRENTYEAR}} and the like (default: the date in the dump's name, else "
+                             "none: they expand to nothing)")
     args = parser.parse_args(argv)
-    extract(args.input, args.output, args.processes, args.templates)
+    date = None if args.date_file is None else read_dump_date(args.date_file)
+    extract(args.input, args.output, args.processes, args.templates, date=date)
 
 
 if __name__ == "__main__":
