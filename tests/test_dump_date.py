@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from benchmarks.wikipedia_sample import pypy_python
 from tests.conftest import REPO, snakemake_env
 from workflow.cli import UserError
 from workflow.data.download import dump_date, record_dump_date
@@ -63,18 +64,24 @@ def test_a_dated_dump_writes_its_own_year_and_day(tmp_path, clock_dump):
                                                 "20310615000000).")
 
 
+PYPY = pypy_python()
+
+
 @pytest.mark.skipif(shutil.which("faketime") is None, reason="no libfaketime here (Debian: apt install faketime)")
-def test_the_sample_extracted_under_two_clocks_is_byte_identical(tmp_path, clock_dump):
+@pytest.mark.parametrize("python", [pytest.param(sys.executable, id="cpython"),  # and the extract rule's PyPy
+                                    pytest.param(PYPY, id="pypy", marks=pytest.mark.skipif(PYPY is None, reason="no PyPy"))])
+def test_the_sample_extracted_under_two_clocks_is_byte_identical(tmp_path, clock_dump, repo_env, python):
     dump = clock_dump
     outputs = []
     for clock in ("2026-12-31 23:59:58", "2027-01-01 08:30:01"):  # a year apart, and seconds
         output = tmp_path / f"{clock[:4]}.jsonl"
         # libfaketime moves the clock of the command and of every process it starts (wikiextractor's workers)
-        result = subprocess.run(["faketime", clock, sys.executable, "-c", "import time; print(time.strftime('%Y'))"],
+        result = subprocess.run(["faketime", clock, str(python), "-c", "import time; print(time.strftime('%Y'))"],
                                 capture_output=True, text=True, check=True)
         assert result.stdout.strip() == clock[:4]
-        subprocess.run(["faketime", clock, sys.executable, "-m", "workflow.data.extract", "--input", str(dump),
-                        "--output", str(output), "--processes", "2"], capture_output=True, text=True, check=True)
+        subprocess.run(["faketime", clock, str(python), "-m", "workflow.data.extract", "--input", str(dump),
+                        "--output", str(output), "--processes", "2"], capture_output=True, text=True, check=True,
+                       env=repo_env)
         outputs.append(output.read_bytes())
     assert outputs[0] == outputs[1]
     assert museum(output) == MUSEUM
