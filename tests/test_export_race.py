@@ -14,7 +14,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from tests.test_multinode import sbatch, state, wait_until
+from tests.test_multinode import rank_lines, sbatch, state, wait_until
 from tests.test_pretrain import command, environment, settings
 from tests.test_slurm import cluster, job_records  # noqa: F401
 from workflow.data.synthetic_shards import write_synthetic_shards
@@ -37,7 +37,7 @@ def test_an_export_slower_than_sruns_wait_ends_complete_with_exit_0(cluster, tmp
     trainer = shlex.join(command(s))
     job = sbatch(tmp_path, "job.out", f"SNAKEBERT_RANK_EXIT_WAIT_S={RANK_EXIT_WAIT_S} "
                  f"SNAKEBERT_EXPORT_DELAY_S={EXPORT_DELAY_S} {sys.executable} -m workflow.slurm.launch --run-dir "
-                 f"{s.run_dir} -- {trainer}", "--nodes=1", "--ntasks-per-node=2", "--gres=gpu:2",
+                 f"{s.run_dir} -- {trainer}", "--nodes=2", "--ntasks-per-node=1", "--gres=gpu:1",
                  "--cpus-per-task=1", "--mem=1500")
     try:  # a killed export would be requeued: never leave it to the next test
         wait_until(f"job {job}", lambda: state(job) not in ("PENDING", "RUNNING"), seconds=300)
@@ -47,6 +47,7 @@ def test_an_export_slower_than_sruns_wait_ends_complete_with_exit_0(cluster, tmp
     assert [(r["State"], r["DerivedExitCode"]) for r in job_records(job)] == [("COMPLETED", "0:0")], log[-3000:]
     assert f"--wait={RANK_EXIT_WAIT_S}" in log and "the export waits that long" in log, log[-3000:]
     assert f"Slurm job {job} run 0 completed" in log, log[-3000:]
+    assert len({rank[3] for rank in rank_lines(log)}) == 2, log[-3000:]  # rank 1 waited from another host
     # Complete: the model and DLE checkpoint hold the last checkpoint's weights; the optimizer state and summary
     # were written after the slow part.
     (last,) = ckpt.list_checkpoints(tmp_path / "out" / "run" / "checkpoints")
