@@ -68,8 +68,9 @@ PYPY = pypy_python()
 
 
 @pytest.mark.skipif(shutil.which("faketime") is None, reason="no libfaketime here (Debian: apt install faketime)")
-@pytest.mark.parametrize("python", [pytest.param(sys.executable, id="cpython"),  # and the extract rule's PyPy
-                                    pytest.param(PYPY, id="pypy", marks=pytest.mark.skipif(PYPY is None, reason="no PyPy"))])
+@pytest.mark.parametrize("python", [  # and the extract rule's PyPy
+    pytest.param(sys.executable, id="cpython"),
+    pytest.param(PYPY, id="pypy", marks=pytest.mark.skipif(PYPY is None, reason="no PyPy"))])
 def test_the_sample_extracted_under_two_clocks_is_byte_identical(tmp_path, clock_dump, repo_env, python):
     dump = clock_dump
     outputs = []
@@ -139,7 +140,8 @@ def test_an_undated_export_without_wikipedia_date_stops_the_plan_in_one_line(tmp
 
 
 def publish(site, date):
-    """A dump of `date` in two parts on the dump site, its dated directory and `latest/` list (as dumps.wikimedia.org)."""
+    """A dump of `date` in two parts on the dump site: its dated directory and `latest/` list, as dumps.wikimedia.org
+    lays them out."""
     (site / date).mkdir(parents=True)
     lines = []
     for number, pages in ((1, "p1p9"), (2, "p10p19")):
@@ -155,7 +157,8 @@ def test_a_latest_dump_is_dated_by_the_list_its_parts_come_from(tmp_path, http_s
     publish(site, "20240920")
     server = http_server(site)
     work.mkdir()
-    (work / "config.yaml").write_text(f"wikipedia: {{url: '{server.url}/latest/enwiki-latest-pages-articles.xml.bz2'}}\n")
+    latest = f"{server.url}/latest/enwiki-latest-pages-articles.xml.bz2"
+    (work / "config.yaml").write_text(f"wikipedia: {{url: '{latest}'}}\n")
     date = work / "data/download/wikipedia/dump_date.txt"
     assert snakemake(work, str(date.relative_to(work))).returncode == 0
     assert date.read_text() == "2024-09-20\n"

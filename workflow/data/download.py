@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from workflow.atomic import atomic_path, write_text
 from workflow.cli import UserError, run
-from workflow.data.extract import date_in_name, dump_date as parse_date
+from workflow.data.extract import date_in_name, parse_dump_date
 
 log = logging.getLogger("download")
 
@@ -385,7 +385,7 @@ def date_without_listing(url: str, date: str | None) -> datetime.date | None:
     (its checksum list dates it: dump_date). Raises UserError, naming the key, for a dump nothing dates."""
     named = date_in_name(basename(url))
     if date is not None:
-        given = parse_date(date)
+        given = parse_dump_date(date)
         if named is not None and given != named:
             raise UserError(f"config key 'wikipedia.date': {given}, but the dump {basename(url)} is of {named}; "
                             "remove the key (the dump's name dates it)")

@@ -20,7 +20,7 @@ Runs the real wikiextractor 3.1.0 (parallel processes; it keeps only namespace-0
   articles read exactly as they would in the whole dump;
 - it fills {{CURRENTYEAR}}, {{CURRENTMONTH}}, {{CURRENTDAY}}, {{CURRENTHOUR}} and {{CURRENTTIME}} from the clock
   (`time.strftime`, before every page), and templates such as {{age}} expand through them: here every date and
-  time magic word is the dump's date at 00:00:00 UTC (`--date`, DumpDateMagicWords), so the text is the same
+  time magic word is the dump's date at 00:00:00 UTC (`--date-file`, DumpDateMagicWords), so the text is the same
   whatever day and second a part is extracted.
 """
 from __future__ import annotations  # also runs on PyPy 3.9 (the extract rule)
@@ -134,7 +134,7 @@ def date_magic_words(date: datetime.date) -> dict[str, str]:
 CLOCK_WORDS = frozenset(date_magic_words(datetime.date(2000, 1, 1)))  # their names
 
 
-def dump_date(text: str, source: str = "config key 'wikipedia.date'") -> datetime.date:
+def parse_dump_date(text: str, source: str = "config key 'wikipedia.date'") -> datetime.date:
     """The YYYY-MM-DD date `text` (of wikipedia.date, or a file named by `source`)."""
     try:
         if len(text) == 10:  # Python 3.11's fromisoformat also takes 20241001
@@ -147,7 +147,7 @@ def dump_date(text: str, source: str = "config key 'wikipedia.date'") -> datetim
 def read_dump_date(path: str | Path) -> datetime.date:
     """The date a dump date file holds (`YYYY-MM-DD`, as `python -m workflow.data.download date` writes it)."""
     try:
-        return dump_date(Path(path).read_text(encoding="utf-8").strip(), str(path))
+        return parse_dump_date(Path(path).read_text(encoding="utf-8").strip(), str(path))
     except FileNotFoundError as error:
         raise UserError(f"{path}: no such file") from error
 
@@ -155,8 +155,8 @@ def read_dump_date(path: str | Path) -> datetime.date:
 def wikiextractor_main(date: str | None) -> None:
     """wikiextractor's own CLI with its `mark_headers` on (section titles come out as `## Title.` lines), the
     wrapped lines of a paragraph joined (join_wrapped_lines), every date and time magic word that of `date`
-    (YYYY-MM-DD, the dump's date; None: none, they expand to nothing; DumpDateMagicWords), ending with one log line of the pages it read by fate (it
-    skips redirects and other namespaces without a word)."""
+    (YYYY-MM-DD, the dump's date; None: none, they expand to nothing), ending with one log line of the pages it read
+    by fate (it skips redirects and other namespaces without a word)."""
     from wikiextractor import WikiExtractor
     from wikiextractor import extract as wikiextract
     from wikiextractor.extract import Extractor
