@@ -316,7 +316,7 @@ class Device:
 
     def prepare(self, threads: int) -> None:
         if self.is_cuda:
-            torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast, as on any Ampere+ run
+            accelerator.allow_tf32(True)  # fp32 matmuls outside autocast, as on any Ampere+ run
         else:
             torch.set_num_threads(threads)
 

@@ -148,6 +148,27 @@ def test_the_whole_check_runs_on_one_cpu_process_with_its_fast_paths_in_the_resu
     assert re.search(r"^rank   0: optimizer torch.Lamb, attention rows \(SDPA with a mask\), precision fp32; ",
                      capsys.readouterr().err, re.M)
     assert not (tmp_path / "scratch").exists()
+    # Step 1 has no log line or checkpoint: nothing waits for the device; step 2 reads its log window once.
+    assert result["host_syncs"] == {"between_steps": 1, "between_per_step": 0.0, "boundary_steps": 1,
+                                    "boundary_per_step": 1.0}
+    assert (result["matmul_math"], result["mfu"]) == ("fp32", None)  # no datasheet peak for a CPU
+    report(result)
+    assert ("MFU n/a (no datasheet peak; matmuls in fp32); host syncs per optimizer step: 0 between log lines and "
+            "checkpoints (1 step), 1 at them (1 step)") in capsys.readouterr().err.splitlines()
+
+
+def test_mfu_is_measured_against_the_peak_of_the_math_the_matmuls_ran_in(monkeypatch):
+    from workflow.slurm.cluster_check import utilization
+    from workflow.train import accelerator
+
+    monkeypatch.setattr(accelerator, "device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(accelerator, "tf32_native", lambda device: True)
+    env = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cuda", 0), backend="nccl")
+    summary = {"precision": "fp32", "seq_per_s": 200.0, "train_flops_per_sequence": 78e9}
+    assert utilization(summary, env) == {"matmul_math": "tf32", "peak_tflops": 156.0,
+                                         "mfu": pytest.approx(100 * 78e9 / 156e12)}
+    bf16 = utilization({**summary, "precision": "bf16"}, env)
+    assert (bf16["matmul_math"], bf16["peak_tflops"]) == ("bf16", 312.0)
 
 
 def test_with_synthetic_data_the_check_runs_before_the_data_half_on_data_of_the_configured_layout(workflow_copy):

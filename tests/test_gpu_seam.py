@@ -96,16 +96,17 @@ def test_without_apex_or_off_cuda_the_torch_lamb_is_used_saying_why(monkeypatch,
 # ---------------------------------------------------------------- the engine's optimizer step
 
 
-def test_fp16_logs_this_steps_gradient_norm_when_the_scaler_skips_it():
+def test_fp16_gives_this_steps_gradient_norm_and_whether_the_scaler_stepped():
     layer = torch.nn.Linear(3, 1)
     optimizer, scaler = Lamb(param_groups(layer), lr=1e-2), torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(layer(torch.ones(1, 3)).sum()).backward()
-    first = engine._optimizer_step(layer, optimizer, scaler, None)
-    assert first == pytest.approx(2.0)  # d/dw = (1, 1, 1), d/db = 1, unscaled
+    first, stepped = engine._optimizer_step(layer, optimizer, scaler, None)
+    assert first == pytest.approx(2.0) and stepped  # d/dw = (1, 1, 1), d/db = 1, unscaled
     scaler.scale(layer(torch.ones(1, 3)).sum() * float("inf")).backward()  # an overflow: the scaler skips this step
     before = [p.detach().clone() for p in layer.parameters()]
-    skipped = engine._optimizer_step(layer, optimizer, scaler, None)
+    skipped, stepped = engine._optimizer_step(layer, optimizer, scaler, None)
     assert not torch.isfinite(skipped) and all(torch.equal(p, b) for p, b in zip(layer.parameters(), before))
+    assert not stepped  # the engine then leaves the learning-rate schedule where it is
 
 
 @pytest.mark.parametrize("keep_grads", [False, True])
@@ -116,8 +117,8 @@ def test_gradients_are_zeroed_in_place_under_ddp_and_dropped_otherwise_with_eith
         optimizer = optimizer_of(layer)
         layer(torch.ones(1, 3)).sum().backward()
         views = [p.grad for p in layer.parameters()]
-        norm = engine._optimizer_step(layer, optimizer, None, None, keep_grads=keep_grads)
-        assert norm == pytest.approx(2.0)
+        norm, stepped = engine._optimizer_step(layer, optimizer, None, None, keep_grads=keep_grads)
+        assert norm == pytest.approx(2.0) and stepped
         if keep_grads:  # the same tensors (DDP's bucket views), zeroed
             assert all(p.grad is view and not view.any() for p, view in zip(layer.parameters(), views))
         else:
@@ -199,26 +200,18 @@ def test_an_all_padding_micro_batch_alone_trains_on_the_unpadded_path_with_zero_
     assert grads and all(not g.any() for g in grads.values())
 
 
-class HostSyncs(torch.overrides.TorchFunctionMode):
+class HostSyncs(accelerator.DeviceReads):
     """Counts the calls that make CUDA wait for the device: a value read back, or a shape that depends on values."""
 
-    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
-             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu,
-             torch.Tensor.nonzero, torch.nonzero, torch.argwhere, torch.Tensor.argwhere, torch.masked_select,
-             torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.unique_consecutive}
+    SHAPES = {torch.Tensor.nonzero, torch.nonzero, torch.argwhere, torch.Tensor.argwhere, torch.masked_select,
+              torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.unique_consecutive}
 
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def counted(self, func, args, kwargs) -> bool:
         boolean_index = func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (
                 args[1] if isinstance(args[1], tuple) else (args[1],)))
-        if func in self.READS or boolean_index or (func is torch.repeat_interleave and "output_size" not in kwargs):
-            self.calls.append(getattr(func, "__name__", str(func)))
-        return func(*args, **kwargs)
+        return (super().counted(func, args, kwargs) or func in self.SHAPES or boolean_index
+                or (func is torch.repeat_interleave and "output_size" not in kwargs))
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -285,9 +278,52 @@ def test_a_token_id_beyond_the_models_vocabulary_is_named_with_its_shard_at_star
     check_token_ids(shards, vocab, 64)
 
 
-def test_peak_flops_come_from_the_cards_datasheet_for_its_dtype():
+def test_peak_flops_come_from_the_cards_datasheet_for_its_matmul_math():
     assert accelerator.peak_flops("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4e12)
     assert accelerator.peak_flops("NVIDIA H100 PCIe", "bf16") == pytest.approx(756e12)
-    assert accelerator.peak_flops("NVIDIA A100-SXM4-80GB", "fp32") == pytest.approx(156e12)
+    assert accelerator.peak_flops("NVIDIA A100-SXM4-80GB", "tf32") == pytest.approx(156e12)
+    assert accelerator.peak_flops("NVIDIA A100-SXM4-80GB", "fp32") is None  # fp32 there runs as tf32
+    assert accelerator.peak_flops("Tesla V100-SXM2-32GB", "fp32") == pytest.approx(15.7e12)  # no TF32 cores
     assert accelerator.peak_flops("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 tensor cores
     assert accelerator.peak_flops(None, "bf16") is None
+
+
+class Capability:
+    """torch.cuda as far as the compute capability goes (an A100 is (8, 0), a V100 (7, 0))."""
+
+    def __init__(self, major: int, minor: int = 0):
+        self.capability = (major, minor)
+
+    def get_device_capability(self, device=None) -> tuple[int, int]:
+        return self.capability
+
+
+@pytest.fixture
+def tf32_flags():
+    """torch's TF32 switches, put back after the test."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("major, precision, math", [(8, "fp32", "tf32"), (9, "fp32", "tf32"), (7, "fp32", "fp32"),
+                                                     (8, "bf16", "bf16"), (7, "fp16", "fp16")])
+def test_fp32_runs_its_matmuls_in_tf32_where_the_gpu_has_tf32_cores(monkeypatch, tf32_flags, major, precision,
+                                                                   math):
+    from workflow.train.precision import configure_matmuls
+
+    monkeypatch.setattr(accelerator, "cuda", Capability(major))
+    assert configure_matmuls(precision, torch.device("cuda", 0)) == math
+    assert torch.backends.cuda.matmul.allow_tf32 == torch.backends.cudnn.allow_tf32 == (math == "tf32")
+    assert configure_matmuls("fp32", torch.device("cpu")) == "fp32"  # no GPU: nothing to switch
+
+
+def test_the_runs_log_says_its_fp32_matmuls_run_in_tf32(data, tmp_path, monkeypatch, tf32_flags, caplog):  # noqa: F811
+    # The CPU stands in for an Ampere GPU: the engine's own call decides and logs (CPU matmuls ignore the switch).
+    monkeypatch.setattr(accelerator, "tf32_native", lambda device: True)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        phase(data, tmp_path, total_steps=2, log_every=1, checkpoint_every=2)
+    assert "pretrain.phase1: global batch 32 sequences, micro-batches of 16 rows x 1 ranks, fp32 (matmuls in TF32), " \
+           "steps 2/2" in caplog.text
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32

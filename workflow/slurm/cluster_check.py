@@ -8,7 +8,9 @@ model, PretrainingTask, LAMB, DDP, its reads, a checkpoint, the evaluation and e
 scratch run directory (`--run-dir`, emptied before and after; never a phase's); one checkpoint write of its
 model and LAMB state is timed on that filesystem; and the loss of packed rows is compared with the loss of the same
 sequences read unpacked (one per row), which must agree: the packed attention path on this device. Rank 0 prints
-the table to stderr (the rule's log) and writes it as JSON.
+the table to stderr (the rule's log) and writes it as JSON, with the host syncs per optimizer step it measured in the
+trainer's steps (engine.measured_host_syncs: steps between log lines and checkpoints, and the steps at them) and the
+MFU against the card's datasheet peak for the math its matmuls ran in (tf32 for fp32 on compute capability >= 8.0).
 
 First, before the trainer, every rank proves each fast path it will train with against its reference on its own
 device, on a few sequences of the phase-1 data and the configured model (no dropout; `fast_paths`): apex FusedLAMB
@@ -39,10 +41,11 @@ from workflow.cli import UserError, config_sections
 from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
+from workflow.train import engine
 from workflow.train import model as model_module
 from workflow.train.lamb import Lamb, make_optimizer, param_groups
 from workflow.train.model import BertConfig, BertForPreTraining, host_indices
-from workflow.train.precision import autocast, autocast_dtype, resolve_precision
+from workflow.train.precision import autocast, autocast_dtype, matmul_math, resolve_precision
 from workflow.train.pretrain import (PretrainingTask, TrainSettings, build_model, forward, read_vocab_size,
                                      train_phase)
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
@@ -279,8 +282,9 @@ def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, al
         # steps of about one micro-batch (micro_batch_size rows) per rank: the phase's shapes, not its accumulation
         per_row = sum(shard.n for shard in shards) / sum(shard.rows for shard in shards)
         s = dataclasses.replace(s, global_batch_size=max(1, int(s.micro_batch_size * per_row)) * env.world_size,
-                                max_steps=min(steps, s.total_steps), checkpoint_every=steps, log_every=max(1, steps // 4))
-        summary = train_phase(s, env)
+                                max_steps=min(steps, s.total_steps), checkpoint_every=steps, log_every=max(2, steps // 4))
+        with engine.measured_host_syncs() as syncs:
+            summary = train_phase(s, env)
         distributed.barrier()  # rank 0 has exported the model the comparison loads
         losses = packed_unpacked_losses(s, scratch / "model", env, sequences=16)
         gathered = gather(env, losses)
@@ -291,12 +295,33 @@ def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, al
                       "optimizer": summary["optimizer"], "seq_length": summary["seq_length"], "steps": summary["steps"],
                       "sequences_per_second": summary["seq_per_s"], "real_tokens_per_s": summary["real_tokens_per_s"],
                       "test_mlm_accuracy": summary.get("test_mlm_accuracy"),
-                      **checkpoint_write(scratch / "run", scratch / "write"), "packed_vs_unpacked": gathered}
+                      **checkpoint_write(scratch / "run", scratch / "write"), "packed_vs_unpacked": gathered,
+                      "host_syncs": syncs_per_step(syncs), **utilization(summary, env)}
             shutil.rmtree(scratch, ignore_errors=True)
         distributed.barrier()
         return result
     finally:
         distributed.cleanup()
+
+
+def syncs_per_step(record: dict) -> dict:
+    """Host syncs per optimizer step on steps between log lines and checkpoints, and on the steps at them."""
+    return {f"{kind}_{name}": value for kind in ("between", "boundary")
+            for name, value in (("steps", record.get(f"{kind}_steps", 0)),
+                                ("per_step", record.get(f"{kind}_syncs", 0) / max(1, record.get(f"{kind}_steps", 0))))}
+
+
+def utilization(summary: dict, env) -> dict:
+    """MFU: the model FLOPs per second per device over the datasheet peak of the math its matmuls ran in (None: no
+    peak for this device)."""
+    math = matmul_math(summary["precision"], env.device)
+    peak = accelerator.peak_flops(accelerator.device_name(env.device), math)
+    flops = summary["seq_per_s"] * summary["train_flops_per_sequence"] / env.world_size
+    return {"matmul_math": math, "peak_tflops": peak and peak / 1e12, "mfu": flops / peak if peak else None}
+
+
+def _steps(count: int) -> str:
+    return f"{count} step{'s' if count != 1 else ''}"
 
 
 def report(result: dict) -> None:
@@ -309,6 +334,13 @@ def report(result: dict) -> None:
           f"phase 1 (seq {result['seq_length']}, {result['precision']}, {result['optimizer']}): "
           f"{result['sequences_per_second']:.1f} seq/s over {result['steps']} steps; checkpoint "
           f"{result['checkpoint_bytes'] / 1e9:.2f} GB written in {result['checkpoint_write_s']:.1f} s", file=sys.stderr)
+    mfu = (f"{result['mfu']:.1%} of {result['peak_tflops']:g} TFLOP/s (datasheet dense {result['matmul_math']})"
+           if result.get("mfu") is not None else f"n/a (no datasheet peak; matmuls in {result.get('matmul_math')})")
+    syncs = result.get("host_syncs")
+    if syncs:
+        print(f"MFU {mfu}; host syncs per optimizer step: {syncs['between_per_step']:g} between log lines and "
+              f"checkpoints ({_steps(syncs['between_steps'])}), {syncs['boundary_per_step']:g} at them "
+              f"({_steps(syncs['boundary_steps'])})", file=sys.stderr)
     agreement = result["packed_vs_unpacked"]
     if agreement[0]["packed"]:
         worst = max(a["relative_difference"] for a in agreement)

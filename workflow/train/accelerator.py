@@ -8,14 +8,22 @@ API:
                                   count changes every micro-batch), and for deterministic runs CUBLAS_WORKSPACE_CONFIG
                                   plus torch.use_deterministic_algorithms; a value the user set wins
     available() / device_count() / set_device(device) / device_name(device) / bf16_native(device)
+    tf32_native(device) / allow_tf32(enabled)   TF32 tensor cores (compute capability >= 8.0); fp32 matmuls and
+                                  convolutions on them
     rng_state(device) / set_rng_state(state, device)   the CUDA generator of this rank's own device only: a
                                   checkpoint restores onto any number of visible devices
     synchronize(device)           wait for the queued kernels (nothing on CPU)
+    host_buffer(device) / record_event(device) / wait_event(event)   a host tensor a device value is copied into
+                                  behind the queued work (pinned on CUDA), and the event that says it has arrived
+    counting_host_syncs(device) -> list   within it, each call that makes the host wait for the device: on CUDA
+                                  what its sync debug mode reports, on CPU the reads that would wait on CUDA
+                                  (DeviceReads, a torch function mode)
     reset_peak_memory(device) / peak_memory_bytes(device)
     fused_lamb(device) -> (class | None, reason)   apex FusedLAMB where it can run (CUDA, apex importable)
     attention_kernel(device, dtype, head_size) -> "flash" | "efficient" | "math"   SDPA's first usable kernel
                                   for nested (varlen) attention on `device`; "math" off CUDA
-    peak_flops(device_name, precision) -> float | None   the card's datasheet dense peak (FLOP/s) for that dtype
+    peak_flops(device_name, math) -> float | None   the card's datasheet dense peak (FLOP/s) for the matmuls' math
+                                  (bf16, fp16, tf32, fp32)
     host_syncs(device, run) -> str | None   what made `run()` wait for the device (CUDA's sync debug mode "error"):
                                   "" none, else the error; None off CUDA (nothing to wait for)
 """
@@ -34,18 +42,19 @@ FUSED_LAMB_DEVICE_TYPES = ("cuda",)  # apex's kernels are CUDA kernels; a test a
 ALLOCATOR = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 CUBLAS = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what cuBLAS needs for reproducible matmuls (CUDA >= 10.2)
 
-# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, in TFLOP/s: bf16/fp16, and tf32 for fp32 runs.
-# The first name fragment found in torch.cuda.get_device_name() wins (so "H100 PCIe" before "H100").
+# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, in TFLOP/s: bf16/fp16, tf32 (fp32 runs on compute
+# capability >= 8.0), fp32 where no TF32 exists (V100). The first name fragment found in torch.cuda.get_device_name()
+# wins (so "H100 PCIe" before "H100").
 DATASHEET_TFLOPS = (
-    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 378.0}),
-    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
-    ("GH200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
-    ("B200", {"bf16": 2250.0, "fp16": 2250.0, "fp32": 1100.0}),
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}),
-    ("A800", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}),
-    ("L40S", {"bf16": 362.1, "fp16": 362.1, "fp32": 183.0}),
-    ("A10", {"bf16": 125.0, "fp16": 125.0, "fp32": 62.5}),
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0}),
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7}),
+    ("GH200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7}),
+    ("B200", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0}),
+    ("A800", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0}),
+    ("L40S", {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0}),
+    ("A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5}),
     ("V100", {"fp16": 125.0, "fp32": 15.7}),
 )
 
@@ -79,6 +88,17 @@ def bf16_native(device: torch.device) -> bool:
     return device.type == "cuda" and cuda.is_bf16_supported(including_emulation=False)
 
 
+def tf32_native(device: torch.device) -> bool:
+    """TF32 tensor cores: Ampere and newer (compute capability >= 8.0)."""
+    return device.type == "cuda" and cuda.get_device_capability(device) >= (8, 0)
+
+
+def allow_tf32(enabled: bool) -> None:
+    """fp32 matmuls (cuBLAS) and convolutions (cuDNN) on TF32 tensor cores: fp32's range, a 10-bit mantissa."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 def rng_state(device: torch.device):
     """The CUDA generator state of `device` (this rank's), None off CUDA. Never all visible devices' states: a
     resume may see fewer (8-GPU nodes, then 4), and set_rng_state_all would raise IndexError there."""
@@ -93,6 +113,27 @@ def set_rng_state(state, device: torch.device) -> None:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         cuda.synchronize(device)
+
+
+def host_buffer(device: torch.device) -> torch.Tensor:
+    """A float32 scalar in host memory that a copy from `device` (of a float32) may fill behind the queued work (pinned
+    on CUDA: a copy into pageable memory would wait)."""
+    return torch.zeros((), pin_memory=device.type == "cuda")
+
+
+def record_event(device: torch.device):
+    """An event after the work queued on `device` so far (None on CPU: its work is done when queued)."""
+    if device.type != "cuda":
+        return None
+    event = cuda.Event()
+    event.record()
+    return event
+
+
+def wait_event(event) -> None:
+    """Wait until the work before `event` is done; the work queued after it keeps running."""
+    if event is not None:
+        event.synchronize()
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -134,11 +175,12 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, h
     return "math"
 
 
-def peak_flops(name: str | None, precision: str) -> float | None:
-    """FLOP/s of the card called `name` at `precision` (bf16, fp16, fp32 as tf32) from its datasheet (None: unknown)."""
+def peak_flops(name: str | None, math: str) -> float | None:
+    """FLOP/s of the card called `name` for matmuls in `math` (bf16, fp16, tf32, fp32) from its datasheet (None: not
+    in the table)."""
     for fragment, peaks in DATASHEET_TFLOPS:
-        if name and fragment in name and precision in peaks:
-            return peaks[precision] * 1e12
+        if name and fragment in name and math in peaks:
+            return peaks[math] * 1e12
     return None
 
 
@@ -155,3 +197,47 @@ def host_syncs(device: torch.device, run) -> str | None:
         return str(error).splitlines()[0]
     finally:
         cuda.set_sync_debug_mode("default")
+
+
+# What waits for the device on CUDA, read on CPU: a value read back, or a tensor built on the device from host memory.
+DEVICE_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+                torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+
+
+class DeviceReads(torch.overrides.TorchFunctionMode):
+    """The CPU's count, into `calls`: each read of DEVICE_READS, and torch.tensor(..., device=...) (a copy from
+    pageable memory)."""
+
+    def __init__(self, calls: list | None = None):
+        super().__init__()
+        self.calls = [] if calls is None else calls
+
+    def counted(self, func, args, kwargs) -> bool:
+        return func in DEVICE_READS or (func is torch.tensor and kwargs.get("device") is not None)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.counted(func, args, kwargs):
+            self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def counting_host_syncs(device: torch.device):
+    """A list of what made the host wait for `device` within the block: CUDA's sync debug mode's warnings on CUDA;
+    on CPU (nothing waits there) the calls that would wait on CUDA, so that a CPU test sees them."""
+    calls: list = []
+    if device.type != "cuda":
+        with DeviceReads(calls):
+            yield calls
+        return
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cuda.set_sync_debug_mode("warn")
+        try:
+            yield calls
+        finally:
+            cuda.set_sync_debug_mode("default")
+            calls.extend(str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message))

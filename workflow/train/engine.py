@@ -24,9 +24,21 @@ Input pipeline: `loader_workers` processes (a torch DataLoader over the steps' p
 micro-batches `prefetch_steps` steps ahead of the training thread, into pinned memory on CUDA.
 
 Optimizer step: the module's zero_grad (apex FusedLAMB's own takes no argument): gradients set to None, or under DDP
-zeroed in place so they stay views of its buckets (gradient_as_bucket_view). The logged gradient norm is the step's
-own, also when fp16's scaler skips the step. Each rank's checkpointed RNG state holds the CUDA generator of its own
-device only (workflow/train/accelerator.py), so a resume may see fewer GPUs per node.
+zeroed in place so they stay views of its buckets (gradient_as_bucket_view). Each rank's checkpointed RNG state holds
+the CUDA generator of its own device only (workflow/train/accelerator.py), so a resume may see fewer GPUs per node.
+fp32 on a GPU with TF32 tensor cores runs its matmuls in TF32 (precision.configure_matmuls; the start line says so).
+
+Skipped steps (fp16): when GradScaler finds an inf/nan gradient it skips the optimizer step and lowers its scale. The
+learning-rate schedule then does not advance (it counts the optimizer steps that happened, known on the host from the
+optimizer's step hook: the scaler has read found_inf already), the metrics line counts the window's `skipped_steps`,
+and its `grad_norm` averages the finite norms only. The checkpoint holds the run's skipped total beside the schedule's
+and the scaler's state, so a resumed run continues exactly.
+
+Host syncs: none on a step without a log line, a checkpoint or an evaluation (fp16: GradScaler's own one, which
+decides whether the optimizer steps). The step's sums (losses, counts, gradient norms) stay on the device until a log
+line reads them once; the stop-signal vote is all-reduced on the device each step and read one step later from host
+memory (at once at a boundary), so every rank still stops after the same step. measured_host_syncs() counts them per
+step (accelerator.counting_host_syncs); cluster_check reports them.
 
 Held-out evaluation: LoopSettings.evaluate(model) (every rank calls it; it returns the all-reduced metrics) runs
 every `eval_every` steps, before that step's checkpoint; its metrics and train_time_s (the training time so far, the
@@ -57,9 +69,10 @@ from tqdm import tqdm
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError
+from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
-from workflow.train.precision import autocast, grad_scaler
+from workflow.train.precision import autocast, configure_matmuls, grad_scaler
 from workflow.train.telemetry import GpuTelemetry
 
 log = logging.getLogger("engine")
@@ -112,6 +125,7 @@ class Outcome:
     train_time_s: float
     stopped: int | None = None    # exit code (128 + signal) when a signal stopped the run
     micro_batches_per_step: float | None = None  # this rank's mean over the steps this run trained
+    skipped_steps: int = 0        # fp16 steps GradScaler skipped over the whole run (resumed attempts included)
     evaluation: dict | None = None  # the held-out metrics at `step`, when the loop evaluated there
 
 
@@ -196,11 +210,73 @@ def _restore_rng(states: list, env, seed: int, step: int) -> None:
         torch.manual_seed(hash((seed, env.rank, step)) % 2**63)
 
 
-def _stop_signal(stop, env) -> int:
-    """The signal number any rank received (0: none): every rank stops after the same step with the same code."""
-    flag = torch.tensor(float(stop.received or 0), device=env.device)
-    distributed.all_reduce_(flag, op="max")
-    return int(flag.item())
+class StopVote:
+    """The signal number any rank received (0: none), agreed by all ranks without a host sync per step: each step's
+    vote is all-reduced on the device and copied into host memory behind the step's work; previous() reads the last
+    step's (waiting for that copy only, not for the work queued after it), current() this step's (where the loop
+    waits for the device anyway: a log line, a checkpoint). Every rank reads the same votes at the same steps, so all
+    stop after the same step with the same code."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.flag = device, torch.zeros((), device=device)
+        self.buffers = [accelerator.host_buffer(device) for _ in range(2)]  # this step's vote and the last one's
+        self.values = [buffer.numpy() for buffer in self.buffers]  # reading a numpy view reads host memory only
+        self.events, self.cast_at, self.slot = [None, None], [False, False], 0
+
+    def cast(self, received: int | None) -> None:
+        self.flag.fill_(float(received or 0))  # a kernel argument: no copy from pageable memory
+        distributed.all_reduce_(self.flag, op="max")
+        self.slot ^= 1
+        self.buffers[self.slot].copy_(self.flag, non_blocking=True)
+        self.events[self.slot], self.cast_at[self.slot] = accelerator.record_event(self.device), True
+
+    def _read(self, slot: int) -> int:
+        if not self.cast_at[slot]:
+            return 0
+        accelerator.wait_event(self.events[slot])
+        return int(self.values[slot])
+
+    def previous(self) -> int:
+        return self._read(self.slot ^ 1)
+
+    def current(self) -> int:
+        return self._read(self.slot)
+
+
+_MEASURED: list[dict] = []  # the records of the measured_host_syncs() blocks open now
+
+
+@contextlib.contextmanager
+def measured_host_syncs():
+    """Within it, train() counts each step's host syncs into the yielded dict: between_steps / between_syncs (steps
+    with no log line, checkpoint or evaluation), boundary_steps / boundary_syncs, and calls (each step's list)."""
+    record: dict = {}
+    _MEASURED.append(record)
+    try:
+        yield record
+    finally:
+        _MEASURED.remove(record)
+
+
+class _StepSyncs(contextlib.ExitStack):
+    """The host syncs of each step into the open measured_host_syncs() record (nothing without one)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device, self.record, self.calls = device, _MEASURED[-1] if _MEASURED else None, None
+
+    def begin(self) -> None:
+        if self.record is not None:
+            self.calls = self.enter_context(accelerator.counting_host_syncs(self.device))
+
+    def end(self, boundary: bool) -> None:
+        if self.record is None:
+            return
+        self.close()  # counting_host_syncs fills `calls` as it exits
+        kind = "boundary" if boundary else "between"
+        self.record[f"{kind}_steps"] = self.record.get(f"{kind}_steps", 0) + 1
+        self.record[f"{kind}_syncs"] = self.record.get(f"{kind}_syncs", 0) + len(self.calls)
+        self.record.setdefault("calls", []).append(self.calls)
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -290,8 +366,9 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
     run_dir = Path(s.run_dir)
     checkpoint_dir, metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
     scaler = grad_scaler(s.precision, env.device)
+    matmuls = configure_matmuls(s.precision, env.device)
 
-    step, consumed, train_time = 0, 0, 0.0
+    step, consumed, train_time, skipped = 0, 0, 0.0, 0
     state, path = choose_checkpoint(checkpoint_dir, env)
     if state is not None:
         if "consumed" not in state:
@@ -304,6 +381,7 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         step, consumed, train_time = state["step"], state["consumed"], state["train_time_s"]
+        skipped = state.get("skipped_steps", 0)
         _restore_rng(state["rng"], env, s.seed, step)
         log.info("resumed from %s at step %d/%d (%d sequences consumed, %d ranks then, %d now)", path, step,
                  s.total_steps, consumed, len(state["rng"]), env.world_size)
@@ -324,8 +402,8 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
     ddp = getattr(train_model, "_orig_mod", train_model)  # under torch.compile, no_sync lives on the DDP module
     split = (f"micro-batches of {s.micro_batch_size} rows" if by_rows else
              f"{s.micro_batch_size} micro x {accumulation} accumulation") + f" x {env.world_size} ranks"
-    log.info("%s: global batch %d sequences, %s, %s, steps %d/%d", s.config_key, s.global_batch_size, split,
-             s.precision, max_steps, s.total_steps)
+    log.info("%s: global batch %d sequences, %s, %s%s, steps %d/%d", s.config_key, s.global_batch_size, split,
+             s.precision, " (matmuls in TF32)" if matmuls == "tf32" else "", max_steps, s.total_steps)
 
     def save():
         rng = _gather_rng(env)
@@ -333,24 +411,26 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
             ckpt.save_checkpoint(checkpoint_dir, step, {
                 "step": step, "consumed": consumed, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else {},
-                "rng": rng, "train_time_s": train_time, "fingerprint": fingerprint,
+                "rng": rng, "train_time_s": train_time, "fingerprint": fingerprint, "skipped_steps": skipped,
             }, s.keep_checkpoints)
         distributed.barrier()  # no rank leaves (or exits) before the checkpoint is on disk
 
     window, window_steps, window_start = {}, 0, time.perf_counter()
+    vote = StopVote(env.device)
     loader = step_batches(task, [consumed + k * s.global_batch_size for k in range(max_steps - step)], s, env)
     model.train()
     first_step, micro_batches, evaluation = step, 0, None
     with ckpt.StopSignals() as stop, GpuTelemetry(run_dir / "gpu_telemetry.csv",  # every node's
                                                   enabled=env.local_rank == 0 and s.telemetry,
                                                   merge=env.is_main), \
-            _scalars(run_dir / "tensorboard", step, env.is_main) as scalars:
+            _scalars(run_dir / "tensorboard", step, env.is_main) as scalars, _StepSyncs(env.device) as syncs:
         # A bar on a terminal; in a log file (logs/), the periodic metrics lines alone (no carriage returns).
         progress = tqdm(total=max_steps, initial=step, desc=s.config_key, file=sys.stderr,
                         disable=not env.is_main or not sys.stderr.isatty())
         while step < max_steps:
             started = time.perf_counter()
             batches = [_to_device(batch, env.device) for batch in next(loader)]
+            syncs.begin()  # from here (the batch read on the host) to the step's end
             micro_batches += len(batches)
             totals = _sum_counts(task, batches, env)
             for index, batch in enumerate(batches):
@@ -363,12 +443,19 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
                     (scaler.scale(loss) if scaler is not None else loss).backward()
                 for key, value in out.items():
                     window[key] = window.get(key, 0) + value.detach().float()
-            grad_norm = _optimizer_step(model, optimizer, scaler, s.clip_grad_norm, keep_grads=env.distributed)
-            scheduler.step()
+            grad_norm, stepped = _optimizer_step(model, optimizer, scaler, s.clip_grad_norm,
+                                                 keep_grads=env.distributed)
+            if stepped:
+                scheduler.step()  # the schedule counts optimizer steps: a skipped one does not advance it
+            else:
+                skipped += 1
+                window["skipped_steps"] = window.get("skipped_steps", 0) + 1
             step += 1
             consumed += s.global_batch_size
             window_steps += 1
-            window["grad_norm"] = window.get("grad_norm", 0) + grad_norm
+            finite = torch.isfinite(grad_norm)  # an overflow's inf/nan norm stays out of the mean
+            window["grad_norm"] = window.get("grad_norm", 0) + torch.where(finite, grad_norm, 0.0)
+            window["finite_grad_norms"] = window.get("finite_grad_norms", 0) + finite.float()
             evaluation, line = None, {}
             if s.evaluate is not None and s.eval_every and step % s.eval_every == 0:
                 evaluated = time.perf_counter()
@@ -378,13 +465,17 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
                 started, window_start = started + spent, window_start + spent  # training time and throughput only
                 if env.is_main:
                     log.info("step %d held-out %s", step, ", ".join(f"{k} {v:.4g}" for k, v in evaluation.items()))
-            if step % s.log_every == 0 or step == max_steps or line:
+            logged = step % s.log_every == 0 or step == max_steps or bool(line)
+            if logged:
                 _log_metrics(task, window, window_steps, time.perf_counter() - window_start, step, max_steps,
-                             scheduler, s, env, metrics_path, scalars, line)
+                             scheduler, scaler, s, env, metrics_path, scalars, line)
                 window, window_steps, window_start = {}, 0, time.perf_counter()
             train_time += time.perf_counter() - started
             progress.update(1)
-            stop_now = _stop_signal(stop, env)
+            vote.cast(stop.received)
+            boundary = logged or step % s.checkpoint_every == 0
+            stop_now = vote.current() if boundary else vote.previous()
+            syncs.end(boundary)
             if step % s.checkpoint_every == 0 or step == max_steps or stop_now:
                 if scalars is not None:
                     scalars.flush()  # the scalars up to a checkpoint outlive a crash after it
@@ -393,10 +484,10 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
             if stop_now:
                 progress.close()
                 log.warning("stopped by signal at step %d; rerun to resume", step)
-                return Outcome(step, train_time, 128 + stop_now)
+                return Outcome(step, train_time, 128 + stop_now, skipped_steps=skipped)
         progress.close()
     return Outcome(step, train_time, micro_batches_per_step=micro_batches / (step - first_step) if step > first_step
-                   else None, evaluation=evaluation)
+                   else None, evaluation=evaluation, skipped_steps=skipped)
 
 
 def _sum_counts(task: Task, batches: list, env) -> dict:
@@ -407,9 +498,10 @@ def _sum_counts(task: Task, batches: list, env) -> dict:
     return {k: v.clamp(min=1).float() for k, v in zip(keys, values)}  # exact in fp32 up to 2^24
 
 
-def _optimizer_step(model, optimizer, scaler, clip: float | None, keep_grads: bool = False) -> torch.Tensor:
+def _optimizer_step(model, optimizer, scaler, clip: float | None, keep_grads: bool = False) -> tuple[torch.Tensor, bool]:
     """Unscale (fp16), clip, step, zero the gradients (in place with `keep_grads`: DDP's bucket views, else None);
-    returns this step's pre-clip global gradient norm, also when fp16's scaler skips the step."""
+    returns this step's pre-clip global gradient norm (also when fp16's scaler skips the step: inf or nan then) and
+    whether the optimizer stepped (False: the scaler skipped it)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = None
@@ -419,16 +511,25 @@ def _optimizer_step(model, optimizer, scaler, clip: float | None, keep_grads: bo
         # LAMB's own norm is last step's when the scaler skips this one; apex FusedLAMB does not expose its norm.
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    stepped = scaler is None
     if scaler is not None:
-        scaler.step(optimizer)
+        # Whether the scaler stepped, without reading found_inf once more: the optimizer's own step hook (every
+        # torch.optim.Optimizer, apex's included, runs it) fires only when it steps.
+        calls = []
+        hook = optimizer.register_step_post_hook(lambda *_: calls.append(True))
+        try:
+            scaler.step(optimizer)
+        finally:
+            hook.remove()
         scaler.update()
+        stepped = bool(calls)
     else:
         optimizer.step()
     if grad_norm is None:  # LAMB's own (None only if it never saw a gradient)
         grad_norm = optimizer.last_grad_norm if optimizer.last_grad_norm is not None else torch.tensor(float("nan"))
     # The module's zero_grad, not the optimizer's: apex FusedLAMB.zero_grad() takes no argument.
     model.zero_grad(set_to_none=not keep_grads)
-    return grad_norm.detach().float().to(next(model.parameters()).device)
+    return grad_norm.detach().float().to(next(model.parameters()).device), stepped
 
 
 @contextlib.contextmanager
@@ -451,21 +552,26 @@ def _eta(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
 
 
-def _log_metrics(task, window, steps, elapsed, step, max_steps, scheduler, s, env, path: Path, scalars,
+def _log_metrics(task, window, steps, elapsed, step, max_steps, scheduler, scaler, s, env, path: Path, scalars,
                  evaluation: dict) -> None:
+    skipped = window.pop("skipped_steps", 0)  # a host count, the same on every rank (the gradients are all-reduced)
     keys = sorted(window)
-    values = distributed.all_reduce_(torch.stack([torch.as_tensor(window[k]).float() for k in keys]))
-    sums = dict(zip(keys, values.tolist()))
+    values = distributed.all_reduce_(torch.stack([window[k].float() for k in keys]))
+    sums = dict(zip(keys, values.tolist()))  # the window's one read of the device
     sequences = steps * s.global_batch_size
+    finite = sums.pop("finite_grad_norms")
     record = {"step": step, **task.metrics(sums, steps, sequences, elapsed, step), "lr": scheduler.get_last_lr()[0],
-              "grad_norm": sums["grad_norm"] / (steps * env.world_size),
+              "grad_norm": sums["grad_norm"] / finite if finite else None,  # None: every step skipped
+              **({"skipped_steps": skipped} if scaler is not None else {}),
               "seq_per_s": sequences / max(elapsed, 1e-9), **evaluation}
     if env.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         for key, value in record.items():
-            if key != "step":
+            if key != "step" and value is not None:
                 scalars.add_scalar(key, value, step)
-        log.info("step %d/%d loss %.4f lr %.3g %.0f seq/s ETA %s", step, max_steps, record.get("loss", float("nan")),
-                 record["lr"], record["seq_per_s"], _eta((max_steps - step) * elapsed / steps))
+        log.info("step %d/%d loss %.4f lr %.3g %.0f seq/s ETA %s%s", step, max_steps,
+                 record.get("loss", float("nan")), record["lr"], record["seq_per_s"],
+                 _eta((max_steps - step) * elapsed / steps),
+                 f"; {skipped} step(s) skipped by fp16's loss scaler (inf/nan gradients)" if skipped else "")

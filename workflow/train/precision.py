@@ -1,4 +1,5 @@
-"""Mixed precision shared by every training stage: choosing fp32/bf16/fp16, autocast, and fp16's GradScaler.
+"""Mixed precision shared by every training stage: choosing fp32/bf16/fp16, the matmuls' math (TF32 for fp32 on GPUs
+that have it), autocast, and fp16's GradScaler.
 
 Its CUDA-only call (is bf16 native?) goes through workflow/train/accelerator.py, as every other one does.
 """
@@ -17,6 +18,21 @@ def resolve_precision(precision: str, device: torch.device, config_key: str) -> 
     if precision == "fp16" and device.type != "cuda":
         raise UserError(f"config {config_key}: fp16 needs a CUDA device (use fp32 or bf16 on CPU)")
     return precision
+
+
+def matmul_math(precision: str, device: torch.device) -> str:
+    """What the matmuls of `precision` run in on `device`: tf32 for fp32 on TF32 tensor cores (compute capability
+    >= 8.0), else `precision` itself; its datasheet peak is the one MFU is measured against."""
+    return "tf32" if precision == "fp32" and accelerator.tf32_native(device) else precision
+
+
+def configure_matmuls(precision: str, device: torch.device) -> str:
+    """fp32 matmuls and convolutions on TF32 tensor cores where the GPU has them (fp32's range, a 10-bit mantissa; an
+    A100's datasheet: 156 TFLOP/s against 19.5 in fp32); returns matmul_math for the run's log."""
+    math = matmul_math(precision, device)
+    if math == "tf32":
+        accelerator.allow_tf32(True)
+    return math
 
 
 def autocast_dtype(precision: str) -> torch.dtype:

@@ -1,0 +1,128 @@
+"""The long run's step accounting on CPU: fp16 steps the loss scaler skips leave the learning-rate schedule where it
+was, are counted and keep inf out of the logged gradient norm (also across a resume); no host sync on a step between
+log lines and checkpoints (counted through accelerator.counting_host_syncs, what would wait for a GPU); the stop vote
+read one step late."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_pretrain import data, read_metrics, settings  # noqa: F401  (the data fixture)
+from workflow.train import accelerator, engine
+from workflow.train.pretrain import pretrain
+
+
+def metrics(s) -> list[dict]:
+    return read_metrics(s.out_metrics)
+
+
+@pytest.fixture
+def fp16_on_cpu(monkeypatch):
+    """fp16 is refused off CUDA (no speed-up there): the device allows it here; GradScaler and autocast run for real."""
+    import workflow.train.pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "resolve_precision", lambda chosen, device, key: chosen)
+
+
+@pytest.fixture
+def overflow_at(monkeypatch):
+    """overflow_at(steps): the gradient of the optimizer steps numbered `steps` (counted over the whole test, resumes
+    included) holds an inf, as an fp16 overflow leaves it."""
+    real, calls, chosen = engine._optimizer_step, [0], set()
+
+    def step(model, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] in chosen:
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_optimizer_step", step)
+    return chosen.update
+
+
+def test_a_skipped_fp16_step_leaves_the_schedule_counts_the_skip_and_keeps_grad_norm_finite(
+        data, tmp_path, fp16_on_cpu, overflow_at):  # noqa: F811
+    common = dict(total_steps=8, log_every=1, checkpoint_every=8, precision="fp16", eval_max_sequences=16)
+    reference = settings(data, tmp_path / "reference", **common)
+    pretrain(reference)
+    overflow_at({8 + 3})  # the 3rd step of the second run (the reference took 8)
+    skipped = settings(data, tmp_path / "skipped", **common)
+    pretrain(skipped)
+    expected, got = metrics(reference), metrics(skipped)
+    assert [m["skipped_steps"] for m in expected] == [0] * 8
+    assert [m["skipped_steps"] for m in got] == [0, 0, 1, 0, 0, 0, 0, 0]
+    # The schedule stands still on the skipped step: from step 3 on, each lr is the reference's one step earlier.
+    assert [m["lr"] for m in got] == [m["lr"] for m in expected[:2]] + [m["lr"] for m in expected[1:7]]
+    assert expected[1]["lr"] != expected[2]["lr"]  # (the warm-up moves it every step)
+    # The skipped step's inf norm is in no mean: its line (a window of that step alone) has none.
+    norms = [m["grad_norm"] for m in got]
+    assert norms[2] is None and all(0 < n < float("inf") for n in norms[:2] + norms[3:])
+    assert norms[:2] == [m["grad_norm"] for m in expected[:2]]
+    state = torch.load(Path(skipped.run_dir) / "checkpoints" / "step_00000008.pt", weights_only=False)
+    assert state["skipped_steps"] == 1 and state["scheduler"]["last_epoch"] == 7
+
+
+def test_a_run_resumed_after_a_skipped_fp16_step_equals_the_uninterrupted_one(data, tmp_path, fp16_on_cpu,
+                                                                             overflow_at):  # noqa: F811
+    common = dict(total_steps=8, log_every=2, checkpoint_every=2, precision="fp16", eval_max_sequences=16)
+    overflow_at({3, 8 + 3})
+    whole = settings(data, tmp_path / "whole", **common)
+    pretrain(whole)
+    resumed = settings(data, tmp_path / "resumed", **common)
+    pretrain(settings(data, tmp_path / "resumed", **common, max_steps=4))  # optimizer steps 9..12: the skip at 11
+    pretrain(resumed)
+    assert metrics(resumed) == [{**m, "seq_per_s": r["seq_per_s"], "tokens_per_s": r["tokens_per_s"],
+                                 "real_tokens_per_s": r["real_tokens_per_s"]}
+                                for m, r in zip(metrics(whole), metrics(resumed))]
+    assert [m["skipped_steps"] for m in metrics(resumed)] == [0, 1, 0, 0]
+    assert all(0 < m["grad_norm"] < float("inf") for m in metrics(resumed))  # steps 3-4: step 4's finite norm
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(Path(s.out_model) / "model.safetensors")) for s in (whole, resumed))
+    assert len(a) > 10 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("precision, per_step", [("fp32", 0), ("fp16", 1)])
+def test_no_host_sync_on_a_step_between_log_lines_and_checkpoints(data, tmp_path, fp16_on_cpu, precision,  # noqa: F811
+                                                                 per_step):
+    # Reads by a loader worker (the host's own work on host tensors) are outside the training thread's count.
+    s = settings(data, tmp_path, total_steps=12, log_every=4, checkpoint_every=6, precision=precision,
+                 loader_workers=1, eval_max_sequences=16)
+    with engine.measured_host_syncs() as syncs:
+        pretrain(s)
+    # Boundaries: log lines at 4, 8, 12, checkpoints at 6, 12; fp16: GradScaler reads found_inf to decide each step.
+    assert (syncs["between_steps"], syncs["boundary_steps"]) == (8, 4)
+    assert syncs["between_syncs"] == 8 * per_step, syncs["calls"]
+    log_steps = [syncs["calls"][k - 1] for k in (4, 8)]
+    assert all(calls == ["item"] * per_step + ["tolist"] for calls in log_steps), log_steps  # the window's one read
+    assert syncs["calls"][6 - 1] == ["item"] * per_step  # a checkpoint step (its write is not part of the step)
+
+
+def test_the_counter_sees_what_waits_for_a_gpu_and_nothing_else():
+    device = torch.device("cpu")
+    with accelerator.counting_host_syncs(device) as calls:
+        x = torch.ones(3)
+        y = (x * 2).sum()
+        x.fill_(4.0)
+        host = torch.zeros(())
+        host.copy_(y, non_blocking=True)
+    assert calls == []
+    with accelerator.counting_host_syncs(device) as calls:
+        y.item(), x.tolist(), float(y), torch.tensor(1.0, device=device), x.cpu()
+    assert calls == ["item", "tolist", "__float__", "tensor", "cpu"]
+
+
+def test_the_stop_vote_is_read_one_step_late_between_boundaries_and_at_once_at_them():
+    vote = engine.StopVote(torch.device("cpu"))
+    assert vote.previous() == 0 and vote.current() == 0
+    vote.cast(None)
+    assert (vote.previous(), vote.current()) == (0, 0)
+    vote.cast(10)  # SIGUSR1 received during this step
+    assert (vote.previous(), vote.current()) == (0, 10)
+    vote.cast(None)
+    assert vote.previous() == 10  # every rank stops after this step
+    vote.cast(15)
+    with accelerator.counting_host_syncs(torch.device("cpu")) as calls:
+        assert vote.current() == 15
+    assert calls == []
