@@ -11,7 +11,7 @@ API:
     all_reduce_(tensor, op="sum") in place; a no-op in a 1-process run
     broadcast_object(obj, src=0) the object from rank `src` (identity in a 1-process run)
     barrier(group=None)          wait for every rank (a no-op in a 1-process run)
-    patient_group()              a gloo group whose barrier never times out (None in a 1-process run)
+    patient_group(), patient_barrier(group)   a wait for every rank with no timeout (rank 0's export)
     local_world_size()           ranks on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's tasks per node), else 1
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from workflow.cli import UserError
 from workflow.train import accelerator
 
 log = logging.getLogger(__name__)
-# A patient group's timeout: longer than any job's time limit, so only a rank's death ends its wait.
+# A patient barrier's timeout: longer than any job's time limit, so only a rank's death ends its wait.
 PATIENT_TIMEOUT = timedelta(days=365)
 
 
@@ -140,19 +140,25 @@ def broadcast_object(obj, src: int = 0):
     return obj
 
 
-def barrier(group=None) -> None:
+def barrier(group=None, timeout: timedelta | None = None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group)
+        dist.barrier(group=group, timeout=timeout)
 
 
 def patient_group():
-    """A gloo group of every rank whose barrier waits as long as it takes (None in a 1-process run): the other ranks
-    wait in it for work of rank 0 that has no bound, such as the export to slow storage. Every rank must call it
-    (creating a group is a collective). A rank that dies still ends the wait: its launcher ends the step
-    (workflow/slurm/launch.py guard_rank; torchrun ends its other workers), and gloo fails on a closed peer."""
+    """A gloo group of every rank, for patient_barrier (None in a 1-process run). Every rank must call it: creating
+    a group is a collective, within the process group's own timeout."""
     if dist.is_available() and dist.is_initialized():
-        return dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
+        return dist.new_group(backend="gloo")
     return None
+
+
+def patient_barrier(group) -> None:
+    """Wait for every rank of `group` (patient_group) as long as it takes: the other ranks wait here for work of rank
+    0 that has no bound, such as the export to slow storage. A gloo barrier keeps the timeout it is given (NCCL's
+    keeps its group's). A rank that dies still ends the wait: its launcher ends the step (workflow/slurm/launch.py
+    guard_rank; torchrun ends its other workers), and gloo fails on a closed peer."""
+    barrier(group, PATIENT_TIMEOUT)
 
 
 def local_world_size(environ=os.environ) -> int:

@@ -464,7 +464,7 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
         write_json(s.out_summary, summary)
         log.info("%s done: %s", s.phase, {k: summary[k] for k in ("steps", "seq_per_s", "test_mlm_accuracy",
                                                                    "test_nsp_accuracy")})
-    distributed.barrier(exported)
+    distributed.patient_barrier(exported)
     return summary
 
 
