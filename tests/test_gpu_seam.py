@@ -96,9 +96,12 @@ def test_without_apex_or_off_cuda_the_torch_lamb_is_used_saying_why(monkeypatch,
 # ---------------------------------------------------------------- the engine's optimizer step
 
 
-def test_fp16_gives_this_steps_gradient_norm_and_whether_the_scaler_stepped():
+@pytest.mark.parametrize("fused_adamw", [False, True])  # torch's fused AdamW skips an overflow step itself
+def test_fp16_gives_this_steps_gradient_norm_and_whether_the_scaler_stepped(fused_adamw):
     layer = torch.nn.Linear(3, 1)
-    optimizer, scaler = Lamb(param_groups(layer), lr=1e-2), torch.amp.GradScaler("cpu", init_scale=4.0)
+    optimizer = (torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True) if fused_adamw
+                 else Lamb(param_groups(layer), lr=1e-2))
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(layer(torch.ones(1, 3)).sum()).backward()
     first, stepped = engine._optimizer_step(layer, optimizer, scaler, None)
     assert first == pytest.approx(2.0) and stepped  # d/dw = (1, 1, 1), d/db = 1, unscaled

@@ -514,15 +514,17 @@ def _optimizer_step(model, optimizer, scaler, clip: float | None, keep_grads: bo
     stepped = scaler is None
     if scaler is not None:
         # Whether the scaler stepped, without reading found_inf once more: the optimizer's own step hook (every
-        # torch.optim.Optimizer, apex's included, runs it) fires only when it steps.
+        # torch.optim.Optimizer, apex's included, runs it) fires only when it steps. An optimizer that skips on the
+        # device itself (_step_supports_amp_scaling: torch's fused AdamW) is always called, with found_inf set during
+        # its step: its verdict is read there (a host sync such an optimizer costs).
         calls = []
-        hook = optimizer.register_step_post_hook(lambda *_: calls.append(True))
+        hook = optimizer.register_step_post_hook(lambda opt, *_: calls.append(getattr(opt, "found_inf", None)))
         try:
             scaler.step(optimizer)
         finally:
             hook.remove()
         scaler.update()
-        stepped = bool(calls)
+        stepped = bool(calls) and (calls[0] is None or not calls[0].item())
     else:
         optimizer.step()
     if grad_norm is None:  # LAMB's own (None only if it never saw a gradient)
