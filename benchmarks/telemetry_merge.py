@@ -7,7 +7,7 @@ Writes node files of `--rows` rows in all (the default: a 3-day phase on 4 nodes
 second) to a temporary folder, as the sampler writes them, then runs each merge in a subprocess of its own and
 prints its peak RSS, its wall time, and the bytes of the files. The baseline (`merge_in_memory`: every row parsed
 into a list, sorted, written) runs on the first `--baseline-rows` rows of each node's share (default: all), so
-that its ~0.9 KB per row fits the machine; its peak is also printed per row. Both outputs must be byte-identical
+that its ~1 KB per row fits the machine; its peak is also printed per row. Both outputs must be byte-identical
 where both merge the same rows.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def write_node_files(path: Path, rows: int, nodes: int, gpus: int) -> None:
 
 
 def peak_of(command: list[str]) -> tuple[float, float]:
-    """(peak RSS in MB, wall seconds) of a subprocess."""
+    """(peak RSS in MiB, wall seconds) of a subprocess."""
     started = time.perf_counter()
     process = subprocess.Popen(command)
     _, status, usage = os.wait4(process.pid, 0)
@@ -106,7 +106,7 @@ def main() -> None:
               f"({size / rows:.0f} B per row), written in {time.perf_counter() - started:.0f} s")
         streaming = f"from workflow.train.telemetry import merge_node_files; merge_node_files({str(path)!r})"
         peak, wall = peak_of([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(repo)!r}); {streaming}"])
-        print(f"streaming merge (merge_node_files): {rows:,} rows, peak RSS {peak:,.0f} MB, {wall:.0f} s")
+        print(f"streaming merge (merge_node_files): {rows:,} rows, peak RSS {peak:,.0f} MiB, {wall:.0f} s")
         base_rows = min(args.baseline_rows or rows, rows)
         base_path = path
         if base_rows < rows:
@@ -118,8 +118,8 @@ def main() -> None:
         os.symlink(node_files(base_path), node_files(base_path.with_name("in_memory.csv")))
         peak_base, wall_base = peak_of([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(repo)!r}); "
                                         f"{in_memory}"])
-        print(f"in-memory merge (baseline): {base_rows:,} rows, peak RSS {peak_base:,.0f} MB "
-              f"({peak_base * 2**20 / base_rows:.0f} B per row), {wall_base:.0f} s")
+        print(f"in-memory merge (baseline): {base_rows:,} rows, peak RSS {peak_base:,.0f} MiB "
+              f"({(peak_base - peak) * 2**20 / base_rows:.0f} B per row over the streaming peak), {wall_base:.0f} s")
         if base_path == path:
             same = filecmp.cmp(path, path.with_name("in_memory.csv"), shallow=False)
             print(f"outputs byte-identical: {same}")
