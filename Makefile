@@ -7,7 +7,7 @@ RUN := PATH="$(BIN):$$PATH"
 PYPY ?= pypy3
 PYPY_VENV := .venv-pypy
 
-.PHONY: setup pypy-venv demo test lint
+.PHONY: setup pypy-venv demo test lint run-dir
 
 $(INSTALLED): requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,17 @@ demo: $(INSTALLED)
 	$(RUN) snakemake all --directory $(DEMO) --profile profiles/local --configfile sample/config.yaml
 	$(RUN) snakemake all --directory $(DEMO) --configfile sample/config.yaml --report report.html
 	$(RUN) python -m workflow.report.summary --print $(DEMO)/results/summary.csv --report $(DEMO)/report.html
+
+# A run directory apart from the clone, where the guide's commands run as written (`make run-dir
+# RUN=/scratch/$$USER/run1`): a Snakefile that includes the clone's, a copy of config.yaml (kept if there), and
+# links to the clone's profiles/ (so `--profile profiles/NAME` resolves) and workflow/ (so `python -m workflow...` does).
+run-dir:
+	@case "$(RUN)" in /*) ;; *) echo "error: make run-dir needs RUN=/absolute/path (the run directory)" >&2; exit 2;; esac
+	mkdir -p $(RUN)
+	printf 'include: "%s/Snakefile"\n' "$(CURDIR)" > $(RUN)/Snakefile
+	[ -e $(RUN)/config.yaml ] || cp config.yaml $(RUN)/config.yaml
+	[ -e $(RUN)/profiles ] || ln -s $(CURDIR)/profiles $(RUN)/profiles
+	[ -e $(RUN)/workflow ] || ln -s $(CURDIR)/workflow $(RUN)/workflow
 
 test: $(INSTALLED) pypy-venv
 	$(RUN) python -m pytest -q -n 2 --dist load --durations=25 tests
