@@ -63,6 +63,7 @@ from workflow.train.dle_checkpoint import load_checkpoint, save_dle_export
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.evaluation import EvaluationSet
 from workflow.train.lamb import make_optimizer, make_scheduler
+from workflow.train.optimizers import carry_optimizer_state
 from workflow.train.model import (VARLEN_DEVICE_TYPES, BertConfig, BertForPreTraining, count_parameters,
                                   flops_per_sequence, host_indices, load_weights, pretraining_loss,
                                   save_pretrained, unpadded_of)
@@ -320,17 +321,6 @@ def _real_tokens(metrics_path: Path) -> int:
     """Real tokens trained on so far: every step is in exactly one metrics line (a resume truncates later ones)."""
     lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
     return sum(json.loads(line).get("real_tokens", 0) for line in lines if line.strip())
-
-
-def carry_optimizer_state(optimizer, path: str) -> None:
-    """Phase 1's LAMB moments into this phase's fresh optimizer; step and learning rate stay this phase's own."""
-    carried = torch.load(path, map_location="cpu", weights_only=True)
-    fresh = optimizer.state_dict()
-    shapes = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"]]
-    if carried.get("shapes") != [list(s) for s in shapes]:
-        raise UserError(f"{path}: optimizer state of another model (parameter shapes differ)")
-    fresh["state"] = carried["state"]
-    optimizer.load_state_dict(fresh)
 
 
 def check_token_ids(shards, vocab: str, vocab_size: int) -> None:
