@@ -1,6 +1,7 @@
 """LAMB equals the published update formula; poly-warmup schedule; NVIDIA's weight-decay split."""
 import math
 
+import pytest
 import torch
 
 from workflow.train.lamb import Lamb, PolyWarmup, make_scheduler, param_groups
@@ -79,3 +80,64 @@ def test_poly_warmup_schedule_matches_nvidia():
     for _ in range(49):
         scheduler.step()
     assert math.isclose(optimizer.param_groups[0]["lr"], 6e-3 * 0.5 ** 0.5)
+
+
+def test_adamw_step_is_decoupled_decay_with_bias_correction_and_no_decay_on_biases_and_layernorm():
+    from workflow.train.optimizers import engine_clip, make_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("dense", torch.nn.Linear(4, 3))
+    model.add_module("LayerNorm", torch.nn.LayerNorm(3))  # BERT's name, which param_groups exempts
+    model.LayerNorm.weight.data.uniform_(0.5, 1.5)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer, name = make_optimizer("adamw", model, lr=0.1, weight_decay=0.5, betas=(0.9, 0.99), eps=1e-6)
+    assert name == "torch.AdamW" and engine_clip("adamw", 1.0) == 1.0 and engine_clip("lamb", 1.0) is None
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    optimizer.step()
+    for key, p in model.named_parameters():
+        g, wd = grads[key], (0.5 if key == "dense.weight" else 0.0)  # decay on the Linear's weight only
+        m, v = 0.1 * g / (1 - 0.9), 0.01 * g * g / (1 - 0.99)
+        expected = before[key] * (1 - 0.1 * wd) - 0.1 * m / (v.sqrt() + 1e-6)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("first, then", [("adamw", "lamb"), ("lamb", "adamw"), ("adamw", "adamw")])
+def test_moments_carry_from_either_optimizer_into_either_with_the_step_count_reset(tmp_path, first, then):
+    from workflow.train.optimizers import carry_optimizer_state, make_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer, _ = make_optimizer(first, model, lr=0.01)
+    for _ in range(3):
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = tmp_path / "optimizer_state.pt"
+    torch.save({"state": optimizer.state_dict()["state"], "shapes": [list(p.shape) for p in model.parameters()]},
+               path)
+    fresh, _ = make_optimizer(then, model, lr=0.01)
+    carry_optimizer_state(fresh, str(path))
+    for index, p in enumerate(model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(fresh.state[p][key], optimizer.state[p][key])
+        assert float(fresh.state[p].get("step", 0)) == 0.0
+    assert all(group.get("step", 0) == 0 for group in fresh.param_groups)
+    model(torch.randn(5, 4)).sum().backward()
+    fresh.step()  # the carried state steps
+
+
+def test_an_optimizer_state_key_neither_optimizer_has_is_one_error_naming_it(tmp_path):
+    from workflow.cli import UserError
+    from workflow.train.optimizers import carry_optimizer_state, make_optimizer
+
+    model = torch.nn.Linear(2, 2)
+    amsgrad = torch.optim.AdamW(model.parameters(), lr=0.01, amsgrad=True)
+    model(torch.randn(3, 2)).sum().backward()
+    amsgrad.step()
+    path = tmp_path / "optimizer_state.pt"
+    torch.save({"state": amsgrad.state_dict()["state"], "shapes": [list(p.shape) for p in model.parameters()]}, path)
+    with pytest.raises(UserError, match=r"^.*optimizer_state\.pt: optimizer state key 'max_exp_avg_sq' is not one of "
+                                        r"LAMB's and AdamW's \(exp_avg, exp_avg_sq\)"):
+        carry_optimizer_state(make_optimizer("lamb", model, lr=0.01)[0], str(path))

@@ -861,3 +861,23 @@ def test_a_phase_runs_outside_snakemake_from_the_config_file_validated_as_the_wo
     assert exit_info.value.code == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: config: unknown key 'pretrain.warmup' (every key is listed in config.schema.yaml)"]
+
+
+def test_phase2_starts_from_an_adamw_phase1_and_a_switch_of_optimizer_refuses_to_resume(data, tmp_path):
+    config = config_of(settings(data, tmp_path / "p1"))
+    config["pretrain"].update(optimizer="adamw", adamw={"weight_decay": 0.02, "beta1": 0.9, "beta2": 0.98,
+                                                        "eps": 1e-8, "max_grad_norm": 0.5, "fused": True})
+    s = TrainSettings.from_config(config, "phase1", **{k: getattr(settings(data, tmp_path / "p1"), k) for k in (
+        "data_dir", "vocab", "run_dir", "out_model", "out_metrics", "out_summary")})
+    assert (s.optimizer, s.weight_decay, s.beta2, s.eps, s.max_grad_norm) == ("adamw", 0.02, 0.98, 1e-8, 0.5)
+    s = dataclasses.replace(s, bert_config=settings(data, tmp_path / "p1").bert_config, device="cpu", threads=1,
+                            total_steps=20, max_steps=2, checkpoint_every=1, eval_max_sequences=16,
+                            out_optimizer=str(tmp_path / "p1" / "optimizer_state.pt"))
+    assert pretrain(s)["optimizer"] == "torch.AdamW"
+    phase2 = settings(data, tmp_path / "p2", phase="phase2", init_from=s.out_model, init_optimizer=s.out_optimizer,
+                      bert_config=None, total_steps=4, max_steps=2, eval_max_sequences=16)
+    summary = pretrain(phase2)
+    assert summary["optimizer"] == "torch.Lamb" and summary["steps"] == 2
+    with pytest.raises(UserError, match=r"its checkpoints belong to a run with other settings \(optimizer "
+                                        r"torch\.AdamW -> torch\.Lamb\)"):
+        pretrain(dataclasses.replace(s, optimizer="lamb", max_steps=4))

@@ -25,7 +25,11 @@ def pretrain_recipe(wildcards):
     cadence (eval_every included: a rerun would not revisit trained steps), micro-batch size or threads."""
     pretrain = config["pretrain"]
     recipe = {key: value for key, value in pretrain[wildcards.phase].items() if key != "micro_batch_size"}
-    recipe.update(lamb=pretrain["lamb"], precision=pretrain["precision"], seed=config["seed"],
+    optimizer = pretrain.get("optimizer", "lamb")
+    # LAMB's recipe as before AdamW existed (no rerun of finished phases); AdamW's names its section
+    recipe.update({"lamb": pretrain["lamb"]} if optimizer == "lamb" else {"optimizer": optimizer,
+                                                                            "adamw": pretrain["adamw"]})
+    recipe.update(precision=pretrain["precision"], seed=config["seed"],
                   eval_max_sequences=pretrain["eval_max_sequences"], eval_seed=pretrain["eval_seed"],
                   model=config["model"])
     if wildcards.phase == "phase2":

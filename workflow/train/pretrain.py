@@ -25,9 +25,10 @@ rows of the data file (sequences when unpacked): each rank's share of a step's r
 that many rows, the last one filled up with empty rows, so every micro-batch has one shape (compiled graphs are
 reused) and the number of micro-batches per step varies with the rows the step's sequences fill.
 Metrics: seq_per_s; tokens_per_s counts sequences x sequence length (padding included), as NVIDIA reports it;
-real_tokens_per_s counts the tokens that are not padding (what packing raises). Gradient clipping is LAMB's global-norm
-pre-normalisation (max_grad_norm), as in NVIDIA's recipe. Phase 2 starts from phase 1's weights and, unless
-`pretrain.carry_optimizer_state` is false, phase 1's LAMB moments with step and learning rate reset.
+real_tokens_per_s counts the tokens that are not padding (what packing raises). Optimizer: `pretrain.optimizer`, LAMB
+(the default; gradient clipping is its global-norm pre-normalisation, max_grad_norm, as in NVIDIA's recipe) or AdamW
+(torch clipping to max_grad_norm; workflow/train/optimizers.py). Phase 2 starts from phase 1's weights and, unless
+`pretrain.carry_optimizer_state` is false, phase 1's optimizer moments with step and learning rate reset.
 
 Held-out evaluation: `eval_max_sequences` sequences of the test shards chosen by `eval_seed` (the same set for any
 world size and any run on the same data); every `eval_every` steps the metrics line of that step adds test_mlm_accuracy
@@ -62,8 +63,8 @@ from workflow.data.vocab import Normalization
 from workflow.train.dle_checkpoint import load_checkpoint, save_dle_export
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.evaluation import EvaluationSet
-from workflow.train.lamb import make_optimizer, make_scheduler
-from workflow.train.optimizers import carry_optimizer_state
+from workflow.train.lamb import make_scheduler
+from workflow.train.optimizers import HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer
 from workflow.train.model import (VARLEN_DEVICE_TYPES, BertConfig, BertForPreTraining, count_parameters,
                                   flops_per_sequence, host_indices, load_weights, pretraining_loss,
                                   save_pretrained, unpadded_of)
@@ -76,7 +77,7 @@ FINISH_AFTER_TRAINING = "the last checkpoint is written; finishing the evaluatio
 log = logging.getLogger("pretrain")
 # Keys of a phase's config section; precision etc. come from the `pretrain` section itself.
 PHASE_KEYS = ("learning_rate", "warmup_proportion", "total_steps", "max_steps", "global_batch_size", "micro_batch_size")
-LAMB_KEYS = ("weight_decay", "beta1", "beta2", "eps", "max_grad_norm")
+LAMB_KEYS = HYPER_PARAMETERS  # of pretrain.lamb and pretrain.adamw alike
 
 
 @dataclass
@@ -98,8 +99,8 @@ class TrainSettings:
     bert_config: str | None = None
     dle_gelu: str = "tanh"              # what a DLE checkpoint's "gelu" computes (config model.dle_gelu)
     init_from: str | None = None
-    init_optimizer: str | None = None   # phase 1's LAMB moments (phase 2 of NVIDIA's recipe)
-    out_optimizer: str | None = None    # where this phase's final LAMB moments go
+    init_optimizer: str | None = None   # phase 1's optimizer moments (phase 2 of NVIDIA's recipe)
+    out_optimizer: str | None = None    # where this phase's final optimizer moments go
     seed: int = 12345
     precision: str = "auto"
     weight_decay: float = 0.01
@@ -108,6 +109,9 @@ class TrainSettings:
     eps: float = 1e-6
     max_grad_norm: float = 1.0
     fused_lamb: bool = True             # apex FusedLAMB where it runs (config pretrain.lamb.fused)
+    optimizer: str = "lamb"             # lamb or adamw (config pretrain.optimizer); the hyper-parameters above
+                                        # are that optimizer's section's
+    fused_adamw: bool = True            # torch's fused AdamW on CUDA (config pretrain.adamw.fused)
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     log_every: int = 10
@@ -129,8 +133,10 @@ class TrainSettings:
         try:
             section = config["pretrain"]
             values = {key: section[phase].get(key) for key in PHASE_KEYS}
-            values.update({key: section["lamb"][key] for key in LAMB_KEYS})
-            values["fused_lamb"] = section["lamb"].get("fused", True)
+            values["optimizer"] = section.get("optimizer", cls.optimizer)
+            values.update({key: section[values["optimizer"]][key] for key in LAMB_KEYS})
+            values["fused_lamb"] = section["lamb"].get("fused", True) if "lamb" in section else True
+            values["fused_adamw"] = section.get("adamw", {}).get("fused", True)
             values.update({key: section[key] for key in ("precision", "checkpoint_every", "keep_checkpoints",
                                                          "log_every", "eval_max_sequences", "compile",
                                                          "loader_workers")})
@@ -299,7 +305,7 @@ def _fingerprint(s: TrainSettings, config: BertConfig, data: dict, optimizer_nam
     key = f"pretrain.{s.phase}"
     return {f"{key}.learning_rate": s.learning_rate, f"{key}.warmup_proportion": s.warmup_proportion,
             f"{key}.total_steps": s.total_steps, f"{key}.global_batch_size": s.global_batch_size, "seed": s.seed,
-            **{f"pretrain.lamb.{k}": getattr(s, k) for k in LAMB_KEYS}, "optimizer": optimizer_name,
+            **{f"pretrain.{s.optimizer}.{k}": getattr(s, k) for k in LAMB_KEYS}, "optimizer": optimizer_name,
             "model": config.to_dict(), "init weights": _file_digest(s.init_from, ("model.safetensors",
                                                                                   "pytorch_model.bin", "")),
             "init optimizer state": _file_digest(s.init_optimizer, ("",)), "vocab": _file_digest(s.vocab, ("",)),
@@ -375,11 +381,12 @@ def train_phase(s: TrainSettings, env) -> dict:
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank (as NVIDIA seeds seed + rank); weights stay identical
         torch.manual_seed(s.seed + env.rank)
-    optimizer, optimizer_name = make_optimizer(model, s.learning_rate, s.weight_decay, s.max_grad_norm,
-                                               (s.beta1, s.beta2), s.eps, s.fused_lamb)
+    optimizer, optimizer_name = make_optimizer(
+        s.optimizer, model, s.learning_rate, s.weight_decay, s.max_grad_norm, (s.beta1, s.beta2), s.eps,
+        s.fused_lamb if s.optimizer == "lamb" else s.fused_adamw)
     if s.init_optimizer:
         carry_optimizer_state(optimizer, s.init_optimizer)
-        log.info("LAMB moments carried over from %s (step and learning rate reset)", s.init_optimizer)
+        log.info("optimizer moments carried over from %s (step and learning rate reset)", s.init_optimizer)
     scheduler = make_scheduler(optimizer, s.total_steps, s.warmup_proportion)
     log.info("%s: %s, %d parameters, %s, %s, seq %d", s.phase, env.device, count_parameters(model), precision,
              optimizer_name, seq_length)
@@ -391,6 +398,7 @@ def train_phase(s: TrainSettings, env) -> dict:
     loop = LoopSettings(config_key=f"pretrain.{s.phase}", run_dir=s.run_dir, total_steps=s.total_steps,
                         global_batch_size=s.global_batch_size, micro_batch_size=s.micro_batch_size,
                         max_steps=s.max_steps, precision=precision, checkpoint_every=s.checkpoint_every,
+                        clip_grad_norm=engine_clip(s.optimizer, s.max_grad_norm),
                         keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed, compile=s.compile,
                         loader_workers=s.loader_workers, eval_every=s.eval_every, evaluate=held_out)
     try:
