@@ -282,7 +282,8 @@ def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, al
         # steps of about one micro-batch (micro_batch_size rows) per rank: the phase's shapes, not its accumulation
         per_row = sum(shard.n for shard in shards) / sum(shard.rows for shard in shards)
         s = dataclasses.replace(s, global_batch_size=max(1, int(s.micro_batch_size * per_row)) * env.world_size,
-                                max_steps=min(steps, s.total_steps), checkpoint_every=steps, log_every=max(2, steps // 4))
+                                max_steps=min(steps, s.total_steps), checkpoint_every=steps,
+                                log_every=max(2, steps // 4))  # a step between log lines: its syncs are counted
         with engine.measured_host_syncs() as syncs:
             summary = train_phase(s, env)
         distributed.barrier()  # rank 0 has exported the model the comparison loads

@@ -498,7 +498,8 @@ def _sum_counts(task: Task, batches: list, env) -> dict:
     return {k: v.clamp(min=1).float() for k, v in zip(keys, values)}  # exact in fp32 up to 2^24
 
 
-def _optimizer_step(model, optimizer, scaler, clip: float | None, keep_grads: bool = False) -> tuple[torch.Tensor, bool]:
+def _optimizer_step(model, optimizer, scaler, clip: float | None,
+                    keep_grads: bool = False) -> tuple[torch.Tensor, bool]:
     """Unscale (fp16), clip, step, zero the gradients (in place with `keep_grads`: DDP's bucket views, else None);
     returns this step's pre-clip global gradient norm (also when fp16's scaler skips the step: inf or nan then) and
     whether the optimizer stepped (False: the scaler skipped it)."""
