@@ -13,6 +13,7 @@ or `make `. Each is checked in a scratch copy of the workflow (tests/conftest.py
 - any other `python -m MODULE ...` or `python SCRIPT ...`: parsed only (it needs data, a GPU or Slurm): every
   `--option` of the command must be in the `--help` of its module (or of its subcommand).
 - `make TARGET`: `make -n TARGET` in the checkout (prints, runs nothing).
+- `python -c CODE`: compiled only. A command after `VAR=value` words is checked as the command itself.
 - other tools (`sacct`, `less`, `rm`, `sudo`, ...): parsed only: the tool is one the pages may name, and every
   path into the repository's sources exists.
 A block or paragraph after `<!-- pending: NAME -->` documents a feature another branch adds: skipped, naming it.
@@ -38,7 +39,9 @@ SCALAR_SECTIONS = {name for name, section in SCHEMA.items() if section.get("type
 PENDING = re.compile(r"<!-- pending: ([\w-]+)")
 # Tools a page may name besides snakemake, python and make: the cluster's, the shell's, the system's.
 TOOLS = {"sacct", "sacctmgr", "scontrol", "sinfo", "squeue", "scancel", "srun", "sbatch", "less", "ls", "rm", "sudo",
-         "tensorboard", "apt", "apt-get", "pip", "tmux", "screen", "md5sum", "mkdir", "cp", "tests/slurm/start_cluster.sh"}
+         "tensorboard", "apt", "apt-get", "pip", "tmux", "screen", "md5sum", "mkdir", "cp", "tests/slurm/start_cluster.sh",
+         "cd", "source", "wget", "ln", "zcat"}
+ENV_ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=\S*$")  # `CUDA_VISIBLE_DEVICES=0,1 snakemake ...`: the command after it
 # The user's own files that the pages' examples name (a released model, a DLE checkpoint): the dry runs get stand-ins.
 USER_FILES = ("models/bert-base-uncased/vocab.txt", "models/bert-base-cased/vocab.txt", "checkpoints/ckpt_8601.pt",
               "bert_configs/large.json", "vocab/vocab.txt")
@@ -190,6 +193,9 @@ def _help(argv: list[str], workdir: Path) -> str:
 
 
 def _check_python(command: Command, words: list[str], workdir: Path) -> None:
+    if words[1] == "-c":  # a one-liner on the run's files (a manifest): it must at least be Python
+        compile(words[2], str(command), "exec")
+        return
     if words[1] != "-m" and words[1].startswith("sample/"):  # regenerates the sample: it must come out the same
         result = subprocess.run([sys.executable, words[1]], cwd=workdir, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
@@ -247,6 +253,8 @@ def test_every_command_in_the_pages_runs_as_written(command, workdir):
     if command.pending:
         pytest.skip(f"pending: {command.pending} (the feature's branch adds it; the lead adjusts it on merge)")
     words = shlex.split(command.text)
+    while len(words) > 1 and ENV_ASSIGNMENT.match(words[0]):
+        words = words[1:]
     if words[0] == "snakemake":
         _check_snakemake(command, words, workdir)
     elif words[0] in ("python", "python3"):
@@ -302,3 +310,63 @@ def test_the_checks_above_see_the_pages_commands():
 def test_the_readme_is_a_guide_without_test_names():
     """Test names are no user documentation (docs/design.md lists the tests behind the guarantees)."""
     assert re.findall(r"\btest_\w+", (REPO / "README.md").read_text()) == []
+
+
+def _schema_has(key: str) -> bool:
+    """Whether a dotted config key (`pretrain.phase1.learning_rate`, `seed`) is in config.schema.yaml."""
+    schema = yaml.safe_load((REPO / "config.schema.yaml").read_text())
+    node = schema
+    for part in key.split("."):
+        if "$ref" in node:
+            node = schema["definitions"][node["$ref"].rsplit("/", 1)[1]]
+        if part not in node.get("properties", {}):
+            return False
+        node = node["properties"][part]
+    return True
+
+
+def dle_table_keys():
+    """The config keys the DLE flag tables of docs/from-dle.md name (a row's second column), with the row's line."""
+    for number, line in enumerate((REPO / "docs" / "from-dle.md").read_text().splitlines(), 1):
+        cells = line.split(" | ")
+        if line.startswith("| `--") and len(cells) >= 2:
+            for key in re.findall(r"`([a-z_][\w.]*)`", cells[1]):
+                yield pytest.param(key, id=f"docs/from-dle.md:{number}:{key}")
+
+
+@pytest.mark.parametrize("key", list(dle_table_keys()))
+def test_every_key_the_dle_tables_name_is_in_the_schema(key):
+    assert _schema_has(key), f"{key}: not a config key (config.schema.yaml)"
+
+
+def test_the_dle_tables_are_read_by_the_check_above():
+    keys = {param.values[0] for param in dle_table_keys()}
+    assert {"pretrain.phase1.global_batch_size", "pretrain.phase1.micro_batch_size", "squad.batch_size",
+            "encode.dupe_factor", "shard.n_training_shards", "seed"} <= keys
+    assert not _schema_has("pretrain.phase1.gradient_accumulation_steps")  # the check can fail
+
+
+def python_imports():
+    """`from transformers import A, B` in the pages' ```python blocks: what a user's code loads the exports with."""
+    for page in PAGES:
+        for start, lines, _ in _paragraphs(page.read_text()):
+            if lines[0] == "```python":
+                for names in re.findall(r"^from transformers import (.+)$", "\n".join(lines), re.M):
+                    for name in names.split(","):
+                        yield pytest.param(name.strip(), id=f"{page.relative_to(REPO)}:{start}:{name.strip()}")
+
+
+@pytest.mark.parametrize("name", list(python_imports()))
+def test_every_hugging_face_class_the_pages_load_with_exists(name):
+    import transformers
+
+    assert hasattr(transformers, name), f"transformers {transformers.__version__} has no {name}"
+
+
+def test_the_install_page_names_what_make_setup_runs():
+    """docs/install.md says what `make setup` does: the commands make would run say the same."""
+    plan = subprocess.run(["make", "-n", "-B", "setup"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    assert "-m venv .venv" in plan.stdout and "pip install --quiet -r requirements-test.txt" in plan.stdout
+    page = (REPO / "docs" / "install.md").read_text()
+    assert "python3 -m venv .venv" in page and "pip install -r requirements-test.txt" in page and ".venv-pypy" in page
