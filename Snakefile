@@ -23,6 +23,7 @@ include: "rules/clean.smk"
 include: "rules/pretrain.smk"
 include: "rules/squad.smk"
 include: "rules/glue.smk"
+include: "rules/tasks.smk"
 include: "rules/report.smk"
 include: "rules/cluster_check.smk"
 include: "rules/scaling.smk"
@@ -49,3 +50,9 @@ rule all:
     input:
         all_targets(),
     default_target: True
+
+
+# The data, both pretraining phases and the pretraining part of the report; no fine-tuning.
+rule pretraining:
+    input:
+        pretrain_targets(),

@@ -17,6 +17,7 @@ from workflow.config import validate_config
 from workflow.data.corpora import corpora_error
 from workflow.data.download import dump_parts, wikipedia_dump_url
 from workflow.glue.data import TASKS as GLUE_TASKS
+from workflow.tasks.config import task_config_error
 
 
 try:
@@ -48,7 +49,7 @@ def config_consistency_error(config):
         if batch % micro:
             return (f"config key 'glue.batch_size': {batch} is not a multiple of glue.micro_batch_size ({micro}) "
                     f"for task {task} (glue.overrides.{task} may set either)")
-    return corpora_error(config)
+    return task_config_error(config) or corpora_error(config)
 
 
 def glue_setting(task, key):
@@ -122,27 +123,43 @@ def glue_targets():
     return expand("results/glue/{task}/eval.json", task=config["glue"]["tasks"])
 
 
-# What `all` must build for the report to be complete.
-REPORT_TARGETS = [
+def task_targets():
+    """Each configured task's scores, and its predictions where it names a test file (rules/tasks.smk)."""
+    tasks = config["tasks"]
+    return [*expand("results/tasks/{name}/eval.json", name=list(tasks)),
+            *[f"results/tasks/{name}/predictions.jsonl" for name, task in tasks.items() if task.get("test")]]
+
+
+# The pretraining part of the report (`snakemake pretraining` builds it with both phases).
+PRETRAIN_REPORT_TARGETS = [
     "results/report/pretrain_loss.png",
     "results/report/mlm_accuracy.png",
     "results/report/heldout_accuracy.png",
     "results/report/throughput.png",
     "results/report/gpu_telemetry.png",
-    "results/report/squad_finetune.png",
     "results/report/config.yaml",
     "results/corpora.csv",
 ]
 
 
+def squad_targets():
+    """SQuAD's evaluation and its report figure, when squad.enabled."""
+    return ["results/squad/eval.json", "results/report/squad_finetune.png"] if config["squad"]["enabled"] else []
+
+
+def summary_squad_inputs():
+    """The SQuAD files the summary reads ({} when squad.enabled is false): {squad_eval, squad_metrics}."""
+    if not config["squad"]["enabled"]:
+        return {}
+    return {"squad_eval": "results/squad/eval.json", "squad_metrics": "results/squad/finetune_metrics.jsonl"}
+
+
+def pretrain_targets():
+    """What `snakemake pretraining` builds: the data, both pretraining phases and the pretraining part of the report."""
+    return [hdf5_dir("phase1"), hdf5_dir("phase2"), "results/pretrain/phase2/model", *PRETRAIN_REPORT_TARGETS]
+
+
 def all_targets():
-    """What `snakemake all` builds: the data, both pretraining phases, the SQuAD evaluation, the GLUE tasks'."""
-    return [
-        hdf5_dir("phase1"),
-        hdf5_dir("phase2"),
-        "results/pretrain/phase2/model",
-        "results/squad/eval.json",
-        *glue_targets(),
-        "results/summary.csv",
-        *REPORT_TARGETS,
-    ]
+    """What `snakemake all` builds: pretraining, then the evaluations the config names (SQuAD when squad.enabled, the
+    GLUE tasks, the tasks) and the summary table."""
+    return [*pretrain_targets(), *squad_targets(), *glue_targets(), *task_targets(), "results/summary.csv"]

@@ -11,23 +11,24 @@ PRETRAIN_METRICS = expand("results/pretrain/{phase}/{name}", phase=PHASES, name=
 rule summary:
     input:
         pretrain=PRETRAIN_METRICS,
-        squad_eval="results/squad/eval.json",
-        squad_metrics="results/squad/finetune_metrics.jsonl",
+        squad=list(summary_squad_inputs().values()),
         glue_evals=glue_targets(),
+        task_evals=expand("results/tasks/{name}/eval.json", name=list(config["tasks"])),
     output:
         report("results/summary.csv", caption="../report/summary.rst", category="Summary"),
     params:
         phases=PRETRAIN_PHASE_ARGS,
+        squad=" ".join(f"--{key.replace('_', '-')} {path}" for key, path in summary_squad_inputs().items()),
         glue=" ".join(f"--glue-eval {path}" for path in glue_targets()),
+        tasks=" ".join(f"--task-eval results/tasks/{name}/eval.json" for name in config["tasks"]),
         target=config["pretrain"]["target_mlm_accuracy"],
     log:
         "logs/summary/summary.log",
     conda:
         "../envs/report.yaml"
     shell:
-        "python -m workflow.report.summary {params.phases} --squad-eval {input.squad_eval:q}"
-        " --squad-metrics {input.squad_metrics:q} {params.glue} --target-mlm-accuracy {params.target}"
-        " --output {output:q} 2> {log}"
+        "python -m workflow.report.summary {params.phases} {params.squad} {params.glue} {params.tasks}"
+        " --target-mlm-accuracy {params.target} --output {output:q} 2> {log}"
 
 
 rule report_pretrain_plots:

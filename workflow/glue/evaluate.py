@@ -61,7 +61,14 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
     return pearson(average_ranks(x), average_ranks(y))
 
 
-METRICS = {"accuracy": accuracy, "f1": f1, "matthews_corr": matthews_corr, "pearson": pearson, "spearman": spearman}
+def macro_f1(predictions: np.ndarray, labels: np.ndarray) -> float:
+    """The mean over the classes present (in labels or predictions) of each one's F1 (scikit-learn's average="macro")."""
+    scores = [f1((predictions == c).astype(int), (labels == c).astype(int))
+              for c in np.union1d(predictions, labels)]
+    return float(np.mean(scores))
+
+
+METRICS = {"accuracy": accuracy, "macro_f1": macro_f1, "f1": f1, "matthews_corr": matthews_corr, "pearson": pearson, "spearman": spearman}
 
 
 def score(task: GlueTask, logits: np.ndarray, labels: np.ndarray) -> dict:

@@ -65,21 +65,23 @@ def classification_loss(logits, labels, reduction="mean"):
     return F.cross_entropy(logits.float(), labels, reduction=reduction)
 
 
-def load_classifier(directory: str | Path, num_labels: int, require_head: bool = False):
-    """A classifier from an HF BERT directory; the head is freshly initialised unless present (require_head: must be)."""
+def load_classifier(directory: str | Path, num_labels: int, require_head: bool = False,
+                    model_class=BertForSequenceClassification):
+    """A classifier (a `model_class`: sequence or token classification) from an HF BERT directory; the head is freshly
+    initialised unless present (require_head: must be)."""
     config, state = load_pretrained(directory)
     if "classifier.weight" in state and state["classifier.weight"].shape[0] != num_labels:
         if require_head:
             raise UserError(f"{directory}: its classifier has {state['classifier.weight'].shape[0]} outputs, "
                             f"the task {num_labels}")
         state = {k: v for k, v in state.items() if not k.startswith("classifier.")}  # another task's head
-    model = BertForSequenceClassification(config, num_labels)
+    model = model_class(config, num_labels)
     missing, _unexpected = load_weights(model, state)
     encoder_missing = [k for k in missing if not k.startswith("classifier.")]
     if encoder_missing:
         raise UserError(f"{directory}: weights lack {len(encoder_missing)} encoder tensors, e.g. {encoder_missing[0]}")
     if require_head and missing:
-        raise UserError(f"{directory}: no classification head (classifier.*): not a fine-tuned GLUE model")
+        raise UserError(f"{directory}: no classification head (classifier.*): not a fine-tuned classifier")
     return model, config
 
 
@@ -104,8 +106,9 @@ class ClassificationTask(FeatureTask):
         return line
 
 
-def job_of(task: GlueTask) -> FinetuneJob:
-    """The driver's view of a GLUE task: its features checked, its head, its exported label names."""
+def job_of(task: GlueTask, config_key: str | None = None, batch_key: str | None = None) -> FinetuneJob:
+    """The driver's view of a GLUE task (or of a task of the config's tasks section, named by its `config_key`): its
+    features checked, its head, its exported label names."""
 
     def make_task(features: dict, features_path: Path, s: FinetuneSettings) -> ClassificationTask:
         if "labels" not in features:
@@ -116,7 +119,8 @@ def job_of(task: GlueTask) -> FinetuneJob:
 
     labels = task.labels or ("score",)
     return FinetuneJob(
-        config_key=f"glue.{task.name}", section="glue", batch_key=f"glue.overrides.{task.name}", unit="examples",
+        config_key=config_key or f"glue.{task.name}", section="glue",
+        batch_key=batch_key or f"glue.overrides.{task.name}", unit="examples",
         make_task=make_task, load_model=lambda init: load_classifier(init, task.num_labels),
         fingerprint={"task": task.name}, config_json=dict(
             architectures=["BertForSequenceClassification"], finetuning_task=task.name,

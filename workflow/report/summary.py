@@ -1,4 +1,5 @@
-"""The run in one table: pretraining losses/accuracies/throughput per phase, the SQuAD EM/F1 and the GLUE dev scores.
+"""The run in one table: pretraining losses/accuracies/throughput per phase, the SQuAD EM/F1, the GLUE dev scores and
+those of the config's own tasks.
 
     python -m workflow.report.summary --phase phase1=results/pretrain/phase1 --phase phase2=results/pretrain/phase2 \
         --squad-eval results/squad/eval.json --squad-metrics results/squad/finetune_metrics.jsonl \
@@ -7,6 +8,7 @@
 
 results/summary.csv has the columns stage, metric, value (one row per number; floats to 6 significant digits).
 GLUE rows: stage `glue`, metric `<task>.<metric>` (MNLI's dev sets as the GLUE leaderboard names them: MNLI-m, MNLI-mm).
+Rows of the config's tasks: stage `tasks`, metric `<name>.<metric>`.
 A pretraining directory holds metrics.jsonl (one line per logged step) and summary.json (the phase's totals).
 With --target-mlm-accuracy, stage `pretrain` rows: target_mlm_accuracy, time_to_target_s (training time of both phases
 until the first held-out evaluation at or above it; `not reached` otherwise) and time_to_target_step (phase:step).
@@ -67,23 +69,34 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return records
 
 
-def glue_rows(eval_json: str | Path) -> list[tuple[str, str, object]]:
-    """("glue", "<task>.<metric>", value) rows of one task's eval.json (workflow.glue.evaluate)."""
-    result = read_json(eval_json)
+def glue_rows(eval_json: str | Path, stage: str = "glue", result: dict | None = None) -> list[tuple[str, str, object]]:
+    """(stage, "<task>.<metric>", value) rows of one task's eval.json (workflow.glue.evaluate, workflow.tasks.run)."""
+    result = read_json(eval_json) if result is None else result
     if "task" not in result or not isinstance(result.get("splits"), dict):
         raise UserError(f"{eval_json}: not a GLUE evaluation (keys task, splits)")
     rows = []
     for split, scores in result["splits"].items():
         name = result["task"] + GLUE_SPLIT_NAMES.get(split, "")
-        rows.extend(("glue", f"{name}.{metric}", value) for metric, value in scores.items())
+        rows.extend((stage, f"{name}.{metric}", value) for metric, value in scores.items())
     return rows
+
+
+def task_rows(eval_json: str | Path) -> list[tuple[str, str, object]]:
+    """("tasks", "<name>.<metric>", value) rows of a task's results/tasks/<name>/eval.json: a classification,
+    regression or token classification evaluation (as GLUE's), or a question-answering one (SQuAD's)."""
+    result = read_json(eval_json)
+    if "splits" in result:
+        return glue_rows(eval_json, "tasks", result)
+    name = Path(eval_json).parent.name
+    return [("tasks", f"{name}.{key}", result[key]) for key in SQUAD_KEYS if key in result]
 
 
 def summarize(pretrain: dict[str, str | Path], squad_eval: str | Path | None,
               squad_metrics: str | Path | None = None,
-              glue_evals: Sequence[str | Path] = (), target: float | None = None) -> list[tuple[str, str, object]]:
+              glue_evals: Sequence[str | Path] = (), target: float | None = None,
+              task_evals: Sequence[str | Path] = ()) -> list[tuple[str, str, object]]:
     """(stage, metric, value) rows: per phase its totals and final training numbers, the time to `target` held-out
-    accuracy, then SQuAD, then GLUE."""
+    accuracy, then SQuAD, then GLUE, then the config's own tasks."""
     rows: list[tuple[str, str, object]] = []
     phases = []
     for phase, directory in pretrain.items():
@@ -117,6 +130,8 @@ def summarize(pretrain: dict[str, str | Path], squad_eval: str | Path | None,
                 rows.append(("squad", key, result[key]))
     for path in glue_evals:
         rows.extend(glue_rows(path))
+    for path in task_evals:
+        rows.extend(task_rows(path))
     return rows
 
 
@@ -166,6 +181,11 @@ def render(rows: list[dict], report: str | Path = "report.html") -> str:
     scores = [f"{task} {metric} {float(value):.4f}" for task, metric, value in glue if metric != "examples"]
     if scores:
         lines.append("GLUE dev: " + "  ".join(scores))
+    tasks = [r["metric"].rsplit(".", 1) + [r["value"]] for r in rows if r["stage"] == "tasks"]
+    scores = [f"{task} {metric} {float(value):.4f}" for task, metric, value in tasks
+              if metric in ("accuracy", "macro_f1", "pearson", "spearman", "f1", "precision", "recall", "exact_match")]
+    if scores:
+        lines.append("Tasks dev: " + "  ".join(scores))
     report = Path(report)
     if report.is_file():
         lines.append(f"Report: {report.resolve()}")
@@ -184,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--squad-metrics", help="fine-tuning metrics JSONL")
     parser.add_argument("--glue-eval", action="append", default=[], metavar="EVAL_JSON",
                         help="a GLUE task's results/glue/<task>/eval.json; repeatable")
+    parser.add_argument("--task-eval", action="append", default=[], metavar="EVAL_JSON",
+                        help="a task's results/tasks/<name>/eval.json (config tasks); repeatable")
     parser.add_argument("--target-mlm-accuracy", type=float, help="held-out MLM accuracy whose time to reach the "
                         "table gives (config pretrain.target_mlm_accuracy)")
     parser.add_argument("--output", help="summary.csv to write")
@@ -194,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if not args.output:
         parser.error("--output is required unless --print is given")
-    rows = summarize(dict(args.phase), args.squad_eval, args.squad_metrics, args.glue_eval, args.target_mlm_accuracy)
+    rows = summarize(dict(args.phase), args.squad_eval, args.squad_metrics, args.glue_eval, args.target_mlm_accuracy,
+                     args.task_eval)
     write_text(args.output, to_csv(rows))
     log.info("%d numbers -> %s", len(rows), args.output)
 

@@ -1,0 +1,38 @@
+"""Token classification's model and training task: a token-classification head (HF BertForTokenClassification's
+names: `bert.*`, `classifier.*`) and cross-entropy over each word's first sub-word (workflow.tasks.tokens' features).
+"""
+import torch.nn.functional as F
+
+from workflow.glue.finetune import BertForSequenceClassification
+from workflow.tasks.tokens import IGNORE
+from workflow.train.finetune import FeatureTask
+
+
+class BertForTokenClassification(BertForSequenceClassification):
+    """GLUE's classifier (dropout + a linear layer, the same names) on every token's output: `num_labels` logits per
+    token."""
+
+    def forward(self, input_ids, token_type_ids, attention_mask):
+        sequence, _ = self.bert(input_ids, token_type_ids, attention_mask)
+        return self.classifier(self.dropout(sequence))
+
+
+class TokenTask(FeatureTask):
+    """Token classification on the training features: cross-entropy over the labelled (first) sub-words."""
+
+    def __init__(self, features: dict, batch_size: int, seed: int):
+        super().__init__(features, ("input_ids", "token_type_ids", "attention_mask"), ("labels",), batch_size, seed)
+
+    def count(self, batch: dict) -> dict:
+        return {**super().count(batch), "words": (batch["labels"] != IGNORE).sum()}
+
+    def loss(self, model, batch: dict, totals: dict) -> dict:
+        logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        labels = batch["labels"]
+        share = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        correct = ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum().float()
+        return {"loss": share / totals["words"].clamp(min=1), "correct": correct, "words": (labels != IGNORE).sum()}
+
+    def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float, step: int) -> dict:
+        return {"epoch": step / self.steps_per_epoch, "loss": sums["loss"] / steps,
+                "accuracy": sums["correct"] / max(1.0, float(sums["words"]))}
