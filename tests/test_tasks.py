@@ -16,7 +16,7 @@ from seqeval import metrics as seqeval
 from seqeval.metrics.sequence_labeling import precision_recall_fscore_support
 from sklearn import metrics as sk
 
-from tests.conftest import copy_workflow, snakemake_env
+from tests.conftest import copy_workflow, official_squad_v11, snakemake_env
 from workflow.cli import UserError
 from workflow.data.features import load_features
 from workflow.data.vocab import Normalization
@@ -52,7 +52,9 @@ def ner_conll(path, n, rng):
 
 TASKS = {"sentiment": {"type": "classification", "train": "own/train.csv", "dev": "own/dev.csv",
                        "test": "own/test.csv", "format": "csv", "text_fields": ["text"], "label_field": "label"},
-         "ner": {"type": "token_classification", "train": "own/train.conll", "dev": "own/dev.conll", "epochs": 6}}
+         "ner": {"type": "token_classification", "train": "own/train.conll", "dev": "own/dev.conll", "epochs": 6},
+         "qa": {"type": "question_answering", "train": "sample/squad/train-sample.json",
+                "dev": "sample/squad/dev-sample.json", "epochs": 0.5, "max_seq_length": 64}}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,8 @@ def run(tmp_path_factory):
         "glue": {"tasks": [], "learning_rate": 1e-3, "epochs": 4, "max_seq_length": 32, "batch_size": 16,
                  "micro_batch_size": 16}}))
     result = subprocess.run([sys.executable, "-m", "snakemake", "tasks", "--cores", "2", "--set-threads",
-                             "task_finetune=1", "task_eval=1", "task_predict=1", "--configfile", "sample/config.yaml",
+                             "task_finetune=1", "task_eval=1", "task_predict=1", "qa_task_finetune=1", "qa_task_predict=1",
+                             "--configfile", "sample/config.yaml",
                              "own.yaml"], cwd=root, env=snakemake_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return root
@@ -142,6 +145,19 @@ def test_a_token_task_scores_entities_as_seqeval_and_loads_in_hugging_face(run):
     rows = summary.summarize({}, None, None, (), None, [run / f"results/tasks/{name}/eval.json" for name in TASKS])
     table = {(stage, metric): value for stage, metric, value in rows}
     assert table[("tasks", "ner.f1")] == evaluation["f1"] and ("tasks", "sentiment.accuracy") in table
+
+
+def test_a_question_answering_task_runs_through_the_squad_code_and_is_scored_officially(run):
+    evaluation = json.loads((run / "results/tasks/qa/eval.json").read_text())
+    predictions = json.loads((run / "results/tasks/qa/predictions.json").read_text())
+    official = official_squad_v11(json.loads((run / "sample/squad/dev-sample.json").read_text()), predictions)
+    assert evaluation["total"] == len(predictions) > 0 and evaluation["missing"] == 0
+    assert (evaluation["exact_match"], evaluation["f1"]) == pytest.approx((official["exact_match"], official["f1"]))
+    assert not (run / "results/squad").exists()  # squad.enabled: false; the task has its own model
+    config = json.loads((run / "results/tasks/qa/model/config.json").read_text())
+    assert config["architectures"] == ["BertForQuestionAnswering"]
+    rows = summary.summarize({}, None, None, (), None, [run / "results/tasks/qa/eval.json"])
+    assert ("tasks", "qa.f1", evaluation["f1"]) in rows
 
 
 def test_entity_scores_equal_seqevals_on_random_tag_sequences():
