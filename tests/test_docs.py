@@ -18,6 +18,7 @@ or `make `. Each is checked in a scratch copy of the workflow (tests/conftest.py
   path into the repository's sources exists.
 A block or paragraph after `<!-- pending: NAME -->` documents a feature another branch adds: skipped, naming it.
 """
+import gzip
 import re
 import shlex
 import subprocess
@@ -370,3 +371,69 @@ def test_the_install_page_names_what_make_setup_runs():
     assert "-m venv .venv" in plan.stdout and "pip install --quiet -r requirements-test.txt" in plan.stdout
     page = (REPO / "docs" / "install.md").read_text()
     assert "python3 -m venv .venv" in page and "pip install -r requirements-test.txt" in page and ".venv-pypy" in page
+
+
+def _merged(snippets: list[dict]) -> dict:
+    """The page's config snippets as one config, later keys over earlier ones (as the reader edits config.yaml)."""
+    merged: dict = {}
+    for snippet in snippets:
+        for key, value in snippet.items():
+            merged[key] = merge(merged.get(key, {}), value) if isinstance(value, dict) else value
+    return merged
+
+
+def test_the_own_corpus_recipe_plans_german_pretraining_and_the_tasks_without_an_english_download(workdir, tmp_path):
+    """docs/own-corpus.md's snippets, together, on stand-ins for the reader's files: `all` plans the corpus, both
+    phases and the two tasks, and downloads nothing (no Wikipedia, no SQuAD, no GLUE)."""
+    config = _merged([snippet for where, snippet, _ in SNIPPETS if where.startswith("docs/own-corpus.md:")])
+    assert set(config) >= {"wikipedia", "corpora", "shard", "pretrain", "squad", "tasks"}, sorted(config)
+    corpus = tmp_path / "news_de"
+    corpus.mkdir()
+    with gzip.open(corpus / "part-0.jsonl.gz", "wt") as out:
+        out.write('{"text": "Die Stadt liegt am Rhein. Sie hat einen Hafen."}\n')
+    config["corpora"]["news_de"]["path"] = f"{corpus}/*.jsonl.gz"
+    for name, task in config["tasks"].items():
+        for split in ("train", "dev", "test"):
+            if split in task:
+                path = tmp_path / name / Path(task[split]).name
+                path.parent.mkdir(exist_ok=True)
+                path.write_text("Berlin B-LOC\nliegt O\n\n" if task["format"] == "conll" else "text,label\ngut,pos\n")
+                task[split] = str(path)
+    (workdir / "own-corpus.yaml").write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "profiles/local", "-n", "all",
+                             "--configfile", "own-corpus.yaml"], cwd=workdir, capture_output=True, text=True,
+                            env=snakemake_env(), timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    jobs = dict(re.findall(r"^(\w+)\s+(\d+)$", result.stdout, re.M))
+    assert not [rule for rule in jobs if rule.startswith("download")], jobs
+    assert not [rule for rule in jobs if rule.startswith(("squad", "glue"))], jobs
+    assert jobs.get("pretrain") == "2" and int(jobs.get("tokenize", 0)) == 64 + 16, jobs
+    assert "results/tasks/ner/eval.json" in output and "results/tasks/sentiment/eval.json" in output
+
+
+def test_the_guides_hugging_face_code_runs_on_an_export(tmp_path):
+    """docs/own-corpus.md's code for the pretrained model, run as written on a tiny export of both recipes' kinds:
+    BertForPreTraining, BertForMaskedLM and the fill-mask pipeline load it and predict."""
+    import contextlib
+    import io
+
+    import torch
+
+    from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Berlin", "ist", "die", "Hauptstadt", "von",
+             "Deutschland", "."]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    config = BertConfig.preset("tiny", vocab_size=len(words))
+    torch.manual_seed(0)
+    export = tmp_path / "results" / "pretrain" / "phase2" / "model"
+    save_pretrained(BertForPreTraining(config), config, tmp_path / "vocab.txt", export)
+    blocks = ["\n".join(lines[1:-1]) for start, lines, _ in _paragraphs((REPO / "docs" / "own-corpus.md").read_text())
+              if lines[0] == "```python" and "results/pretrain/phase2/model" in "\n".join(lines)]
+    assert len(blocks) == 1
+    printed = io.StringIO()
+    with contextlib.chdir(tmp_path), contextlib.redirect_stdout(printed):
+        exec(compile(blocks[0], "docs/own-corpus.md", "exec"), {})
+    predictions = eval(printed.getvalue())  # the pipeline's list of dicts, printed
+    assert len(predictions) == 5 and {p["token_str"] for p in predictions} <= set(words), predictions
