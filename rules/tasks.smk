@@ -3,7 +3,7 @@
 # GLUE's code for classification and regression), score the dev file and predict the test file. Question answering
 # takes SQuAD-format files through the SQuAD code. The recipe is the glue section's (question answering: squad's),
 # a task's own keys on top; fine-tuning starts where GLUE's (SQuAD's) does. Everything lands in results/tasks/<name>/.
-from workflow.tasks.config import task_section
+from workflow.tasks.config import RECIPE_KEYS as TASK_RECIPE_KEYS, task_section
 
 
 include: "functions/tasks.smk"

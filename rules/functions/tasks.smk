@@ -18,8 +18,10 @@ def task_file(wildcards):
 
 
 def task_entry(wildcards):
-    """The task's config entry as JSON (its files, format, fields and labels change its features)."""
-    return json.dumps(config["tasks"][wildcards.task], sort_keys=True)
+    """The task's config entry as JSON, less its recipe keys: its files, format, fields and labels make its features
+    (a recipe change reruns fine-tuning only)."""
+    task = config["tasks"][wildcards.task]
+    return json.dumps({key: value for key, value in task.items() if key not in TASK_RECIPE_KEYS}, sort_keys=True)
 
 
 def task_label_entry(wildcards):
