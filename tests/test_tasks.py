@@ -2,6 +2,8 @@
 fine-tuned from a stand-in phase-2 export; Hugging Face's Auto classes and pipeline() load each model and predict what
 our evaluation scored; entity scores equal seqeval's; bad input stops in one line naming file, line and key; the
 targets plan what the config names (no English download for a German corpus with SQuAD and GLUE off)."""
+import csv
+import io
 import json
 import random
 import re
@@ -145,6 +147,8 @@ def test_a_token_task_scores_entities_as_seqeval_and_loads_in_hugging_face(run):
     rows = summary.summarize({}, None, None, (), None, [run / f"results/tasks/{name}/eval.json" for name in TASKS])
     table = {(stage, metric): value for stage, metric, value in rows}
     assert table[("tasks", "ner.f1")] == evaluation["f1"] and ("tasks", "sentiment.accuracy") in table
+    printed = summary.render(list(csv.DictReader(io.StringIO(summary.to_csv(rows)))), "none.html")
+    assert f"ner f1 {evaluation['f1']:.4f}" in printed.split("Tasks dev: ")[1]
 
 
 def test_a_question_answering_task_runs_through_the_squad_code_and_is_scored_officially(run):

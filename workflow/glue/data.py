@@ -1,4 +1,6 @@
 """GLUE data: read a task's TSV file as the GLUE distribution lays it out, turn it into BERT classification features.
+GlueTask and featurize are the classification code every sentence (pair) task uses: the GLUE tasks (TASKS) are its
+presets, a classification or regression task of the config's tasks section is one more (workflow.tasks.data).
 
 The files are those `download_glue_data.py` writes: `<Task>/train.tsv`, `<Task>/dev.tsv` (MNLI: `dev_matched.tsv`
 and `dev_mismatched.tsv`). Fields are tab-separated with no quoting (sentences contain `"`), so a line is split on

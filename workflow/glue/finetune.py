@@ -1,4 +1,6 @@
-"""GLUE fine-tuning: a sequence-classification head (a regression head for STS-B) on a pretrained BERT.
+"""GLUE fine-tuning: a sequence-classification head (a regression head for STS-B) on a pretrained BERT; the code the
+config's classification and regression tasks fine-tune with too (workflow.tasks.run), and whose head token
+classification reuses (workflow.tasks.token_model).
 
 Recipe of Google's run_classifier.py / HF's run_glue: the pooled [CLS] output, dropout, one linear layer;
 cross-entropy (STS-B: mean squared error on the score), AdamW (no weight decay on biases and LayerNorm), linear warmup
