@@ -1,0 +1,405 @@
+"""Benchmark: snakebert learns as Hugging Face's MLM recipe learns, on the same real text, both run here.
+
+    python benchmarks/learning_parity.py [--text PATH] [--seeds 3] [--steps 300] [--device cpu|cuda] [--png P]
+
+Text: --text (a file with one document per blank-line-separated block, or a directory of .txt files, one document
+each), else the reStructuredText sources of Python's documentation, Debian's python3-doc package (`apt-get install
+python3-doc`: ~12 MB of prose in ~500 documents, none repeated). Documents are split into training and held-out
+ones (never both), sentences by nltk's Punkt.
+Sides, each trained for --steps steps of --batch sequences of --seq tokens with the same BERT config, vocab,
+learning rate and schedule (linear warm-up, then NVIDIA's poly decay):
+- snakebert: the data half (tokenize, encode, pack, hdf5_dir: workflow.data) and the engine (workflow.train.pretrain),
+  in the rows' recipes: parity (dynamic masks, full sentences, AdamW, packed) and, each held against it, unpacked,
+  static masks, nsp, LAMB.
+- reference: run_mlm's recipe: BertTokenizerFast of the same vocab, each training document tokenized and the
+  texts grouped into blocks of --seq tokens, DataCollatorForLanguageModeling (whole-word with --whole-word), Trainer
+  with AdamW.
+Scoring: one held-out set (blocks of the held-out documents, masked once with a fixed seed), scored by one function
+(score) as a BertForMaskedLM, for every model, every 10% of the steps (snakebert: its export, resumed between points).
+Printed: a markdown table (sequences seen; held-out MLM accuracy mean ± spread (sample std) over the seeds; train
+wall and CPU seconds), the goal verdicts, and a PNG of the curves by sequences seen and by time.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import random
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from workflow.cli import UserError, run  # noqa: E402
+from workflow.data.encode import EncodeSettings, encode_shard  # noqa: E402
+from workflow.data.hdf5_dir import build_hdf5_dir  # noqa: E402
+from workflow.data.pack import PackSettings  # noqa: E402
+from workflow.data.tokenize import tokenize_shard  # noqa: E402
+from workflow.data.vocab import train_vocab  # noqa: E402
+from workflow.train.lamb import make_scheduler, param_groups  # noqa: E402
+from workflow.train.model import BertConfig  # noqa: E402
+from workflow.train.pretrain import TrainSettings, pretrain  # noqa: E402
+
+PYTHON_DOCS = "/usr/share/doc/python3*/html/_sources"
+INSTALL = "apt-get install python3-doc"
+# row: (masking, objective, packed, optimizer); each row but parity is held against parity
+ROWS = {"parity": ("dynamic", "full_sentences", True, "adamw"), "unpacked": ("dynamic", "full_sentences", False, "adamw"),
+        "static": ("static", "full_sentences", True, "adamw"), "nsp": ("dynamic", "nsp", True, "adamw"),
+        "lamb": ("dynamic", "full_sentences", True, "lamb")}
+
+
+def read_documents(text: str | None) -> list[str]:
+    """Documents of --text, else of the Python documentation's sources (one error line naming how to get them)."""
+    if text is None:
+        # python3-doc's directories are links to one another: each file once, by its real path
+        files = sorted({str(Path(f).resolve()) for f in glob.glob(f"{PYTHON_DOCS}/**/*.txt", recursive=True)})
+        if not files:
+            raise UserError(f"no text: {PYTHON_DOCS} is missing; install it ({INSTALL}) or give --text")
+        documents = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
+    elif Path(text).is_dir():
+        documents = [f.read_text(encoding="utf-8", errors="replace") for f in sorted(Path(text).rglob("*.txt"))]
+    else:
+        documents = [block for block in Path(text).read_text(encoding="utf-8", errors="replace").split("\n\n")
+                     if block.strip()]
+    return list(dict.fromkeys(documents))  # a repeated document would leak into the held-out set
+
+
+def shard_text(documents: list[str]) -> str:
+    """Shard format: one sentence per line (nltk Punkt), a blank line between documents."""
+    from nltk.tokenize.punkt import PunktSentenceTokenizer
+
+    punkt = PunktSentenceTokenizer()
+    out = []
+    for document in documents:
+        sentences = [" ".join(s.split()) for s in punkt.tokenize(document)]
+        sentences = [s for s in sentences if s]
+        if sentences:
+            out.append("\n".join(sentences) + "\n")
+    return "\n".join(out)
+
+
+def split_documents(documents: list[str], held_out_chars: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    order = list(range(len(documents)))
+    random.Random(seed).shuffle(order)
+    held, size = [], 0
+    while order and size < held_out_chars:
+        held.append(documents[order.pop()])
+        size += len(held[-1])
+    total = sum(map(len, documents))
+    if size < held_out_chars or total - size < 4 * held_out_chars:
+        raise UserError(f"--text: {total / 1e6:.2f} MB of text; the held-out set and training need at least "
+                        f"{5 * held_out_chars / 1e6:.2f} MB ({held_out_chars / 1e6:.2f} MB held out, 4x that to "
+                        "train on)")
+    return [documents[i] for i in sorted(order)], held
+
+
+def hf_tokenizer(vocab: Path, directory: Path):
+    """The reference's tokenizer: Hugging Face's BERT tokenizer of the same vocab, uncased as the data half's."""
+    from transformers import AutoTokenizer
+
+    directory.mkdir()
+    shutil.copyfile(vocab, directory / "vocab.txt")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True,
+                                                                 "tokenizer_class": "BertTokenizer"}))
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def hf_blocks(tokenizer, documents: list[str], seq: int) -> list[list[int]]:
+    """run_mlm's group_texts: every document tokenized (with [CLS]/[SEP]), concatenated, cut into blocks of `seq`."""
+    ids = [i for d in documents for i in tokenizer(" ".join(d.split()))["input_ids"]]
+    return [ids[k:k + seq] for k in range(0, len(ids) - seq + 1, seq)]
+
+
+def held_out_set(tokenizer, held_text: str, seq: int, size: int, whole_word: bool) -> dict:
+    """`size` sequences of the held-out documents (shard format) in Google's and MLPerf's held-out form, which
+    neither side's packer makes: [CLS], whole sentences of one document up to `seq` tokens, [SEP]; masked once by
+    DataCollatorForLanguageModeling with a fixed seed (the same masks for every model)."""
+    from transformers import DataCollatorForLanguageModeling
+
+    sequences = []
+    for document in held_text.split("\n\n"):
+        window: list[int] = []
+        for sentence in document.splitlines():
+            ids = tokenizer(sentence, add_special_tokens=False)["input_ids"][:seq - 2]
+            if window and len(window) + len(ids) > seq - 2:
+                sequences.append(window)
+                window = []
+            window = window + ids
+        if window:
+            sequences.append(window)
+    if len(sequences) < size:
+        raise UserError(f"--text: the held-out documents give {len(sequences)} sequences, fewer than --held-out "
+                        f"{size}; give more text")
+    torch.manual_seed(0)
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, whole_word_mask=whole_word)
+    specials = [tokenizer.cls_token_id], [tokenizer.sep_token_id]
+    return collator([{"input_ids": specials[0] + w + specials[1]} for w in sequences[:size]])
+
+
+@torch.no_grad()
+def score(model, held: dict, device) -> float:
+    """Held-out MLM accuracy of a BertForMaskedLM (the one function every model is scored by)."""
+    model.eval()
+    correct = count = 0
+    for k in range(0, len(held["input_ids"]), 64):
+        ids, labels = held["input_ids"][k:k + 64].to(device), held["labels"][k:k + 64].to(device)
+        logits = model(input_ids=ids, attention_mask=held["attention_mask"][k:k + 64].to(device)).logits
+        valid = labels != -100
+        correct += int((logits.argmax(-1)[valid] == labels[valid]).sum())
+        count += int(valid.sum())
+    model.train()
+    return correct / max(count, 1)
+
+
+class Clock:
+    """Training wall and CPU seconds, scoring excluded."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+        self.start()
+
+    def start(self):
+        self.t, self.c = time.perf_counter(), time.process_time()
+
+    def stop(self):
+        self.wall += time.perf_counter() - self.t
+        self.cpu += time.process_time() - self.c
+
+
+def bert_config(vocab_size: int, seq: int, args) -> BertConfig:
+    return BertConfig(vocab_size=(vocab_size + 7) // 8 * 8, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                      num_attention_heads=max(1, args.hidden // 64), intermediate_size=4 * args.hidden,
+                      max_position_embeddings=max(seq, 64))
+
+
+def unigram_baseline(blocks: list[list[int]], held: dict, tokenizer) -> float:
+    """Held-out accuracy of always predicting the training blocks' most frequent token that is not special."""
+    counts = torch.bincount(torch.tensor([i for b in blocks for i in b]), minlength=len(tokenizer))
+    counts[tokenizer.all_special_ids] = 0
+    labels = held["labels"][held["labels"] != -100]
+    return float((labels == counts.argmax()).float().mean())
+
+
+def learning_rate(optimizer: str, args) -> float:
+    return args.lamb_lr if optimizer == "lamb" else args.lr
+
+
+def reference_run(blocks, held, tokenizer, config_path: Path, seed: int, args, work: Path) -> list[dict]:
+    from transformers import (BertConfig as HFConfig, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer,
+                              TrainerCallback, TrainingArguments)
+
+    torch.manual_seed(seed)
+    model = BertForMaskedLM(HFConfig.from_json_file(str(config_path))).to(args.device)
+    optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=args.lr, eps=1e-6)
+    scheduler = make_scheduler(optimizer, args.steps, args.warmup)
+    curve, clock, every = [], Clock(), args.steps // args.points
+
+    class Points(TrainerCallback):
+        def on_step_end(self, _args, state, control, **kwargs):
+            if state.global_step % every == 0:
+                clock.stop()
+                curve.append({"sequences": state.global_step * args.batch, "accuracy": score(model, held, args.device),
+                              "wall": clock.wall, "cpu": clock.cpu})
+                clock.start()
+
+    training = TrainingArguments(output_dir=str(work / f"hf_{seed}"), per_device_train_batch_size=args.batch,
+                                 max_steps=args.steps, max_grad_norm=1.0, seed=seed, data_seed=seed, report_to=[],
+                                 save_strategy="no", logging_strategy="no", dataloader_num_workers=0,
+                                 use_cpu=args.device == "cpu", disable_tqdm=True)
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, whole_word_mask=args.whole_word)
+    trainer = Trainer(model=model, args=training, train_dataset=[{"input_ids": b} for b in blocks],
+                      data_collator=collator, optimizers=(optimizer, scheduler), callbacks=[Points()])
+    clock.start()
+    trainer.train()
+    return curve
+
+
+def encode_data(row: str, work: Path, vocab: Path, tokenized: dict, args) -> Path:
+    masking, objective, packed, _ = ROWS[row]
+    output = work / f"hdf5_{row}"
+    if output.exists():
+        return output
+    settings = EncodeSettings(max_seq_length=args.seq, max_predictions_per_seq=max(1, round(args.seq * 0.15) + 1),
+                              dupe_factor=args.dupe_factor, masking=masking, objective=objective,
+                              whole_word_masking=args.whole_word)
+    for split, path in tokenized.items():
+        encode_shard(path, vocab, work / f"encoded_{row}" / split / "shard_0.hdf5", settings, 12345, split, 0,
+                     "none", PackSettings() if packed else None)
+    build_hdf5_dir(work / f"encoded_{row}", {"training": 1, "test": 1}, output)
+    return output
+
+
+def snakebert_run(row: str, data: Path, vocab: Path, config_path: Path, held, seed: int, args, work: Path):
+    from transformers import BertForMaskedLM
+
+    optimizer = ROWS[row][3]
+    out = work / f"run_{row}_{seed}"
+    s = TrainSettings(phase="phase1", data_dir=str(data), vocab=str(vocab), run_dir=str(out / "run"),
+                      out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"),
+                      out_summary=str(out / "summary.json"), learning_rate=learning_rate(optimizer, args),
+                      warmup_proportion=args.warmup, total_steps=args.steps, global_batch_size=args.batch,
+                      micro_batch_size=args.batch, bert_config=str(config_path), seed=seed, optimizer=optimizer,
+                      device=args.device, precision="fp32", eval_max_sequences=256, loader_workers=0,
+                      checkpoint_every=args.steps // args.points, log_every=args.steps,
+                      threads=torch.get_num_threads())
+    curve, every = [], args.steps // args.points
+    cpu = 0.0
+    for point in range(1, args.points + 1):
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        summary = pretrain(TrainSettings(**{**s.__dict__, "max_steps": point * every}))
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu += (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)  # export included: an upper bound
+        model = BertForMaskedLM.from_pretrained(s.out_model).to(args.device)
+        curve.append({"sequences": point * every * args.batch, "accuracy": score(model, held, args.device),
+                      "wall": summary["train_time_s"], "cpu": cpu,
+                      "own_held_out": summary["test_mlm_accuracy"]})  # the trainer's own set: a cross-check
+    return curve
+
+
+def summarize(curves: list[list[dict]]) -> list[dict]:
+    rows = []
+    for points in zip(*curves):
+        accuracies = [p["accuracy"] for p in points]
+        rows.append({"sequences": points[0]["sequences"], "mean": statistics.mean(accuracies),
+                     "spread": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
+                     "wall": statistics.mean(p["wall"] for p in points), "cpu": statistics.mean(p["cpu"] for p in points)})
+    return rows
+
+
+def verdicts(results: dict) -> list[str]:
+    reference = results["reference"]
+    lines = []
+    for name, rows in results.items():
+        if name == "reference":
+            continue
+        against = reference if name == "parity" else results["parity"]
+        final, base = rows[-1], against[-1]
+        tolerance = max(final["spread"], base["spread"])
+        ok = final["mean"] >= base["mean"] - tolerance
+        lines.append(f"{name} vs {'reference' if name == 'parity' else 'parity'}: {final['mean']:.4f} vs "
+                     f"{base['mean']:.4f} at {final['sequences']} sequences, spread {tolerance:.4f}: "
+                     f"{'within the seed spread or above' if ok else 'BEHIND'}")
+    parity = results["parity"]
+    at_time = [r["mean"] for r in reference if r["wall"] <= parity[-1]["wall"]]
+    reached = at_time[-1] if at_time else 0.0
+    lines.append(f"equal wall time ({parity[-1]['wall']:.1f} s): snakebert {parity[-1]['mean']:.4f}, reference "
+                 f"{reached:.4f}: {'ahead' if parity[-1]['mean'] >= reached else 'BEHIND'}")
+    return lines
+
+
+def table(results: dict) -> str:
+    lines = ["| side | sequences seen | held-out MLM accuracy (mean ± std) | train wall s | train CPU s |",
+             "|---|---:|---:|---:|---:|"]
+    for name, rows in results.items():
+        for r in rows[len(rows) // 2 - 1::len(rows) // 2]:
+            lines.append(f"| {name} | {r['sequences']} | {r['mean']:.4f} ± {r['spread']:.4f} | {r['wall']:.1f} | "
+                         f"{r['cpu']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(9, 3.2), dpi=80)
+    for name, rows in results.items():
+        for axis, key in zip(axes, ("sequences", "wall")):
+            axis.errorbar([r[key] for r in rows], [r["mean"] for r in rows], yerr=[r["spread"] for r in rows],
+                          label=name, capsize=2)
+    axes[0].set_xlabel("sequences seen")
+    axes[1].set_xlabel("train wall seconds")
+    axes[0].set_ylabel("held-out MLM accuracy")
+    axes[1].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--text", help="the corpus (default: the python3-doc sources)")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=32, help="sequences per step")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=4000)
+    p.add_argument("--warmup", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate (both sides)")
+    p.add_argument("--lamb-lr", type=float, default=8e-3, help="LAMB's peak learning rate")
+    p.add_argument("--points", type=int, default=10, help="scoring points, evenly spaced")
+    p.add_argument("--dupe-factor", type=int, default=3, help="static masks' copies")
+    p.add_argument("--held-out", type=int, default=512, help="held-out sequences")
+    p.add_argument("--whole-word", action="store_true")
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--threads", type=int, help="torch's CPU threads for both sides (default: torch's)")
+    p.add_argument("--png", default="learning_parity.png")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if args.steps % args.points:
+        raise UserError(f"--steps {args.steps}: a multiple of --points ({args.points})")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.disable(logging.WARNING)  # the trainer's per-point start, resume and export lines
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    documents = read_documents(args.text)
+    # held out: about 6 characters per token
+    train_docs, held_docs = split_documents(documents, held_out_chars=args.held_out * args.seq * 6)
+    with tempfile.TemporaryDirectory() as temporary:
+        work = Path(temporary)
+        texts = {"training": work / "training.txt", "test": work / "test.txt"}
+        texts["training"].write_text(shard_text(train_docs), encoding="utf-8")
+        texts["test"].write_text(shard_text(held_docs), encoding="utf-8")
+        vocab = work / "vocab.txt"
+        train_vocab([texts["training"]], vocab, size=args.vocab_size)
+        tokenizer = hf_tokenizer(vocab, work / "tokenizer")
+        tokenized = {split: work / f"{split}.npz" for split in texts}
+        for split, path in texts.items():
+            tokenize_shard(path, vocab, tokenized[split])
+        config = bert_config(len(vocab.read_text().splitlines()), args.seq, args)
+        config_path = work / "bert_config.json"
+        config.to_json(config_path)
+        held = held_out_set(tokenizer, texts["test"].read_text(encoding="utf-8"), args.seq, args.held_out,
+                            args.whole_word)
+        print(f"text: {sum(map(len, documents)) / 1e6:.1f} MB, {len(train_docs)} training and {len(held_docs)} "
+              f"held-out documents; held-out set: {len(held['input_ids'])} sequences of {args.seq}; model: "
+              f"{args.layers} layers x {args.hidden}; {args.steps} steps x {args.batch} sequences; {args.device}",
+              flush=True)
+        blocks = hf_blocks(tokenizer, train_docs, args.seq)
+        baseline = unigram_baseline(blocks, held, tokenizer)
+        print(f"unigram-frequency baseline: {baseline:.4f}", flush=True)
+        curves = {"reference": [reference_run(blocks, held, tokenizer, config_path, seed, args, work)
+                                for seed in range(args.seeds)]}
+        print(f"reference: final {statistics.mean(c[-1]['accuracy'] for c in curves['reference']):.4f}", flush=True)
+        for row in ["parity", *[r for r in args.rows if r != "parity"]]:
+            data = encode_data(row, work, vocab, tokenized, args)
+            curves[row] = [snakebert_run(row, data, vocab, config_path, held, seed, args, work)
+                           for seed in range(args.seeds)]
+            print(f"{row}: final {statistics.mean(c[-1]['accuracy'] for c in curves[row]):.4f} (on the trainer's own "
+                  f"held-out set {statistics.mean(c[-1]['own_held_out'] for c in curves[row]):.4f})", flush=True)
+        results = {name: summarize(c) for name, c in curves.items()}
+    print(table(results))
+    print("\n".join(verdicts(results)))
+    plot(results, Path(args.png))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "unigram_baseline": baseline, "results": results,
+                                               "curves": curves}, indent=1))
+
+
+if __name__ == "__main__":
+    run(main)
