@@ -344,7 +344,7 @@ def main(argv=None) -> None:
     p.add_argument("--whole-word", action="store_true")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--threads", type=int, help="torch's CPU threads for both sides (default: torch's)")
+    p.add_argument("--threads", type=int, default=1, help="torch's CPU threads for both sides (0: torch's default)")
     p.add_argument("--png", default="learning_parity.png")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
