@@ -386,7 +386,8 @@ def train_phase(s: TrainSettings, env) -> dict:
         s.fused_lamb if s.optimizer == "lamb" else s.fused_adamw)
     if s.init_optimizer:
         carry_optimizer_state(optimizer, s.init_optimizer)
-        log.info("optimizer moments carried over from %s (step and learning rate reset)", s.init_optimizer)
+        log.info("%s moments carried over from %s (step and learning rate reset)",
+                 "LAMB" if s.optimizer == "lamb" else "AdamW", s.init_optimizer)
     scheduler = make_scheduler(optimizer, s.total_steps, s.warmup_proportion)
     log.info("%s: %s, %d parameters, %s, %s, seq %d", s.phase, env.device, count_parameters(model), precision,
              optimizer_name, seq_length)
