@@ -18,6 +18,7 @@ import torch
 
 from workflow.train import checkpoint as ckpt
 from workflow.cli import UserError, run
+from workflow.config import validate_config
 from workflow.train.model import BertConfig, load_pretrained
 from workflow.train.engine import accumulation_steps
 from workflow.train.pretrain import LAMB_KEYS, PHASE_KEYS, TrainSettings, main, pretrain
@@ -881,3 +882,15 @@ def test_phase2_starts_from_an_adamw_phase1_and_a_switch_of_optimizer_refuses_to
     with pytest.raises(UserError, match=r"its checkpoints belong to a run with other settings \(optimizer "
                                         r"torch\.AdamW -> torch\.Lamb\)"):
         pretrain(dataclasses.replace(s, optimizer="lamb", max_steps=4))
+
+
+def test_a_key_set_for_the_optimizer_not_chosen_is_one_error_naming_it(data, tmp_path, capsys):
+    config = validate_config({"pretrain": {"optimizer": "adamw", "lamb": {"weight_decay": 0.02}}})
+    paths = {k: getattr(settings(data, tmp_path), k) for k in ("data_dir", "vocab", "run_dir", "out_model",
+                                                                  "out_metrics", "out_summary")}
+    with pytest.raises(UserError, match=r"^config pretrain\.lamb\.weight_decay: 0\.02 is set, but pretrain\.optimizer "
+                                        r"is adamw, which reads pretrain\.adamw; set pretrain\.adamw\.weight_decay "
+                                        r"instead, or pretrain\.optimizer: lamb$"):
+        TrainSettings.from_config(config, "phase1", **paths)
+    config["pretrain"]["lamb"]["weight_decay"] = 0.01  # the default: nothing set that AdamW would ignore
+    assert TrainSettings.from_config(config, "phase1", **paths).optimizer == "adamw"

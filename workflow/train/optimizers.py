@@ -10,6 +10,8 @@ API:
         biases and LayerNorm), fused on CUDA where torch has it and `fused`.
     engine_clip(kind, max_grad_norm)   the engine's torch clipping norm before the step: AdamW's max_grad_norm (as
         Hugging Face's Trainer clips), None for LAMB (its step clips) and for 0
+    refuse_other_optimizer_keys(section)   config pretrain: a key of the section of the optimizer not chosen, set to
+        other than its default, would do nothing: one error line naming it
     carry_optimizer_state(optimizer, path)   phase 1's moments (exp_avg, exp_avg_sq) into this phase's fresh
         optimizer, either kind from either kind; step and learning rate stay this phase's own. A state key neither
         optimizer has (e.g. AdamW's amsgrad max_exp_avg_sq) is one error line naming it.
@@ -19,9 +21,11 @@ from __future__ import annotations
 import logging
 
 import torch
+import yaml
 from torch import nn
 
 from workflow.cli import UserError
+from workflow.config import SCHEMA
 from workflow.train import lamb
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,19 @@ def make_optimizer(kind: str, model: nn.Module, lr: float, weight_decay: float =
 
 def engine_clip(kind: str, max_grad_norm: float) -> float | None:
     return (max_grad_norm or None) if kind == "adamw" else None
+
+
+def refuse_other_optimizer_keys(section: dict) -> None:
+    """See the module docstring; `section` is the config's pretrain section with its defaults filled in."""
+    chosen = section.get("optimizer", "lamb")
+    schema = yaml.safe_load(SCHEMA.read_text())["properties"]["pretrain"]["properties"]
+    for other in OPTIMIZERS:
+        defaults = {key: value.get("default") for key, value in schema[other]["properties"].items()}
+        for key, value in section.get(other, {}).items() if other != chosen else ():
+            if key in defaults and value != defaults[key]:
+                raise UserError(f"config pretrain.{other}.{key}: {value} is set, but pretrain.optimizer is {chosen}, "
+                                f"which reads pretrain.{chosen}; set pretrain.{chosen}.{key} instead, or "
+                                f"pretrain.optimizer: {other}")
 
 
 def carry_optimizer_state(optimizer, path: str) -> None:

@@ -64,7 +64,8 @@ from workflow.train.dle_checkpoint import load_checkpoint, save_dle_export
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.evaluation import EvaluationSet
 from workflow.train.lamb import make_scheduler
-from workflow.train.optimizers import HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer
+from workflow.train.optimizers import (HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer,
+                                       refuse_other_optimizer_keys)
 from workflow.train.model import (VARLEN_DEVICE_TYPES, BertConfig, BertForPreTraining, count_parameters,
                                   flops_per_sequence, host_indices, load_weights, pretraining_loss,
                                   save_pretrained, unpadded_of)
@@ -133,6 +134,7 @@ class TrainSettings:
         try:
             section = config["pretrain"]
             values = {key: section[phase].get(key) for key in PHASE_KEYS}
+            refuse_other_optimizer_keys(section)
             values["optimizer"] = section.get("optimizer", cls.optimizer)
             values.update({key: section[values["optimizer"]][key] for key in LAMB_KEYS})
             values["fused_lamb"] = section["lamb"].get("fused", True) if "lamb" in section else True
