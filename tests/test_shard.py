@@ -127,7 +127,7 @@ def run_data_rules(work: Path, wikipedia: dict, cores: int, env: dict) -> subpro
     )
     config = yaml.safe_load((REPO / "sample" / "config.yaml").read_text())
     config = {key: config[key] for key in ("wikipedia", "bookcorpus", "format", "shard")}
-    config["wikipedia"] = wikipedia
+    config["wikipedia"] = {"date": config["wikipedia"]["date"], **wikipedia}  # the sample's name carries none
     config["bookcorpus"]["source"] = str(REPO / "sample" / "books")
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     return subprocess.run([sys.executable, "-m", "snakemake", "data/shards", "--cores", str(cores), "--configfile",
