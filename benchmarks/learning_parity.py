@@ -22,6 +22,7 @@ wall and CPU seconds), the goal verdicts, and a PNG of the curves by sequences s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import logging
@@ -325,6 +326,17 @@ def plot(results: dict, path: Path) -> None:
     figure.savefig(path)
 
 
+@contextlib.contextmanager
+def quiet_logs():
+    """The trainer's per-point start, resume and export lines off while the benchmark runs, as before after it."""
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(before)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--text", help="the corpus (default: the python3-doc sources)")
@@ -354,7 +366,11 @@ def main(argv=None) -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    logging.disable(logging.WARNING)  # the trainer's per-point start, resume and export lines
+    with quiet_logs():
+        measure(args)
+
+
+def measure(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     documents = read_documents(args.text)

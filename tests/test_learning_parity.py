@@ -11,6 +11,7 @@ past the baseline by more than one seed standard deviation. At this size the ref
 near the baseline (its 3-seed mean 0.0585); seed 0, the test's, learns (0.079), and CPU runs are deterministic.
 """
 import json
+import logging
 import math
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ def test_snakebert_and_the_hf_reference_learn_well_above_unigram_frequency_and_a
     out = tmp_path / "parity.json"
     learning_parity.main(["--text", str(books), "--rows", "parity", "--seeds", "1", *SMALL,
                           "--png", str(tmp_path / "curves.png"), "--json", str(out)])
+    assert logging.root.manager.disable == logging.NOTSET  # the trainer's quiet lines are on again, for other tests
     result = json.loads(out.read_text())
     baseline = result["unigram_baseline"]
     reference, snakebert = (result["results"][side][-1]["mean"] for side in ("reference", "parity"))

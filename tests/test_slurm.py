@@ -493,28 +493,34 @@ def test_slurm_time_limits_parse_to_minutes():
     assert parse_time_limits("cpu* 1-00:00:00\ngpu 2:00:00\n") == {"cpu": 1440, "*": 1440, "gpu": 120}
 
 
-def test_profile_check_rejects_a_runtime_over_max_time_threads_over_a_node_an_unknown_qos_and_a_lost_signal():
-    from workflow.slurm.profile import check, merge, parse_sinfo, read_profile, rule_threads
+def test_profile_check_rejects_over_max_time_threads_unknown_qos_lost_signal_and_gpu_rule_without_gpus():
+    from workflow.slurm.profile import check, gpu_rules, merge, parse_sinfo, read_profile, rule_threads
 
     nodes = parse_sinfo("".join(f"cpu* node{i} 2 21694 (null)\ngpu node{i} 2 21694 gpu:2\n" for i in (1, 2)))
     small = merge(read_profile(REPO / "profiles" / "slurm"),
                   yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
-    cluster = {"time_limits": {"cpu": None, "*": None, "gpu": 60}, "qos": {"normal"}, "threads": rule_threads()}
+    cluster = {"time_limits": {"cpu": None, "*": None, "gpu": 60}, "qos": {"normal"}, "threads": rule_threads(),
+               "gpus": gpu_rules()}
+    assert {"pretrain", "squad_finetune", "glue_eval", "task_finetune", "qa_task_predict"} <= cluster["gpus"]
     assert check(small, nodes, **cluster) == []
     site = merge(small, {"slurm-qos": "gpu_long", "max-threads": None,
                          "set-resources": {"pretrain": {"runtime": 2880, "slurm_extra": "--exclusive"},
                                            "squad_finetune": {"slurm_extra": "--signal=USR1@600 --exclusive"}}})
+    site["set-resources"] = {rule: res for rule, res in site["set-resources"].items() if rule != "task_predict"}
     assert check(site, nodes, where="site", **cluster) == [
         "site: set-resources pretrain: slurm_extra '--exclusive' lacks --signal=USR1@<seconds>: without Slurm's "
         "warning its trainers lose what they did since their last checkpoint at the time limit (add your sbatch "
         "options after the signal, not instead of it)",
         "site: set-resources squad_finetune: --signal=USR1@600 comes 600 s before the end of a 10-minute job: at its "
         "start",
+        "site: rule task_predict needs a GPU, but set-resources gives it no gres: add a set-resources task_predict "
+        "entry like glue_eval's (slurm_partition and gres)",
         "site: set-resources pretrain: runtime 2880 min exceeds the MaxTime of partition gpu (60 min): set a runtime "
         "within it (a training job requeues itself and resumes)",
         "site: slurm-qos: qos=gpu_long is not a QOS here (sacctmgr show qos: normal)",
-        *[f"site: rule {rule}: threads asks 16 CPUs per node; the default partition has at most 2"
-          for rule in ("hdf5_dir", "compile_templates", "punkt", "shard", "vocab")],
+        *[f"site: rule {rule}: threads asks {n} CPUs per node; the default partition has at most 2"
+          for rule, n in (("hdf5_dir", 16), ("compile_templates", 16), ("punkt", 16), ("shard", 16),
+                          ("task_predict", 8), ("vocab", 16))],
     ]
 
 

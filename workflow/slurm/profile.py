@@ -28,7 +28,7 @@ PROFILE_FILE = "config.v8+.yaml"
 RULES_DIR = Path(__file__).resolve().parents[2] / "rules"
 # The rules whose trainers checkpoint on SIGUSR1 and whose launcher then requeues the job: Slurm's warning before
 # the time limit (`--signal=USR1@<seconds>` in slurm_extra) is what saves their work.
-TRAINING_RULES = ("pretrain", "squad_finetune", "glue_finetune")
+TRAINING_RULES = ("pretrain", "squad_finetune", "glue_finetune", "task_finetune", "qa_task_finetune")
 TIME_LIMIT_SIGNAL = re.compile(r"--signal=(?:R:)?USR1@(\d+)")
 
 
@@ -129,6 +129,22 @@ def rule_threads(rules_dir: Path = RULES_DIR) -> dict[str, int]:
     return threads
 
 
+def gpu_rules(rules_dir: Path = RULES_DIR) -> set[str]:
+    """The rules in rules/*.smk whose `resources:` ask for `gpus`: the jobs that need the profile's GPU entry."""
+    return {block.split(":", 1)[0].strip()
+            for path in sorted(Path(rules_dir).glob("*.smk"))
+            for block in re.split(r"^\s*rule ", path.read_text(), flags=re.M)[1:]
+            if re.search(r"^\s+gpus\s*=", block, re.M)}
+
+
+def gpu_problems(profile: dict, rules: set[str], where: str) -> list[str]:
+    """A GPU rule that set-resources leaves without GPUs: Slurm would run it on the default partition without one."""
+    set_resources = profile.get("set-resources") or {}
+    return [f"{where}: rule {rule} needs a GPU, but set-resources gives it no gres: add a set-resources {rule} entry "
+            "like glue_eval's (slurm_partition and gres)"
+            for rule in sorted(rules) if not requested_gpus(set_resources.get(rule) or {})]
+
+
 def resource_sets(profile: dict) -> list[tuple[str, str | None, dict]]:
     """(label, rule, resources) of default-resources and of every set-resources entry merged over them."""
     defaults = profile.get("default-resources") or {}
@@ -213,10 +229,12 @@ def named_qos(profile: dict) -> bool:
 
 def check(profile: dict, partitions: dict[str, list[Node]], where: str = "profile",
           time_limits: dict[str, float | None] | None = None, qos: set[str] | None = None,
-          threads: dict[str, int] | None = None) -> list[str]:
+          threads: dict[str, int] | None = None, gpus: set[str] | None = None) -> list[str]:
     """One message per request that the cluster cannot satisfy: no node of its partition (resources, threads),
-    its partition's MaxTime (`time_limits`), an unknown QOS (`qos`); and per training job without its signal."""
+    its partition's MaxTime (`time_limits`), an unknown QOS (`qos`); per training job without its signal; and per
+    GPU rule (`gpus`) without GPUs."""
     problems = signal_problems(profile, where)
+    problems += gpu_problems(profile, gpus, where) if gpus is not None else []
     problems += time_problems(profile, time_limits, where) if time_limits is not None else []
     problems += qos_problems(profile, qos, where) if qos is not None else []
     for what, asked in {**requests(profile), **thread_requests(profile, threads or {})}.items():
@@ -251,7 +269,8 @@ def cluster_check(profile: dict, where: str) -> list[str]:
     """`check` against this cluster: sinfo's nodes and time limits, sacctmgr's QOS where the profile names one."""
     time_limits = parse_time_limits(query("sinfo", "-h", "-o", "%P %l"))
     qos = set(query("sacctmgr", "-n", "-P", "show", "qos", "format=name").split()) if named_qos(profile) else None
-    return check(profile, sinfo(), where, time_limits=time_limits, qos=qos, threads=rule_threads())
+    return check(profile, sinfo(), where, time_limits=time_limits, qos=qos, threads=rule_threads(),
+                 gpus=gpu_rules())
 
 
 def main(argv=None) -> None:
