@@ -53,6 +53,6 @@ rule all:
 
 
 # The data, both pretraining phases and the pretraining part of the report; no fine-tuning.
-rule pretraining:
+rule pretrain:
     input:
         pretrain_targets(),

@@ -130,7 +130,7 @@ def task_targets():
             *[f"results/tasks/{name}/predictions.jsonl" for name, task in tasks.items() if task.get("test")]]
 
 
-# The pretraining part of the report (`snakemake pretraining` builds it with both phases).
+# The pretraining part of the report (`snakemake pretrain` builds it with both phases).
 PRETRAIN_REPORT_TARGETS = [
     "results/report/pretrain_loss.png",
     "results/report/mlm_accuracy.png",
@@ -155,7 +155,7 @@ def summary_squad_inputs():
 
 
 def pretrain_targets():
-    """What `snakemake pretraining` builds: the data, both pretraining phases and the pretraining part of the report."""
+    """What `snakemake pretrain` builds: the data, both pretraining phases and the pretraining part of the report."""
     return [hdf5_dir("phase1"), hdf5_dir("phase2"), "results/pretrain/phase2/model", *PRETRAIN_REPORT_TARGETS]
 
 

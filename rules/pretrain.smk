@@ -10,7 +10,7 @@
 include: "functions/pretrain.smk"
 
 
-rule pretrain:
+rule pretrain_phase:
     input:
         unpack(pretrain_inputs),
     output:

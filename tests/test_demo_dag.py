@@ -98,7 +98,7 @@ def test_fresh_runs_give_byte_identical_data_and_identical_phase1_weights(tmp_pa
     for name, cores, hash_seed in (("two_jobs", "2", "0"), ("one_job", "1", "1")):
         root = run_directory(tmp_path / name)
         run = snakemake(root, "results/pretrain/phase1/model", "--cores", cores, "--set-threads",
-                        "pretrain=1", PYTHONHASHSEED=hash_seed)
+                        "pretrain_phase=1", PYTHONHASHSEED=hash_seed)
         assert run.returncode == 0, run.stderr[-4000:]
         roots.append(root)
     data = [file_digests(root / "data") for root in roots]

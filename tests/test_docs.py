@@ -408,7 +408,7 @@ def test_the_own_corpus_recipe_plans_german_pretraining_and_the_tasks_without_an
     jobs = dict(re.findall(r"^(\w+)\s+(\d+)$", result.stdout, re.M))
     assert not [rule for rule in jobs if rule.startswith("download")], jobs
     assert not [rule for rule in jobs if rule.startswith(("squad", "glue"))], jobs
-    assert jobs.get("pretrain") == "2" and int(jobs.get("tokenize", 0)) == 64 + 16, jobs
+    assert jobs.get("pretrain_phase") == "2" and int(jobs.get("tokenize", 0)) == 64 + 16, jobs
     assert "results/tasks/ner/eval.json" in output and "results/tasks/sentiment/eval.json" in output
 
 

@@ -182,7 +182,7 @@ def test_env_pins_are_exact_and_match_the_tested_versions(env_file):
 
 
 def test_gpu_rules_use_the_cuda_env():
-    gpu_rules = [name for name in ("pretrain", "squad_finetune") if name in RULES]
+    gpu_rules = [name for name in ("pretrain_phase", "squad_finetune") if name in RULES]
     assert gpu_rules, "no GPU rule found"
     for name in gpu_rules:
         assert Path(RULES[name][0]).name == "train.yaml", name

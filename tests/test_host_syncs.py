@@ -61,6 +61,8 @@ def test_a_skipped_fp16_step_leaves_the_schedule_counts_the_skip_and_keeps_grad_
     assert norms[:2] == [m["grad_norm"] for m in expected[:2]]
     state = torch.load(Path(skipped.run_dir) / "checkpoints" / "step_00000008.pt", weights_only=False)
     assert state["skipped_steps"] == 1 and state["scheduler"]["last_epoch"] == 7
+    summaries = [json.loads(Path(s.out_summary).read_text()) for s in (reference, skipped)]
+    assert [summary["skipped_steps"] for summary in summaries] == [0, 1]
 
 
 def test_a_run_resumed_after_a_skipped_fp16_step_equals_the_uninterrupted_one(data, tmp_path, fp16_on_cpu,
@@ -76,6 +78,7 @@ def test_a_run_resumed_after_a_skipped_fp16_step_equals_the_uninterrupted_one(da
                                  "real_tokens_per_s": r["real_tokens_per_s"]}
                                 for m, r in zip(metrics(whole), metrics(resumed))]
     assert [m["skipped_steps"] for m in metrics(resumed)] == [0, 1, 0, 0]
+    assert json.loads(Path(resumed.out_summary).read_text())["skipped_steps"] == 1  # step 3, kept over the resume
     assert all(0 < m["grad_norm"] < float("inf") for m in metrics(resumed))  # steps 3-4: step 4's finite norm
     from safetensors.torch import load_file
 

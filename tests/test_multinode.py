@@ -28,7 +28,7 @@ from tests.test_slurm import (REPO, SNAKEMAKE_TIMEOUT_S, cluster, clean_env, cop
 
 
 # 2 nodes x 2 ranks (one per fake GPU), one core each: a node's 2 CPUs.
-TWO_NODES = {"set-resources": {"pretrain": {"nodes": 2, "gres": "gpu:2", "tasks_per_node": 2, "cpus_per_gpu": 1}}}
+TWO_NODES = {"set-resources": {"pretrain_phase": {"nodes": 2, "gres": "gpu:2", "tasks_per_node": 2, "cpus_per_gpu": 1}}}
 # The demo's phase 1 with a micro-batch that 4 ranks divide (32 = 8 x 4; the math does not depend on it), and its
 # tiny model without dropout: each rank draws its own dropout masks, so only then do 4 ranks and one process agree.
 FOUR_RANKS = {"pretrain": {"phase1": {"micro_batch_size": 8}}, "model": {"bert_config": "tiny_no_dropout.json"}}

@@ -755,7 +755,7 @@ def test_snakemake_runs_phase1_then_phase2_from_phase1s_export_and_reruns_only_f
     env = environment(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
     def snakemake(*extra, configfile="test.yaml"):
-        return subprocess.run(["snakemake", "--cores", "2", "--configfile", configfile, "--allowed-rules", "pretrain",
+        return subprocess.run(["snakemake", "--cores", "2", "--configfile", configfile, "--allowed-rules", "pretrain_phase",
                                *extra, "--", "results/pretrain/phase2/model"], cwd=work, env=env,
                               capture_output=True, text=True, timeout=300)
 

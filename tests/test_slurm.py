@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "start_cluster.sh"
 WORKFLOW_FILES = ["Snakefile", "rules", "workflow", "envs", "sample", "config.yaml", "config.schema.yaml"]
 CONFIG_FILES = ["sample/config.yaml", str(REPO / "tests" / "slurm" / "config.yaml")]
-PHASES = ("phase1", "phase2")  # one rule `pretrain`, its jobs told apart by the wildcard {phase}
+PHASES = ("phase1", "phase2")  # one rule `pretrain_phase`, its jobs told apart by the wildcard {phase}
 FAIL_AT_STEP = 6  # between the checkpoints at steps 4 and 8 (tests/slurm/config.yaml: checkpoint_every 4)
 SNAKEMAKE_TIMEOUT_S = 900  # the cluster's 2 CPUs are shared: generous
 DATA_TARGETS = ("data/hdf5_seq128", "data/hdf5_seq512")
@@ -115,8 +115,8 @@ class Run:
         return sorted(rows, key=lambda r: int(r["JobID"].split("_")[0]))
 
     def phase_jobs(self, phase: str) -> list[dict]:
-        """The Slurm jobs of one pretraining phase (rule pretrain, wildcard {phase}), oldest first."""
-        return [job for job in self.jobs() if job["rule"] == "pretrain" and job["wildcards"] == phase]
+        """The Slurm jobs of one pretraining phase (rule pretrain_phase, wildcard {phase}), oldest first."""
+        return [job for job in self.jobs() if job["rule"] == "pretrain_phase" and job["wildcards"] == phase]
 
     def start(self, *args: str, config: dict | None = None) -> subprocess.Popen:
         """Snakemake in the background, with `config` layered over the test configs."""
@@ -217,7 +217,7 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
     rules = {job["rule"] for job in first_jobs}
     assert not rules & DATA_RULES, f"data rules rerun on up-to-date data: {rules & DATA_RULES}"
     assert all(job["SubmitLine"].startswith("sbatch ") for job in first_jobs + demo_data.jobs())
-    phase1 = [job for job in first_jobs if job["rule"] == "pretrain" and job["wildcards"] == "phase1"]
+    phase1 = [job for job in first_jobs if job["rule"] == "pretrain_phase" and job["wildcards"] == "phase1"]
     assert len(phase1) == 1 and phase1[0]["State"] == "FAILED", phase1
     assert phase1[0]["DerivedExitCode"] == "0:9", phase1  # its trainer step died of SIGKILL
     assert not (run.path / "results" / "pretrain" / "phase1" / "model").exists()
@@ -227,7 +227,7 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
     assert second.returncode == 0, second.stderr[-3000:]
     second_jobs = [job for job in run.jobs() if int(job["JobID"]) > max(int(j["JobID"]) for j in first_jobs)]
     rerun = {job["rule"] for job in second_jobs}
-    assert [job["wildcards"] for job in second_jobs if job["rule"] == "pretrain"] == ["phase1", "phase2"], second_jobs
+    assert [job["wildcards"] for job in second_jobs if job["rule"] == "pretrain_phase"] == ["phase1", "phase2"], second_jobs
     assert not rerun & DATA_RULES, f"second invocation ran {sorted(rerun)}"
     assert all(job["State"] == "COMPLETED" for job in second_jobs), second_jobs
     # One allocation with 2 (fake) GPUs ran 2 trainer processes: one rank per GPU.
@@ -240,7 +240,7 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
     # Every GPU rule asked Slurm for GPUs, in one allocation per job, on the gpu partition.
     jobs = run.jobs()
     by_rule = {job["rule"]: job for job in jobs}
-    phase_jobs = {phase: [job for job in jobs if job["rule"] == "pretrain" and job["wildcards"] == phase][-1]
+    phase_jobs = {phase: [job for job in jobs if job["rule"] == "pretrain_phase" and job["wildcards"] == phase][-1]
                   for phase in PHASES}
     gpu_jobs = [*phase_jobs.values(), *(by_rule[rule] for rule in ("squad_finetune", "squad_predict",
                                                                    "glue_finetune", "glue_eval"))]
@@ -257,7 +257,7 @@ def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkp
     copy_data(run, reference)
     result = reference.snakemake("results/pretrain/phase1/model")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [(job["rule"], job["wildcards"]) for job in reference.jobs()] == [("pretrain", "phase1")]
+    assert [(job["rule"], job["wildcards"]) for job in reference.jobs()] == [("pretrain_phase", "phase1")]
     assert_same_weights(run.weights("phase1"), reference.weights("phase1"), "crashed+resumed vs uninterrupted")
 
     # Slurm's time-limit warning (the same SIGUSR1 to the job's steps that --signal=USR1@N sends): the trainers
@@ -291,13 +291,13 @@ def test_profile_resolves_by_bare_name_from_the_repo_root(workflow_copy):
                             env=clean_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Using profile slurm" in result.stderr
-    phases = re.findall(r"^rule pretrain:\n(?:    .*\n)*?    wildcards: phase=(\w+)$", result.stdout, re.M)
+    phases = re.findall(r"^rule pretrain_phase:\n(?:    .*\n)*?    wildcards: phase=(\w+)$", result.stdout, re.M)
     assert sorted(phases) == ["phase1", "phase2"], result.stdout[-3000:]
 
 
 # ---------------------------------------------------------------- the launcher (no cluster needed)
 
-SCONTROL_2x4 = ("JobId=812 JobName=3f1c-run Comment=rule_pretrain_wildcards_phase1 Restarts=0 BatchHost=gpu01 "
+SCONTROL_2x4 = ("JobId=812 JobName=3f1c-run Comment=rule_pretrain_phase_wildcards_phase1 Restarts=0 BatchHost=gpu01 "
                 "NumNodes=2 NumCPUs=64 NumTasks=8 CPUs/Task=1 TRES=cpu=64,mem=500G,node=2,billing=64,gres/gpu=8 "
                 "TresPerNode=gres:gpu:a100:4 NodeList=gpu[01-02]")
 
@@ -306,7 +306,7 @@ def test_launcher_runs_tasks_per_node_ranks_each_with_its_share_of_the_node_core
     from workflow.slurm.launch import SlurmJob, srun_command
 
     job = SlurmJob.parse(SCONTROL_2x4)
-    assert (job.nodes, job.tasks, job.gpus_per_node, job.rule, job.batch_host) == (2, 8, 4, "pretrain", "gpu01")
+    assert (job.nodes, job.tasks, job.gpus_per_node, job.rule, job.batch_host) == (2, 8, 4, "pretrain_phase", "gpu01")
     # No --gpus-per-task: each rank sees its node's GPUs (peer-to-peer stays possible) and takes its local rank's.
     assert srun_command(job, ["python", "t.py"]) == [
         "srun", "--ntasks=8", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=8",
@@ -323,7 +323,7 @@ def test_a_gpu_job_whose_ranks_differ_from_its_gpus_stops_naming_the_profile_key
     with pytest.raises(UserError) as error:
         check_one_rank_per_gpu(job, 1)  # e.g. the plugin wrapped the launcher in `srun -n1`
     message = str(error.value)
-    assert "1 rank(s) on 8 GPU(s)" in message and "rule pretrain)" in message
+    assert "1 rank(s) on 8 GPU(s)" in message and "rule pretrain_phase)" in message
     assert all(key in message for key in ("tasks_per_node", "gres", "mpi")), message
     uneven = SlurmJob.parse(SCONTROL_2x4.replace("NumTasks=8", "NumTasks=7"))
     with pytest.raises(UserError, match="tasks_per_node"):
@@ -460,14 +460,14 @@ def test_a_request_no_node_of_its_partition_can_satisfy_is_one_error_line_naming
                                 for i in (1, 2, 3)))
     stock = read_profile(REPO / "profiles" / "slurm")
     problems = check(stock, nodes, where="slurm")
-    assert "slurm: set-resources pretrain: gres asks 4 GPUs per node; partition gpu has at most 2" in problems
-    assert "slurm: set-resources pretrain: mem_mb asks 256000 MB of memory per node; partition gpu has at " \
+    assert "slurm: set-resources pretrain_phase: gres asks 4 GPUs per node; partition gpu has at most 2" in problems
+    assert "slurm: set-resources pretrain_phase: mem_mb asks 256000 MB of memory per node; partition gpu has at " \
            "most 21694" in problems
     assert "slurm: group jobs: cores asks 32 CPUs per node; the default partition has at most 2" in problems
     small = merge(stock, yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
     assert check(small, nodes) == []
     # A profile that inherits keeps every key it does not name: here the phase keeps its GPUs and partition.
-    assert small["set-resources"]["pretrain"]["slurm_partition"] == "gpu"
+    assert small["set-resources"]["pretrain_phase"]["slurm_partition"] == "gpu"
     assert check(merge(small, {"set-resources": {"squad_predict": {"slurm_partition": "a100"}}}), nodes) == [
         "profile: set-resources squad_predict: slurm_partition=a100 is not a partition here (sinfo: cpu, gpu)"]
 
@@ -479,7 +479,7 @@ def test_profile_check_on_the_test_cluster_rejects_the_stock_profile_and_accepts
     assert stock.returncode == 1 and not stock.stdout
     lines = stock.stderr.splitlines()
     assert all(line.startswith("error: profiles/slurm/config.v8+.yaml: ") for line in lines), lines
-    assert any("set-resources pretrain: gres asks 4 GPUs per node" in line for line in lines), lines
+    assert any("set-resources pretrain_phase: gres asks 4 GPUs per node" in line for line in lines), lines
     small = subprocess.run([*check, str(tmp_path / "small")], cwd=REPO, capture_output=True, text=True,
                            env=clean_env())
     assert small.returncode == 0, small.stderr
@@ -501,27 +501,45 @@ def test_profile_check_rejects_over_max_time_threads_unknown_qos_lost_signal_and
                   yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()))
     cluster = {"time_limits": {"cpu": None, "*": None, "gpu": 60}, "qos": {"normal"}, "threads": rule_threads(),
                "gpus": gpu_rules()}
-    assert {"pretrain", "squad_finetune", "glue_eval", "task_finetune", "qa_task_predict"} <= cluster["gpus"]
+    assert {"pretrain_phase", "squad_finetune", "glue_eval", "task_finetune", "qa_task_predict"} <= cluster["gpus"]
     assert check(small, nodes, **cluster) == []
     site = merge(small, {"slurm-qos": "gpu_long", "max-threads": None,
-                         "set-resources": {"pretrain": {"runtime": 2880, "slurm_extra": "--exclusive"},
+                         "set-resources": {"pretrain_phase": {"runtime": 2880, "slurm_extra": "--exclusive"},
                                            "squad_finetune": {"slurm_extra": "--signal=USR1@600 --exclusive"}}})
     site["set-resources"] = {rule: res for rule, res in site["set-resources"].items() if rule != "task_predict"}
     assert check(site, nodes, where="site", **cluster) == [
-        "site: set-resources pretrain: slurm_extra '--exclusive' lacks --signal=USR1@<seconds>: without Slurm's "
+        "site: set-resources pretrain_phase: slurm_extra '--exclusive' lacks --signal=USR1@<seconds>: without Slurm's "
         "warning its trainers lose what they did since their last checkpoint at the time limit (add your sbatch "
         "options after the signal, not instead of it)",
         "site: set-resources squad_finetune: --signal=USR1@600 comes 600 s before the end of a 10-minute job: at its "
         "start",
         "site: rule task_predict needs a GPU, but set-resources gives it no gres: add a set-resources task_predict "
         "entry like glue_eval's (slurm_partition and gres)",
-        "site: set-resources pretrain: runtime 2880 min exceeds the MaxTime of partition gpu (60 min): set a runtime "
+        "site: set-resources pretrain_phase: runtime 2880 min exceeds the MaxTime of partition gpu (60 min): set a runtime "
         "within it (a training job requeues itself and resumes)",
         "site: slurm-qos: qos=gpu_long is not a QOS here (sacctmgr show qos: normal)",
         *[f"site: rule {rule}: threads asks {n} CPUs per node; the default partition has at most 2"
           for rule, n in (("hdf5_dir", 16), ("compile_templates", 16), ("punkt", 16), ("shard", 16),
                           ("task_predict", 8), ("vocab", 16))],
     ]
+
+
+def test_deriving_a_profile_whose_overrides_key_no_job_rule_is_one_error_line_per_key(tmp_path):
+    """A site file written for an earlier release keys the phases as `pretrain` (now the target that builds them):
+    Snakemake would ignore the key without a word and run both phases without their GPUs."""
+    from workflow.cli import UserError
+    from workflow.slurm.profile import derive
+
+    overrides = tmp_path / "my-cluster.yaml"
+    overrides.write_text("set-resources:\n  pretrain: {nodes: 2}\n  squad_finetune: {runtime: 60}\n"
+                         "set-threads: {tokenise: 4}\n")
+    with pytest.raises(UserError) as raised:
+        derive(REPO / "profiles" / "slurm", overrides, tmp_path / "profile")
+    assert str(raised.value).split("\nerror: ") == [
+        f"{overrides}: set-resources pretrain: no rule of that name runs a job (the pretraining phases' rule is "
+        "pretrain_phase)",
+        f"{overrides}: set-threads tokenise: no rule of that name runs a job"]
+    assert not (tmp_path / "profile").exists()
 
 
 def test_profile_check_on_the_test_cluster_rejects_a_runtime_over_its_partitions_max_time(cluster, tmp_path):
@@ -532,14 +550,14 @@ def test_profile_check_on_the_test_cluster_rejects_a_runtime_over_its_partitions
     try:
         (tmp_path / "site.yaml").write_text(yaml.safe_dump(merge(
             yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()),
-            {"slurm-qos": "normal", "set-resources": {"pretrain": {"slurm_partition": partition, "runtime": 61}}})))
+            {"slurm-qos": "normal", "set-resources": {"pretrain_phase": {"slurm_partition": partition, "runtime": 61}}})))
         derive(REPO / "profiles" / "slurm", tmp_path / "site.yaml", tmp_path / "site")
         result = subprocess.run([sys.executable, "-m", "workflow.slurm.profile", "check", str(tmp_path / "site")],
                                 cwd=REPO, capture_output=True, text=True, env=clean_env())
     finally:
         subprocess.run(["scontrol", "delete", f"PartitionName={partition}"], check=True)
     assert result.returncode == 1 and result.stderr.splitlines() == [
-        f"error: {tmp_path / 'site' / 'config.v8+.yaml'}: set-resources pretrain: runtime 61 min exceeds the MaxTime "
+        f"error: {tmp_path / 'site' / 'config.v8+.yaml'}: set-resources pretrain_phase: runtime 61 min exceeds the MaxTime "
         f"of partition {partition} (60 min): set a runtime within it (a training job requeues itself and resumes)"]
 
 
@@ -605,7 +623,7 @@ def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_dec
     assert kept.read_text() == (tmp_path / "logs" / "pretrain.log").read_text()  # the same file, hard-linked
     lines = kept.read_text().splitlines()
     logged = [re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", "", line) for line in lines]  # LOG_FORMAT's time
-    assert logged[0].startswith("INFO workflow.slurm.attempts: Slurm job 999999999 run 0 (rule pretrain), 8 rank(s) "
+    assert logged[0].startswith("INFO workflow.slurm.attempts: Slurm job 999999999 run 0 (rule pretrain_phase), 8 rank(s) "
                                 "on 2 node(s), newest checkpoint step None: sh -c"), lines
     assert lines[1] == "training"
     assert logged[2] == ("INFO workflow.slurm.attempts: Slurm job 999999999 run 0 stopped by the time-limit signal at "

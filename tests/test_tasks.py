@@ -248,12 +248,12 @@ def test_targets_plan_what_the_config_names(workflow_copy):
     assert german.returncode == 0, german.stderr[-3000:]
     jobs = planned_jobs(german.stdout)
     assert [rule for rule in jobs if "download" in rule or rule.startswith(("squad", "glue"))] == []
-    assert {"pretrain", "summary", "report_pretrain_plots"} <= jobs.keys()
+    assert {"pretrain_phase", "summary", "report_pretrain_plots"} <= jobs.keys()
 
-    pretraining = dry_run(workflow_copy, "pretraining")
+    pretraining = dry_run(workflow_copy, "pretrain")
     assert pretraining.returncode == 0, pretraining.stderr[-3000:]
     jobs = planned_jobs(pretraining.stdout)
-    assert jobs["pretrain"] == 2 and "report_heldout_accuracy" in jobs
+    assert jobs["pretrain_phase"] == 2 and "report_heldout_accuracy" in jobs
     assert [rule for rule in jobs if rule.startswith(("squad", "glue", "task", "summary"))] == []
 
     everything = planned_jobs(dry_run(workflow_copy, "all").stdout)  # squad.enabled is true by default

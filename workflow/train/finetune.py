@@ -204,10 +204,12 @@ def export_finetuned(env, model, config, init: Path, vocab, output, metrics_path
                      config_json_updates: dict) -> None:
     """The end of a fine-tune on rank 0: `output` as an HF directory (its config.json updated with
     `config_json_updates`), the run's metrics file, and the run directory removed (the finished model supersedes the
-    checkpoints); every rank then waits, so the run directory goes only after every rank is done with it."""
+    checkpoints); every rank then waits, however long the export takes (a gloo barrier without a timeout, as the
+    pretraining export's), so no rank leaves before the export is on disk."""
+    exported = distributed.patient_group()
     with checkpoint.StopSignals(then="the last checkpoint is written; finishing the export first"):
         _export(env, model, config, init, vocab, output, metrics_path, run_dir, config_json_updates)
-    distributed.barrier()
+    distributed.patient_barrier(exported)
 
 
 def _export(env, model, config, init: Path, vocab, output, metrics_path, run_dir: Path, config_json_updates: dict):

@@ -434,6 +434,7 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
         "tokens_per_s": step * s.global_batch_size * seq_length / max(train_time, 1e-9),
         "real_tokens_per_s": real_tokens / max(train_time, 1e-9), "packed": train_shards[0].packed,
         "world_size": env.world_size, "device": str(env.device.type), "precision": precision,
+        "skipped_steps": outcome.skipped_steps,  # fp16 steps the loss scaler skipped (inf/nan gradients)
         "optimizer": optimizer_name, "parameters": count_parameters(model), "global_batch_size": s.global_batch_size,
         "micro_batch_size": s.micro_batch_size, "accumulation_steps": outcome.micro_batches_per_step,
         "train_flops_per_sequence": flops_per_sequence(config, seq_length, train_shards[0].max_predictions),
