@@ -14,10 +14,12 @@ learning rate and schedule (linear warm-up, then NVIDIA's poly decay):
 - reference: run_mlm's recipe: BertTokenizerFast of the same vocab, each training document tokenized and the
   texts grouped into blocks of --seq tokens, DataCollatorForLanguageModeling (whole-word with --whole-word), Trainer
   with AdamW.
-Scoring: one held-out set (blocks of the held-out documents, masked once with a fixed seed), scored by one function
-(score) as a BertForMaskedLM, for every model, every 10% of the steps (snakebert: its export, resumed between points).
-Printed: a markdown table (sequences seen; held-out MLM accuracy mean ± spread (sample std) over the seeds; train
-wall and CPU seconds), the goal verdicts, and a PNG of the curves by sequences seen and by time.
+Scoring: the held-out documents in two forms, each masked once with a fixed seed, scored by one function (score) as
+a BertForMaskedLM, for every model, every 10% of the steps (snakebert: its export, resumed between points):
+Google's and MLPerf's form ([CLS], whole sentences of one document, [SEP]; the goal's measure) and run_mlm's blocks
+(documents concatenated and cut every --seq tokens; a cross-check, the reference's own form).
+Printed: a markdown table (sequences seen; held-out MLM accuracy in both forms, mean ± spread (sample std) over the
+seeds; train wall and CPU seconds), the goal verdicts, and a PNG of the curves by sequences seen and by time.
 """
 from __future__ import annotations
 
@@ -124,8 +126,6 @@ def held_out_set(tokenizer, held_text: str, seq: int, size: int, whole_word: boo
     """`size` sequences of the held-out documents (shard format) in Google's and MLPerf's held-out form, which
     neither side's packer makes: [CLS], whole sentences of one document up to `seq` tokens, [SEP]; masked once by
     DataCollatorForLanguageModeling with a fixed seed (the same masks for every model)."""
-    from transformers import DataCollatorForLanguageModeling
-
     sequences = []
     for document in held_text.split("\n\n"):
         window: list[int] = []
@@ -140,10 +140,27 @@ def held_out_set(tokenizer, held_text: str, seq: int, size: int, whole_word: boo
     if len(sequences) < size:
         raise UserError(f"--text: the held-out documents give {len(sequences)} sequences, fewer than --held-out "
                         f"{size}; give more text")
+    specials = [tokenizer.cls_token_id], [tokenizer.sep_token_id]
+    return masked_once(tokenizer, [specials[0] + w + specials[1] for w in sequences[:size]], whole_word)
+
+
+def held_out_blocks(tokenizer, held_docs: list[str], seq: int, size: int, whole_word: bool) -> dict:
+    """Up to `size` blocks of the held-out documents as run_mlm cuts its training blocks (the cross-check form)."""
+    return masked_once(tokenizer, hf_blocks(tokenizer, held_docs, seq)[:size], whole_word)
+
+
+def masked_once(tokenizer, sequences: list[list[int]], whole_word: bool) -> dict:
+    """DataCollatorForLanguageModeling's masks drawn once with a fixed seed: the same masks for every model."""
+    from transformers import DataCollatorForLanguageModeling
+
     torch.manual_seed(0)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, whole_word_mask=whole_word)
-    specials = [tokenizer.cls_token_id], [tokenizer.sep_token_id]
-    return collator([{"input_ids": specials[0] + w + specials[1]} for w in sequences[:size]])
+    return collator([{"input_ids": ids} for ids in sequences])
+
+
+def scores(model, held: dict[str, dict], device) -> dict[str, float]:
+    """{"accuracy": Google's form, "blocks": run_mlm's blocks} of one model."""
+    return {"accuracy": score(model, held["sentences"], device), "blocks": score(model, held["blocks"], device)}
 
 
 @torch.no_grad()
@@ -208,7 +225,7 @@ def reference_run(blocks, held, tokenizer, config_path: Path, seed: int, args, w
         def on_step_end(self, _args, state, control, **kwargs):
             if state.global_step % every == 0:
                 clock.stop()
-                curve.append({"sequences": state.global_step * args.batch, "accuracy": score(model, held, args.device),
+                curve.append({"sequences": state.global_step * args.batch, **scores(model, held, args.device),
                               "wall": clock.wall, "cpu": clock.cpu})
                 clock.start()
 
@@ -260,7 +277,7 @@ def snakebert_run(row: str, data: Path, vocab: Path, config_path: Path, held, se
         after = resource.getrusage(resource.RUSAGE_SELF)
         cpu += (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)  # export included: an upper bound
         model = BertForMaskedLM.from_pretrained(s.out_model).to(args.device)
-        curve.append({"sequences": point * every * args.batch, "accuracy": score(model, held, args.device),
+        curve.append({"sequences": point * every * args.batch, **scores(model, held, args.device),
                       "wall": summary["train_time_s"], "cpu": cpu,
                       "own_held_out": summary["test_mlm_accuracy"]})  # the trainer's own set: a cross-check
     return curve
@@ -269,9 +286,11 @@ def snakebert_run(row: str, data: Path, vocab: Path, config_path: Path, held, se
 def summarize(curves: list[list[dict]]) -> list[dict]:
     rows = []
     for points in zip(*curves):
-        accuracies = [p["accuracy"] for p in points]
+        accuracies, blocks = [p["accuracy"] for p in points], [p["blocks"] for p in points]
         rows.append({"sequences": points[0]["sequences"], "mean": statistics.mean(accuracies),
                      "spread": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
+                     "blocks_mean": statistics.mean(blocks),
+                     "blocks_spread": statistics.stdev(blocks) if len(blocks) > 1 else 0.0,
                      "wall": statistics.mean(p["wall"] for p in points), "cpu": statistics.mean(p["cpu"] for p in points)})
     return rows
 
@@ -290,6 +309,9 @@ def verdicts(results: dict) -> list[str]:
                      f"{base['mean']:.4f} at {final['sequences']} sequences, spread {tolerance:.4f}: "
                      f"{'within the seed spread or above' if ok else 'BEHIND'}")
     parity = results["parity"]
+    lines.append(f"cross-check on run_mlm's blocks: parity {parity[-1]['blocks_mean']:.4f} ± "
+                 f"{parity[-1]['blocks_spread']:.4f}, reference {reference[-1]['blocks_mean']:.4f} ± "
+                 f"{reference[-1]['blocks_spread']:.4f}")
     at_time = [r["mean"] for r in reference if r["wall"] <= parity[-1]["wall"]]
     reached = at_time[-1] if at_time else 0.0
     lines.append(f"equal wall time ({parity[-1]['wall']:.1f} s): snakebert {parity[-1]['mean']:.4f}, reference "
@@ -298,12 +320,12 @@ def verdicts(results: dict) -> list[str]:
 
 
 def table(results: dict) -> str:
-    lines = ["| side | sequences seen | held-out MLM accuracy (mean ± std) | train wall s | train CPU s |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| side | sequences seen | held-out MLM accuracy (mean ± std) | on run_mlm's blocks | train wall s | "
+             "train CPU s |", "|---|---:|---:|---:|---:|---:|"]
     for name, rows in results.items():
         for r in rows[len(rows) // 2 - 1::len(rows) // 2]:
-            lines.append(f"| {name} | {r['sequences']} | {r['mean']:.4f} ± {r['spread']:.4f} | {r['wall']:.1f} | "
-                         f"{r['cpu']:.1f} |")
+            lines.append(f"| {name} | {r['sequences']} | {r['mean']:.4f} ± {r['spread']:.4f} | "
+                         f"{r['blocks_mean']:.4f} ± {r['blocks_spread']:.4f} | {r['wall']:.1f} | {r['cpu']:.1f} |")
     return "\n".join(lines)
 
 
@@ -391,14 +413,15 @@ def measure(args) -> None:
         config = bert_config(len(vocab.read_text().splitlines()), args.seq, args)
         config_path = work / "bert_config.json"
         config.to_json(config_path)
-        held = held_out_set(tokenizer, texts["test"].read_text(encoding="utf-8"), args.seq, args.held_out,
-                            args.whole_word)
+        held = {"sentences": held_out_set(tokenizer, texts["test"].read_text(encoding="utf-8"), args.seq,
+                                          args.held_out, args.whole_word),
+                "blocks": held_out_blocks(tokenizer, held_docs, args.seq, args.held_out, args.whole_word)}
         print(f"text: {sum(map(len, documents)) / 1e6:.1f} MB, {len(train_docs)} training and {len(held_docs)} "
-              f"held-out documents; held-out set: {len(held['input_ids'])} sequences of {args.seq}; model: "
+              f"held-out documents; held-out set: {len(held['sentences']['input_ids'])} sequences of {args.seq}; model: "
               f"{args.layers} layers x {args.hidden}; {args.steps} steps x {args.batch} sequences; {args.device}",
               flush=True)
         blocks = hf_blocks(tokenizer, train_docs, args.seq)
-        baseline = unigram_baseline(blocks, held, tokenizer)
+        baseline = unigram_baseline(blocks, held["sentences"], tokenizer)
         print(f"unigram-frequency baseline: {baseline:.4f}", flush=True)
         curves = {"reference": [reference_run(blocks, held, tokenizer, config_path, seed, args, work)
                                 for seed in range(args.seeds)]}

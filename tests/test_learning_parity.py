@@ -52,6 +52,10 @@ def test_snakebert_and_the_hf_reference_learn_well_above_unigram_frequency_and_a
     assert reference > baseline + 0.02 and snakebert > baseline + 0.02, (baseline, reference, snakebert)
     assert snakebert >= reference - TOLERANCE, (reference, snakebert, TOLERANCE)
     assert [r["sequences"] for r in result["results"]["parity"]] == [3200, 6400]
+    # The cross-check form (run_mlm's blocks of the same held-out documents): both sides learn there too.
+    for side in ("reference", "parity"):
+        half, final = (r["blocks_mean"] for r in result["results"][side])
+        assert final > half + 0.01, (side, half, final)
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 

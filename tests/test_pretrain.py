@@ -785,7 +785,7 @@ def test_snakemake_runs_phase1_then_phase2_from_phase1s_export_and_reruns_only_f
     assert planned.returncode == 0 and "Nothing to be done" in planned.stdout + planned.stderr, planned.stdout
     (work / "lr.yaml").write_text(test_config.replace("phase1: {learning_rate: 0.01", "phase1: {learning_rate: 0.02"))
     planned = snakemake("--dry-run", configfile="lr.yaml")
-    assert re.search(r"^pretrain\s+2$", planned.stdout, re.MULTILINE), planned.stdout
+    assert re.search(r"^pretrain_phase\s+2$", planned.stdout, re.MULTILINE), planned.stdout
 
 
 def write_manifest(directory, masked_lm_prob):
