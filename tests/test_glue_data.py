@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from workflow.cli import UserError
+from workflow.classify.features import featurize
 from workflow.glue import data as glue_data
 from workflow.data.features import load_features, load_tokenizer
 
@@ -131,12 +132,12 @@ def test_a_long_pair_is_truncated_longer_text_first_to_max_seq_length():
             return [type("E", (), {"ids": [len(w) for w in t.split()]})() for t in texts]
 
     pairs = [("a bb ccc dddd eeeee ffffff", "g hh")]
-    features = glue_data.featurize(pairs, np.array([1]), Words(), max_seq_length=9)
+    features = featurize(pairs, np.array([1]), Words(), max_seq_length=9)
     # run_classifier's _truncate_seq_pair: 6 + 2 > 6 tokens -> pop from the longer (a) until 4 + 2 fit
     assert features["input_ids"][0].tolist() == [101, 1, 2, 3, 4, 102, 1, 2, 102]
     assert features["token_type_ids"][0].tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1]
     # a tie pops from b: 3 + 3 > 4 -> b to 2, then a (3 > 2) to 2
-    tie = glue_data.featurize([("a bb ccc", "d ee fff")], np.array([0]), Words(), max_seq_length=7)
+    tie = featurize([("a bb ccc", "d ee fff")], np.array([0]), Words(), max_seq_length=7)
     assert tie["input_ids"][0].tolist() == [101, 1, 2, 102, 1, 2, 102]
 
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from workflow.cli import UserError
-from workflow.glue import data as glue_data, evaluate as glue_eval, finetune as glue_finetune
+from workflow.classify import evaluate as classify_eval, model as classifier
+from workflow.classify.metrics import score
+from workflow.glue import data as glue_data, finetune as glue_finetune
 from workflow.data.features import load_tokenizer, save_features
 from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
 
@@ -57,11 +59,11 @@ def tasks(tmp_path_factory, sample_dir):
 
 def dev_scores(task: str, model_dir, root, require_head=True) -> dict:
     if not require_head:  # the untrained baseline: a fresh head on the init
-        model, _ = glue_finetune.load_classifier(model_dir, glue_data.TASKS[task].num_labels)
+        model, _ = classifier.load_classifier(model_dir, glue_data.TASKS[task].num_labels)
         features = dict(np.load(root / f"{task}_dev.npz"))
-        logits = glue_eval.compute_logits(model, features, 64, torch.device("cpu"), "fp32")
-        return glue_eval.score(glue_data.TASKS[task], logits, features["labels"])
-    return glue_eval.evaluate(glue_data.TASKS[task], model_dir, {"dev": root / f"{task}_dev.npz"}, 64, "fp32",
+        logits = classify_eval.compute_logits(model, features, 64, torch.device("cpu"), "fp32")
+        return score(glue_data.TASKS[task], logits, features["labels"])
+    return classify_eval.evaluate(glue_data.TASKS[task], model_dir, {"dev": root / f"{task}_dev.npz"}, 64, "fp32",
                               "cpu")["splits"]["dev"]
 
 
@@ -69,11 +71,11 @@ def test_sentiment_finetuning_reaches_far_above_chance_on_held_out_rows(tasks, t
     labels = np.load(tasks / "SST-2_dev.npz")["labels"]
     majority = max(labels.mean(), 1 - labels.mean())
     untrained = dev_scores("SST-2", tasks / "init", tasks, require_head=False)["accuracy"]
-    settings = glue_finetune.FinetuneSettings(learning_rate=1e-3, epochs=3, batch_size=16, micro_batch_size=16,
-                                              log_every=5)
-    assert glue_finetune.finetune(glue_data.TASKS["SST-2"], tasks / "init", tasks / "SST-2_train.npz",
-                                  tmp_path / "model", tmp_path / "run", settings, metrics_path=tmp_path / "m.jsonl",
-                                  device="cpu") == 0
+    settings = classifier.ClassifierSettings(learning_rate=1e-3, epochs=3, batch_size=16, micro_batch_size=16,
+                                             log_every=5)
+    assert classifier.finetune(glue_data.TASKS["SST-2"], tasks / "init", tasks / "SST-2_train.npz",
+                               tmp_path / "model", tmp_path / "run", settings, metrics_path=tmp_path / "m.jsonl",
+                               device="cpu") == 0
     trained = dev_scores("SST-2", tmp_path / "model", tasks)["accuracy"]
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     print(f"SST-2 dev accuracy: majority {majority:.3f}, untrained {untrained:.3f}, fine-tuned {trained:.3f}")
@@ -87,9 +89,9 @@ def test_sentiment_finetuning_reaches_far_above_chance_on_held_out_rows(tasks, t
 
 def test_regression_head_learns_the_score_far_above_chance(tasks, tmp_path):
     untrained = dev_scores("STS-B", tasks / "init", tasks, require_head=False)
-    settings = glue_finetune.FinetuneSettings(learning_rate=1e-3, epochs=4, batch_size=16, micro_batch_size=16)
-    glue_finetune.finetune(glue_data.TASKS["STS-B"], tasks / "init", tasks / "STS-B_train.npz", tmp_path / "model",
-                           tmp_path / "run", settings, device="cpu")
+    settings = classifier.ClassifierSettings(learning_rate=1e-3, epochs=4, batch_size=16, micro_batch_size=16)
+    classifier.finetune(glue_data.TASKS["STS-B"], tasks / "init", tasks / "STS-B_train.npz", tmp_path / "model",
+                        tmp_path / "run", settings, device="cpu")
     trained = dev_scores("STS-B", tmp_path / "model", tasks)
     print(f"STS-B dev: untrained {untrained}, fine-tuned {trained}")
     assert trained["pearson"] >= 0.8 and trained["spearman"] >= 0.8
@@ -99,10 +101,10 @@ def test_regression_head_learns_the_score_far_above_chance(tasks, tmp_path):
 def test_exported_classifier_loads_in_transformers_with_equal_logits(tasks, tmp_path):
     transformers = pytest.importorskip("transformers")
     for task in ("SST-2", "STS-B"):
-        glue_finetune.finetune(glue_data.TASKS[task], tasks / "init", tasks / f"{task}_train.npz", tmp_path / task,
-                               tmp_path / f"run-{task}", glue_finetune.FinetuneSettings(
-                                   learning_rate=1e-3, epochs=0.2, batch_size=16, micro_batch_size=8), device="cpu")
-        ours, _ = glue_finetune.load_classifier(tmp_path / task, glue_data.TASKS[task].num_labels, require_head=True)
+        classifier.finetune(glue_data.TASKS[task], tasks / "init", tasks / f"{task}_train.npz", tmp_path / task,
+                            tmp_path / f"run-{task}", classifier.ClassifierSettings(
+                                learning_rate=1e-3, epochs=0.2, batch_size=16, micro_batch_size=8), device="cpu")
+        ours, _ = classifier.load_classifier(tmp_path / task, glue_data.TASKS[task].num_labels, require_head=True)
         theirs = transformers.BertForSequenceClassification.from_pretrained(str(tmp_path / task))
         ours.eval(), theirs.eval()
         features = np.load(tasks / f"{task}_dev.npz")
@@ -117,7 +119,7 @@ def test_exported_classifier_loads_in_transformers_with_equal_logits(tasks, tmp_
 
 def glue_config(**overrides) -> str:
     """The config sections fine-tuning reads (seed, glue), as the rule hands them over."""
-    settings = {**vars(glue_finetune.FinetuneSettings()), "tasks": ["SST-2"], "overrides": {}, **overrides}
+    settings = {**vars(classifier.ClassifierSettings()), "tasks": ["SST-2"], "overrides": {}, **overrides}
     return json.dumps({"seed": settings.pop("seed"), "glue": settings})
 
 
@@ -147,11 +149,11 @@ def test_a_changed_override_refuses_to_resume_naming_the_key(tasks, tmp_path, re
                "--init", str(tasks / "init"), "--features", str(tasks / "SST-2_train.npz"), "--output",
                str(tmp_path / "model"), "--run-dir", str(tmp_path / "run"), "--threads", "1"]
     assert subprocess.run(command, env={**repo_env, "SNAKEBERT_FAIL_AT_STEP": "3"}, capture_output=True).returncode == -9
-    changed = glue_finetune.FinetuneSettings.from_config(json.loads(glue_config(
+    changed = glue_finetune.settings_of(json.loads(glue_config(
         epochs=1, batch_size=32, micro_batch_size=16, checkpoint_every=2, overrides={"SST-2": {"epochs": 2}})), "SST-2")
     with pytest.raises(UserError) as error:
-        glue_finetune.finetune(glue_data.TASKS["SST-2"], tasks / "init", tasks / "SST-2_train.npz",
-                               tmp_path / "model", tmp_path / "run", changed, device="cpu")
+        classifier.finetune(glue_data.TASKS["SST-2"], tasks / "init", tasks / "SST-2_train.npz",
+                            tmp_path / "model", tmp_path / "run", changed, device="cpu")
     assert str(error.value) == (f"{tmp_path / 'run'}: its checkpoints belong to a run with other settings "
                                 f"(glue.epochs 1 -> 2); to start over, move or delete {tmp_path / 'run'} "
                                 "(nothing was deleted)")
@@ -160,8 +162,8 @@ def test_a_changed_override_refuses_to_resume_naming_the_key(tasks, tmp_path, re
 
 def test_features_of_another_task_are_refused(tasks, tmp_path):
     with pytest.raises(UserError, match="labels of another task than SST-2"):
-        glue_finetune.finetune(glue_data.TASKS["SST-2"], tasks / "init", tasks / "STS-B_train.npz",
-                               tmp_path / "model", tmp_path / "run", device="cpu")
+        classifier.finetune(glue_data.TASKS["SST-2"], tasks / "init", tasks / "STS-B_train.npz",
+                            tmp_path / "model", tmp_path / "run", device="cpu")
 
 
 def test_two_ranks_through_the_launcher_end_like_one_process_with_the_same_global_batch(tasks, tmp_path, repo_env):
@@ -182,7 +184,7 @@ def test_two_ranks_through_the_launcher_end_like_one_process_with_the_same_globa
     assert two.returncode == 0 and "1 accumulation x 2 ranks" in two.stderr, two.stderr[-3000:]
     one = subprocess.run(command("one"), env=repo_env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0 and "2 accumulation x 1 ranks" in one.stderr, one.stderr[-3000:]
-    expected, _ = glue_finetune.load_classifier(tmp_path / "one", 2, require_head=True)
-    got, _ = glue_finetune.load_classifier(tmp_path / "two", 2, require_head=True)
+    expected, _ = classifier.load_classifier(tmp_path / "one", 2, require_head=True)
+    got, _ = classifier.load_classifier(tmp_path / "two", 2, require_head=True)
     for (name, want), have in zip(expected.state_dict().items(), got.state_dict().values()):
         assert torch.allclose(have, want, atol=1e-5, rtol=1e-4), name  # fp32 sums in another order only

@@ -13,7 +13,8 @@ import torch
 from sklearn import metrics as sk
 
 from tests.conftest import snakemake_env
-from workflow.glue import data as glue_data, evaluate as glue_eval, finetune as glue_finetune
+from workflow.classify import evaluate as classify_eval, model as classifier
+from workflow.glue import data as glue_data
 from workflow.report import summary
 from workflow.data.features import load_features
 from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
@@ -84,10 +85,10 @@ def test_glue_rules_download_finetune_and_score_each_task_with_its_metric(workfl
         evaluation = json.loads((workflow_copy / f"results/glue/{task}/eval.json").read_text())
         spec = glue_data.TASKS[task]
         assert evaluation["task"] == task and sorted(evaluation["splits"]) == sorted(spec.dev_splits)
-        model, _ = glue_finetune.load_classifier(workflow_copy / f"results/glue/{task}/model", spec.num_labels, True)
+        model, _ = classifier.load_classifier(workflow_copy / f"results/glue/{task}/model", spec.num_labels, True)
         for split, got in evaluation["splits"].items():
             features = load_features(workflow_copy / f"data/glue/{task}/{split}_features.npz")
-            predictions = glue_eval.compute_logits(model, features, 64, torch.device("cpu"), "fp32").argmax(-1)
+            predictions = classify_eval.compute_logits(model, features, 64, torch.device("cpu"), "fp32").argmax(-1)
             labels = features["labels"]
             rows = len((served / task / f"{split}.tsv").read_text().splitlines()) - 1
             assert got["examples"] == len(labels) == rows

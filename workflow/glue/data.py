@@ -1,6 +1,5 @@
-"""GLUE data: read a task's TSV file as the GLUE distribution lays it out, turn it into BERT classification features.
-GlueTask and featurize are the classification code every sentence (pair) task uses: the GLUE tasks (TASKS) are its
-presets, a classification or regression task of the config's tasks section is one more (workflow.tasks.data).
+"""GLUE data: the GLUE tasks as presets of the shared classification code (workflow.classify), and their TSV files
+read as the GLUE distribution lays them out, turned into BERT classification features (workflow.classify.features).
 
 The files are those `download_glue_data.py` writes: `<Task>/train.tsv`, `<Task>/dev.tsv` (MNLI: `dev_matched.tsv`
 and `dev_mismatched.tsv`). Fields are tab-separated with no quoting (sentences contain `"`), so a line is split on
@@ -8,8 +7,6 @@ tabs, never parsed as CSV. Quirks kept as the reference processors (Google's run
 CoLA's train/dev have no header row; QQP has rows with missing fields, which are skipped (counted and logged);
 MNLI's label is its last column (gold_label); STS-B's label is a float score (a regression task). Any other bad row
 is one UserError naming file:line.
-
-A feature row is `[CLS] a [SEP] (b [SEP])`, `max_seq_length` tokens, the longer of a/b truncated first (run_classifier).
 
     python -m workflow.glue.data --task MRPC --input data/download/glue/MRPC/train.tsv --vocab data/vocab.txt \
         --output data/glue/MRPC/train_features.npz [--tokenizer-config MODEL/tokenizer_config.json]
@@ -22,6 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from workflow.classify.features import featurize
+from workflow.classify.task import SentenceTask
 from workflow.cli import UserError, run
 from workflow.data.features import add_tokenizer_arguments, save_features, tokenizer_from_args
 
@@ -29,35 +28,30 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class GlueTask:
-    """Where a task's fields are (0-based columns; -1: last), its labels (None: a float score) and its metrics."""
+class GlueTask(SentenceTask):
+    """A GLUE preset: a sentence task and where its TSV's fields are (0-based columns; -1: last)."""
 
-    name: str
-    text_a: int
-    text_b: int | None
-    label: int
-    labels: tuple[str, ...] | None
-    metrics: tuple[str, ...]
+    text_a: int = 0
+    text_b: int | None = None
+    label: int = -1
     header: bool = True
     dev_splits: tuple[str, ...] = ("dev",)
     skip_short_rows: bool = False  # QQP: rows with missing fields are dropped, as the reference processors do
 
-    @property
-    def num_labels(self) -> int:
-        return len(self.labels) if self.labels else 1
 
-
+BINARY = ("0", "1")
 NLI = ("contradiction", "entailment", "neutral")
+ENTAILMENT = ("entailment", "not_entailment")
 TASKS = {task.name: task for task in (
-    GlueTask("CoLA", 3, None, 1, ("0", "1"), ("matthews_corr",), header=False),
-    GlueTask("SST-2", 0, None, 1, ("0", "1"), ("accuracy",)),
-    GlueTask("MRPC", 3, 4, 0, ("0", "1"), ("accuracy", "f1")),
-    GlueTask("STS-B", 7, 8, 9, None, ("pearson", "spearman")),
-    GlueTask("QQP", 3, 4, 5, ("0", "1"), ("accuracy", "f1"), skip_short_rows=True),
-    GlueTask("MNLI", 8, 9, -1, NLI, ("accuracy",), dev_splits=("dev_matched", "dev_mismatched")),
-    GlueTask("QNLI", 1, 2, 3, ("entailment", "not_entailment"), ("accuracy",)),
-    GlueTask("RTE", 1, 2, 3, ("entailment", "not_entailment"), ("accuracy",)),
-    GlueTask("WNLI", 1, 2, 3, ("0", "1"), ("accuracy",)),
+    GlueTask("CoLA", BINARY, ("matthews_corr",), text_a=3, label=1, header=False),
+    GlueTask("SST-2", BINARY, ("accuracy",), text_a=0, label=1),
+    GlueTask("MRPC", BINARY, ("accuracy", "f1"), text_a=3, text_b=4, label=0),
+    GlueTask("STS-B", None, ("pearson", "spearman"), text_a=7, text_b=8, label=9),
+    GlueTask("QQP", BINARY, ("accuracy", "f1"), text_a=3, text_b=4, label=5, skip_short_rows=True),
+    GlueTask("MNLI", NLI, ("accuracy",), text_a=8, text_b=9, label=-1, dev_splits=("dev_matched", "dev_mismatched")),
+    GlueTask("QNLI", ENTAILMENT, ("accuracy",), text_a=1, text_b=2, label=3),
+    GlueTask("RTE", ENTAILMENT, ("accuracy",), text_a=1, text_b=2, label=3),
+    GlueTask("WNLI", BINARY, ("accuracy",), text_a=1, text_b=2, label=3),
 )}
 
 
@@ -113,36 +107,6 @@ def read_tsv(path: str | Path, task: GlueTask) -> tuple[list[tuple[str, str | No
         log.warning("%s: skipped %d rows with missing fields (as the GLUE reference processors do)", path, skipped)
     dtype = np.float32 if task.labels is None else np.int64
     return pairs, np.asarray(labels, dtype=dtype), skipped
-
-
-def _truncate_pair(a: list, b: list, max_tokens: int) -> None:
-    """Pop from the longer list until both fit (run_classifier's _truncate_seq_pair)."""
-    while len(a) + len(b) > max_tokens:
-        (a if len(a) > len(b) else b).pop()
-
-
-def featurize(pairs: list[tuple[str, str | None]], labels: np.ndarray, tokenizer, max_seq_length: int = 128) -> dict:
-    """input_ids, token_type_ids, attention_mask [N, max_seq_length] (int32/int8) and labels [N]."""
-    cls_id, sep_id, pad_id = (tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
-    if None in (cls_id, sep_id, pad_id):
-        raise UserError("vocab lacks one of [CLS], [SEP], [PAD]")
-    encoded_a = tokenizer.encode_batch([a for a, _ in pairs], add_special_tokens=False)
-    paired = pairs[0][1] is not None
-    encoded_b = tokenizer.encode_batch([b for _, b in pairs], add_special_tokens=False) if paired else None
-    n = len(pairs)
-    input_ids = np.full((n, max_seq_length), pad_id, dtype=np.int32)
-    token_type_ids = np.zeros((n, max_seq_length), dtype=np.int8)
-    attention_mask = np.zeros((n, max_seq_length), dtype=np.int8)
-    for row in range(n):
-        a = list(encoded_a[row].ids)
-        b = list(encoded_b[row].ids) if paired else []
-        _truncate_pair(a, b, max_seq_length - (3 if paired else 2))
-        ids = [cls_id, *a, sep_id] + ([*b, sep_id] if paired else [])
-        input_ids[row, :len(ids)] = ids
-        token_type_ids[row, len(a) + 2:len(ids)] = 1
-        attention_mask[row, :len(ids)] = 1
-    return {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": attention_mask,
-            "labels": labels}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

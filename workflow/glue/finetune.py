@@ -1,140 +1,24 @@
-"""GLUE fine-tuning: a sequence-classification head (a regression head for STS-B) on a pretrained BERT; the code the
-config's classification and regression tasks fine-tune with too (workflow.tasks.run), and whose head token
-classification reuses (workflow.tasks.token_model).
-
-Recipe of Google's run_classifier.py / HF's run_glue: the pooled [CLS] output, dropout, one linear layer;
-cross-entropy (STS-B: mean squared error on the score), AdamW (no weight decay on biases and LayerNorm), linear warmup
-then linear decay, gradient clipping. Defaults: seq 128, lr 2e-5, 3 epochs, batch 32, warmup 0.1, each overridable per
-task (config glue.overrides). The loop is the training engine's (workflow/train/engine.py: DDP, accumulation, elastic
-resume from `--run-dir`, refusal of changed settings, SIGTERM/SIGUSR1 checkpoint and exit); this module supplies the
-task. The result is an HF directory (BertForSequenceClassification names: `bert.*`, `classifier.*`).
+"""GLUE fine-tuning: a GLUE preset through the shared classification fine-tuning (workflow.classify.model: the head,
+the loss, the recipe of Google's run_classifier / HF's run_glue), with the glue section's settings and
+glue.overrides.<task> applied. The result is an HF directory (BertForSequenceClassification; STS-B a regression head).
 
     python -m workflow.glue.finetune --config '{"seed": 12345, "glue": {...}}' --task MRPC \
         --init results/pretrain/phase2/model --features data/glue/MRPC/train_features.npz \
         --output results/glue/MRPC/model --metrics results/glue/MRPC/finetune_metrics.jsonl --run-dir runs/glue/MRPC
 """
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
-import torch.nn.functional as F
-from torch import nn
-
-from workflow.cli import UserError, run
-from workflow.glue.data import GlueTask, task_of
-from workflow.train import finetune as finetuning
-from workflow.train.finetune import FeatureTask, FinetuneJob, finetune_parser
-from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights
+from workflow.classify.model import ClassifierSettings, finetune
+from workflow.cli import run
+from workflow.glue.data import task_of
+from workflow.train.finetune import finetune_parser
 
 
-@dataclass
-class FinetuneSettings(finetuning.FinetuneSettings):
-    """BERT fine-tuning's settings with GLUE's defaults (BERT paper: 2e-5, 3 epochs)."""
-
-    learning_rate: float = 2e-5
-    epochs: float = 3.0
-    micro_batch_size: int = 32
-
-    @classmethod
-    def from_config(cls, config: dict, task: str) -> "FinetuneSettings":
-        """From the config sections seed and glue (as validated by the schema), glue.overrides.<task> applied."""
-        overrides = config.get("glue", {}).get("overrides", {}).get(task, {})
-        return cls.from_section(config, "glue", overrides)
-
-
-class BertForSequenceClassification(nn.Module):
-    """BERT encoder + dropout + a linear layer on the pooled [CLS] output: `num_labels` logits (1: a regression)."""
-
-    def __init__(self, config: BertConfig, num_labels: int):
-        super().__init__()
-        self.config, self.num_labels = config, num_labels
-        self.bert = BertModel(config)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.classifier = nn.Linear(config.hidden_size, num_labels)
-        nn.init.normal_(self.classifier.weight, std=config.initializer_range)
-        nn.init.zeros_(self.classifier.bias)
-
-    def forward(self, input_ids, token_type_ids, attention_mask):
-        _, pooled = self.bert(input_ids, token_type_ids, attention_mask)
-        return self.classifier(self.dropout(pooled))
-
-
-def classification_loss(logits, labels, reduction="mean"):
-    """Cross-entropy over classes; a single output is a regression (mean squared error), as HF's run_glue."""
-    if logits.shape[-1] == 1:
-        return F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction=reduction)
-    return F.cross_entropy(logits.float(), labels, reduction=reduction)
-
-
-def load_classifier(directory: str | Path, num_labels: int, require_head: bool = False,
-                    model_class=BertForSequenceClassification):
-    """A classifier (a `model_class`: sequence or token classification) from an HF BERT directory; the head is freshly
-    initialised unless present (require_head: must be)."""
-    config, state = load_pretrained(directory)
-    if "classifier.weight" in state and state["classifier.weight"].shape[0] != num_labels:
-        if require_head:
-            raise UserError(f"{directory}: its classifier has {state['classifier.weight'].shape[0]} outputs, "
-                            f"the task {num_labels}")
-        state = {k: v for k, v in state.items() if not k.startswith("classifier.")}  # another task's head
-    model = model_class(config, num_labels)
-    missing, _unexpected = load_weights(model, state)
-    encoder_missing = [k for k in missing if not k.startswith("classifier.")]
-    if encoder_missing:
-        raise UserError(f"{directory}: weights lack {len(encoder_missing)} encoder tensors, e.g. {encoder_missing[0]}")
-    if require_head and missing:
-        raise UserError(f"{directory}: no classification head (classifier.*): not a fine-tuned classifier")
-    return model, config
-
-
-class ClassificationTask(FeatureTask):
-    """Sentence (pair) classification on the training features (the global order of FeatureTask)."""
-
-    def __init__(self, features: dict, batch_size: int, seed: int):
-        super().__init__(features, ("input_ids", "token_type_ids", "attention_mask"), ("labels",), batch_size, seed)
-
-    def loss(self, model, batch: dict, totals: dict) -> dict:
-        logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
-        share = classification_loss(logits, batch["labels"], "sum")
-        out = {"loss": share / totals["sequences"]}
-        if logits.shape[-1] > 1:
-            out["correct"] = (logits.argmax(-1) == batch["labels"]).sum().float()
-        return out
-
-    def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float, step: int) -> dict:
-        line = {"epoch": step / self.steps_per_epoch, "loss": sums["loss"] / steps}
-        if "correct" in sums:
-            line["accuracy"] = sums["correct"] / sequences
-        return line
-
-
-def job_of(task: GlueTask, config_key: str | None = None, batch_key: str | None = None) -> FinetuneJob:
-    """The driver's view of a GLUE task (or of a task of the config's tasks section, named by its `config_key`): its
-    features checked, its head, its exported label names."""
-
-    def make_task(features: dict, features_path: Path, s: FinetuneSettings) -> ClassificationTask:
-        if "labels" not in features:
-            raise UserError(f"{features_path}: no labels (not GLUE features)")
-        if (features["labels"].dtype.kind == "f") != (task.labels is None):
-            raise UserError(f"{features_path}: labels of another task than {task.name} (features of another task?)")
-        return ClassificationTask(features, s.batch_size, s.seed)
-
-    labels = task.labels or ("score",)
-    return FinetuneJob(
-        config_key=config_key or f"glue.{task.name}", section="glue",
-        batch_key=batch_key or f"glue.overrides.{task.name}", unit="examples",
-        make_task=make_task, load_model=lambda init: load_classifier(init, task.num_labels),
-        fingerprint={"task": task.name}, config_json=dict(
-            architectures=["BertForSequenceClassification"], finetuning_task=task.name,
-            id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
-            problem_type="regression" if task.labels is None else "single_label_classification"))
-
-
-def finetune(task: GlueTask, init, features_path, output, run_dir, settings: FinetuneSettings | None = None,
-             vocab=None, metrics_path=None, device: str = "auto", threads: int | None = None) -> int:
-    """Fine-tune; write the HF directory `output` (rank 0). Returns 0, or 128+signal when stopped by a signal."""
-    return finetuning.finetune(job_of(task), init, features_path, output, run_dir, settings or FinetuneSettings(),
-                               vocab, metrics_path, device, threads)
+def settings_of(config: dict, task: str) -> ClassifierSettings:
+    """From the config sections seed and glue (as validated by the schema), glue.overrides.<task> applied."""
+    overrides = config.get("glue", {}).get("overrides", {}).get(task, {})
+    return ClassifierSettings.from_section(config, "glue", overrides)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -143,9 +27,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--task", required=True, help="GLUE task name (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, ...)")
     args = parser.parse_args(argv)
     task = task_of(args.task)
-    code = finetune(task, args.init, args.features, args.output, args.run_dir,
-                    FinetuneSettings.from_config(args.config, task.name), args.vocab, args.metrics, args.device,
-                    args.threads)
+    code = finetune(task, args.init, args.features, args.output, args.run_dir, settings_of(args.config, task.name),
+                    args.vocab, args.metrics, args.device, args.threads)
     if code:
         sys.exit(code)
 

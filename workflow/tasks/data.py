@@ -1,7 +1,8 @@
 """A task's data: its label list (data/tasks/<name>/labels.json) and its features, made with the fine-tuned model's
-vocab and casing. Classification and regression are featurized by GLUE's code (workflow.glue.data.featurize: one
-text or a pair, the longer text truncated first); a task is a GlueTask made from its config entry, as the GLUE tasks
-are presets of it. Token classification labels the first sub-word of each word (workflow.tasks.tokens).
+vocab and casing. Classification and regression are featurized by the shared classification code
+(workflow.classify.features: one text or a pair, the longer text truncated first), as the GLUE presets are; such a
+task is a SentenceTask made from its config entry. Token classification labels the first sub-word of each word
+(workflow.tasks.tokens).
 
     python -m workflow.tasks.data labels --task '{"type": ...}' --name sentiment --output data/tasks/sentiment/labels.json
     python -m workflow.tasks.data featurize --task '{...}' --name sentiment --split train --labels LABELS_JSON \
@@ -17,9 +18,10 @@ from typing import Sequence
 import numpy as np
 
 from workflow.atomic import write_json
+from workflow.classify.features import featurize
+from workflow.classify.task import SentenceTask
 from workflow.cli import UserError, run
 from workflow.data.features import add_tokenizer_arguments, save_features, tokenizer_from_args
-from workflow.glue.data import GlueTask, featurize
 from workflow.tasks.config import task_format
 from workflow.tasks.readers import read_examples
 from workflow.tasks.tokens import featurize_tokens
@@ -48,10 +50,9 @@ def label_list(task: dict, name: str) -> list[str] | None:
     return sorted(found)
 
 
-def glue_task(task: dict, name: str, labels: list[str] | None) -> GlueTask:
-    """The GlueTask a classification or regression task is (columns unused: its fields are read by name)."""
-    paired = len(task["text_fields"]) == 2
-    return GlueTask(name, 0, 1 if paired else None, -1, tuple(labels) if labels else None, METRICS[task["type"]])
+def sentence_task(task: dict, name: str, labels: list[str] | None) -> SentenceTask:
+    """The SentenceTask a classification or regression task is."""
+    return SentenceTask(name, tuple(labels) if labels else None, METRICS[task["type"]])
 
 
 def _class_rows(items, task: dict, name: str, split: str, labels: list | None, labelled: bool):

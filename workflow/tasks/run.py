@@ -1,6 +1,7 @@
 """Fine-tune, evaluate and predict a task of the config's tasks section (classification, regression, token
-classification); question answering runs through workflow.squad. Classification and regression are GLUE's code
-(workflow.glue.finetune / evaluate) on the task's GlueTask; token classification adds its own head and entity scores.
+classification); question answering runs through workflow.squad. Classification and regression run the shared
+classification code (workflow.classify, as the GLUE presets do) on the task's SentenceTask; token classification adds
+its own head and entity scores.
 
     python -m workflow.tasks.run finetune --config '{"seed": .., "glue": {..}, "squad": {..}, "tasks": {..}}' \
         --name ner --labels data/tasks/ner/labels.json --init results/pretrain/phase2/model \
@@ -26,10 +27,10 @@ import numpy as np
 from workflow.atomic import write_json, write_text
 from workflow.cli import UserError, config_sections, run
 from workflow.data.features import load_features
-from workflow.glue import evaluate as glue_evaluate
-from workflow.glue.finetune import BertForSequenceClassification, FinetuneSettings, job_of, load_classifier
+from workflow.classify import evaluate as classify_evaluate
+from workflow.classify.model import BertForSequenceClassification, ClassifierSettings, job_of, load_classifier
 from workflow.tasks.config import task_section
-from workflow.tasks.data import glue_task
+from workflow.tasks.data import sentence_task
 from workflow.tasks.token_model import BertForTokenClassification, TokenTask
 from workflow.tasks.tokens import IGNORE, entity_scores, word_tags
 from workflow.train import finetune as finetuning
@@ -57,9 +58,9 @@ def token_job(name: str, labels: list[str]) -> FinetuneJob:
 def finetune(config: dict, name: str, labels, init, features, output, run_dir, vocab=None, metrics=None,
              device: str = "auto", threads: int | None = None) -> int:
     task = config["tasks"][name]
-    settings = FinetuneSettings.from_section({"seed": config["seed"], "glue": task_section(config, name)}, "glue")
+    settings = ClassifierSettings.from_section({"seed": config["seed"], "glue": task_section(config, name)}, "glue")
     job = (token_job(name, labels) if task["type"] == "token_classification" else
-           job_of(glue_task(task, name, labels), config_key=f"tasks.{name}", batch_key=f"tasks.{name}"))
+           job_of(sentence_task(task, name, labels), config_key=f"tasks.{name}", batch_key=f"tasks.{name}"))
     return finetuning.finetune(job, init, features, output, run_dir, settings, vocab, metrics, device, threads)
 
 
@@ -78,8 +79,8 @@ def logits_of(task: dict, labels, model_dir, features: dict, batch_size: int, pr
     from workflow.train.precision import resolve_precision
 
     model, device = _model(task, labels, model_dir, device)
-    return glue_evaluate.compute_logits(model, features, batch_size, device,
-                                        resolve_precision(precision, device, "glue.precision"))
+    return classify_evaluate.compute_logits(model, features, batch_size, device,
+                                            resolve_precision(precision, device, "glue.precision"))
 
 
 def evaluate(config: dict, name: str, labels, model_dir, features_path, batch_size=128, precision="auto",
@@ -87,8 +88,8 @@ def evaluate(config: dict, name: str, labels, model_dir, features_path, batch_si
     """eval.json's content: the task's scores on its dev features."""
     task = config["tasks"][name]
     if task["type"] != "token_classification":
-        result = glue_evaluate.evaluate(glue_task(task, name, labels), model_dir, {"dev": features_path}, batch_size,
-                                        precision, device)
+        result = classify_evaluate.evaluate(sentence_task(task, name, labels), model_dir, {"dev": features_path},
+                                            batch_size, precision, device)
         return {**result, "type": task["type"]}
     features = load_features(features_path)
     logits = logits_of(task, labels, model_dir, features, batch_size, precision, device)

@@ -3,13 +3,13 @@ names: `bert.*`, `classifier.*`) and cross-entropy over each word's first sub-wo
 """
 import torch.nn.functional as F
 
-from workflow.glue.finetune import BertForSequenceClassification
+from workflow.classify.model import BertForSequenceClassification
 from workflow.tasks.tokens import IGNORE
 from workflow.train.finetune import FeatureTask
 
 
 class BertForTokenClassification(BertForSequenceClassification):
-    """GLUE's classifier (dropout + a linear layer, the same names) on every token's output: `num_labels` logits per
+    """The sentence classifier (dropout + a linear layer, the same names) on every token's output: `num_labels` logits per
     token."""
 
     def forward(self, input_ids, token_type_ids, attention_mask):
