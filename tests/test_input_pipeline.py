@@ -4,9 +4,11 @@ Proves: at BERT-large phase 1's batch sizes (global batch 65,536 sequences, micr
 micro-batches per rank and step unpacked) a step crosses from a loader worker to the trainer under the common
 `ulimit -n 1024` (each tensor's storage travels as its own file descriptor: the micro-batches of a step are
 stacked into one tensor per field), and the trainer gets exactly the micro-batches of a read in its own process.
+A rank whose step raises shuts its loader workers down, so it exits instead of hanging at Python's exit.
 """
 from __future__ import annotations
 
+import multiprocessing
 import resource
 import subprocess
 import sys
@@ -15,8 +17,10 @@ import types
 import pytest
 import torch
 
+from tests.test_pretrain import data, settings  # noqa: F401  (the data fixture)
 from workflow.data.synthetic_shards import write_synthetic_shards
 from workflow.train import engine
+from workflow.train.pretrain import pretrain
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
 GLOBAL_BATCH, MICRO_BATCH, WORLD = 65_536, 64, 8  # BERT-large phase 1 (config.yaml) on 8 ranks
@@ -84,3 +88,22 @@ def test_a_steps_micro_batches_stack_into_one_tensor_per_field_and_split_back_in
         assert torch.equal(got["input_ids"], want["input_ids"]) and got["ids"] == want["ids"]
         assert got["input_ids"].untyped_storage().data_ptr() == step["stacked"]["input_ids"].untyped_storage(
         ).data_ptr()  # a view: no copy in the trainer
+
+
+def test_a_step_that_raises_leaves_no_loader_worker_behind(data, tmp_path, monkeypatch):  # noqa: F811
+    # The workers ignore SIGTERM (Slurm's stop is the rank's to handle): left to Python's exit, which terminates and
+    # then joins them, they would hold a failed rank (a peer's death, an out-of-memory error) until the job's end.
+    real, steps = engine._optimizer_step, [0]
+
+    def failing_step(*args, **kwargs):
+        steps[0] += 1
+        if steps[0] == 3:
+            raise RuntimeError("a peer died")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_optimizer_step", failing_step)
+    before = set(multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match="a peer died") as raised:
+        pretrain(settings(data, tmp_path, total_steps=12, loader_workers=2, eval_max_sequences=16))
+    assert raised.traceback  # the frames that held the loader are still alive here
+    assert set(multiprocessing.active_children()) == before

@@ -344,7 +344,12 @@ def step_batches(task: Task, starts, s: LoopSettings, env):
     """Iterator of this rank's micro-batches (a list per step) of the steps at `starts` (sequence positions), read by
     `s.loader_workers` processes `s.prefetch_steps` steps ahead, in pinned memory on CUDA (so copies to the GPU overlap
     compute); a step crosses from its worker as one tensor per field (stack_micro_batches). Reads are pure functions
-    of the position, so reading ahead changes nothing: resume stays exact."""
+    of the position, so reading ahead changes nothing: resume stays exact.
+
+    The workers start here, before the caller starts its own threads. The result is a generator: close it (train
+    does, also when a step raises) and the DataLoader's iterator, held by it alone, is collected, which shuts its
+    workers down. They ignore SIGTERM (_ignore_stop_signals), so left to Python's exit they would be terminated in
+    vain and joined forever: a rank that failed (a peer's death, an out-of-memory error) would hang, not exit."""
     workers = s.loader_workers
     loader = torch.utils.data.DataLoader(
         _Steps(task, s.global_batch_size, env.rank, env.world_size, s.micro_batch_size), batch_size=None,
@@ -352,7 +357,12 @@ def step_batches(task: Task, starts, s: LoopSettings, env):
         prefetch_factor=max(1, -(-s.prefetch_steps // workers)) if workers else None,
         pin_memory=env.device.type == "cuda", worker_init_fn=_ignore_stop_signals if workers else None,
         generator=torch.Generator())  # its own seed draw: the global RNG (dropout) must not move
-    return map(unstack_micro_batches, loader)
+    return _unstacked(iter(loader))
+
+
+def _unstacked(steps):
+    for step in steps:
+        yield unstack_micro_batches(step)
 
 
 def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerprint: dict) -> Outcome:
@@ -420,10 +430,10 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
     loader = step_batches(task, [consumed + k * s.global_batch_size for k in range(max_steps - step)], s, env)
     model.train()
     first_step, micro_batches, evaluation = step, 0, None
-    with ckpt.StopSignals() as stop, GpuTelemetry(run_dir / "gpu_telemetry.csv",  # every node's
-                                                  enabled=env.local_rank == 0 and s.telemetry,
-                                                  merge=env.is_main), \
-            _scalars(run_dir / "tensorboard", step, env.is_main) as scalars, _StepSyncs(env.device) as syncs:
+    with (contextlib.closing(loader), ckpt.StopSignals() as stop,
+          GpuTelemetry(run_dir / "gpu_telemetry.csv", enabled=env.local_rank == 0 and s.telemetry,  # every node's
+                       merge=env.is_main),
+          _scalars(run_dir / "tensorboard", step, env.is_main) as scalars, _StepSyncs(env.device) as syncs):
         # A bar on a terminal; in a log file (logs/), the periodic metrics lines alone (no carriage returns).
         progress = tqdm(total=max_steps, initial=step, desc=s.config_key, file=sys.stderr,
                         disable=not env.is_main or not sys.stderr.isatty())
