@@ -107,3 +107,61 @@ def test_a_step_that_raises_leaves_no_loader_worker_behind(data, tmp_path, monke
         pretrain(settings(data, tmp_path, total_steps=12, loader_workers=2, eval_max_sequences=16))
     assert raised.traceback  # the frames that held the loader are still alive here
     assert set(multiprocessing.active_children()) == before
+
+
+# A rank as `python -m workflow.train.pretrain` runs it, but its loader worker raises (a damaged shard) at one step:
+# each worker notes its pid, the failing one the time of its error.
+FAILING_WORKER = """
+import os, sys, time
+from pathlib import Path
+from workflow.cli import run
+from workflow.train import pretrain
+
+notes, real = Path(sys.argv[1]), pretrain.PretrainingTask.micro_batches
+
+def micro_batches(self, start, count, rank, world, rows):
+    with open(notes / "workers", "a") as handle:
+        handle.write(f"{os.getpid()}\\n")
+    if start >= 4 * count:
+        (notes / "error_at").write_text(repr(time.time()))
+        raise OSError(f"{notes}/shard_1.hdf5: damaged")
+    return real(self, start, count, rank, world, rows)
+
+pretrain.PretrainingTask.micro_batches = micro_batches
+run(pretrain.main, sys.argv[2:])
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return " Z " not in open(f"/proc/{pid}/stat").read().split(")")[-1][:4]  # a zombie is gone but for its reaper
+    except FileNotFoundError:
+        return False
+
+
+def test_a_rank_whose_loader_worker_raises_exits_non_zero_within_seconds_and_leaves_no_worker(data, tmp_path):  # noqa: F811
+    # The error leaves next() of the DataLoader's iterator with a traceback that holds the iterator: left to Python's
+    # exit, its workers (which ignore SIGTERM) were terminated in vain and joined forever, and the rank never exited.
+    import time
+
+    from tests.test_pretrain import command, environment
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    argv = command(settings(data, tmp_path / "out", total_steps=12, loader_workers=2, eval_max_sequences=16))
+    rank = subprocess.Popen([sys.executable, "-c", FAILING_WORKER, str(notes), *argv[3:]], env=environment(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = rank.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        rank.kill()
+        pytest.fail("the rank did not exit within 90 s of its start")
+    exited = time.time()
+    assert rank.returncode != 0
+    assert "damaged" in stderr
+    waited = exited - float((notes / "error_at").read_text())
+    assert waited < 10, f"the rank exited {waited:.1f} s after its worker's error"
+    workers = {int(pid) for pid in (notes / "workers").read_text().split()}
+    assert len(workers) == 2
+    time.sleep(1)
+    assert not [pid for pid in workers if _alive(pid)]

@@ -346,10 +346,11 @@ def step_batches(task: Task, starts, s: LoopSettings, env):
     compute); a step crosses from its worker as one tensor per field (stack_micro_batches). Reads are pure functions
     of the position, so reading ahead changes nothing: resume stays exact.
 
-    The workers start here, before the caller starts its own threads. The result is a generator: close it (train
-    does, also when a step raises) and the DataLoader's iterator, held by it alone, is collected, which shuts its
-    workers down. They ignore SIGTERM (_ignore_stop_signals), so left to Python's exit they would be terminated in
-    vain and joined forever: a rank that failed (a peer's death, an out-of-memory error) would hang, not exit."""
+    The workers start here, before the caller starts its own threads. The result is a generator that shuts its
+    workers down when it ends: closed (train does, also when a step raises), exhausted, or when a worker's error
+    leaves it (a damaged shard, a worker the out-of-memory killer took), whose traceback would otherwise hold the
+    DataLoader's iterator alive. The workers ignore SIGTERM (_ignore_stop_signals), so left to Python's exit they
+    would be terminated in vain and joined forever: a rank that failed would hang, not exit."""
     workers = s.loader_workers
     loader = torch.utils.data.DataLoader(
         _Steps(task, s.global_batch_size, env.rank, env.world_size, s.micro_batch_size), batch_size=None,
@@ -361,8 +362,24 @@ def step_batches(task: Task, starts, s: LoopSettings, env):
 
 
 def _unstacked(steps):
-    for step in steps:
-        yield unstack_micro_batches(step)
+    try:
+        for step in steps:
+            yield unstack_micro_batches(step)
+    finally:
+        _shut_down(steps)
+
+
+def _shut_down(steps) -> None:
+    # What the iterator's own __del__ does (torch has no public call): tell the workers to finish, join them (5 s
+    # each), then SIGKILL any still there, since they ignore SIGTERM.
+    shut_down = getattr(steps, "_shutdown_workers", None)
+    if shut_down is None:  # no workers (loader_workers: 0)
+        return
+    shut_down()
+    for worker in getattr(steps, "_workers", []):
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerprint: dict) -> Outcome:
