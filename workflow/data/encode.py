@@ -159,6 +159,13 @@ def instance_shapes(n: int, settings: EncodeSettings) -> dict[str, tuple[tuple[i
     }
 
 
+def instance_lengths(plan: np.ndarray) -> np.ndarray:
+    """Tokens of each instance of `plan` rows: [CLS] A [SEP] B [SEP], or [CLS] A [SEP] when B is empty (full
+    sentences within a document). The one count of build_batch and the packer: a longer one packs padding inside."""
+    len_a, len_b = plan[:, 1] - plan[:, 0], plan[:, 3] - plan[:, 2]
+    return len_a + len_b + 2 + (len_b > 0)
+
+
 def build_batch(
     ids: np.ndarray, plan: np.ndarray, settings: EncodeSettings, vocab: Vocab, rng: np.random.Generator,
     out: dict[str, np.ndarray] | None = None,
@@ -173,8 +180,8 @@ def build_batch(
         out = {name: np.empty(shape, dtype) for name, (shape, dtype) in instance_shapes(len(plan), settings).items()}
     rows = np.arange(len(plan))
     a_start, a_end, b_start, b_end, is_random = plan.T
-    len_a, len_b = a_end - a_start, b_end - b_start
-    n_tokens = len_a + len_b + 2 + (len_b > 0)  # an empty B (full sentences within a document): [CLS] A [SEP]
+    len_a = a_end - a_start
+    n_tokens = instance_lengths(plan)
     col = np.arange(length)[None, :]
     # Source of each cell in `ids`: A's tokens, then B's, then the trailing 0; [CLS]/[SEP] are overwritten below.
     source = col + np.where(col <= len_a[:, None], (a_start - 1)[:, None], (b_start - len_a - 2)[:, None])
@@ -254,7 +261,7 @@ def encode_shard(
             rows = slice(start, start + batch_rows)
             build_batch(padded_ids, plan[rows], settings, vocab, mask_rng, {k: v[rows] for k, v in arrays.items()})
         started = time.process_time()
-        lengths = plan[:, 1] - plan[:, 0] + plan[:, 3] - plan[:, 2] + 3  # [CLS] A [SEP] B [SEP]
+        lengths = instance_lengths(plan)
         packed = pack_arrays(arrays, packing.max_sequences_per_pack, settings.masked_lm_prob, packing.algorithm,
                              str(tokenized), lengths, in_place=True)
         stats = packing_stats(lengths, length, len(packed["input_ids"]))
