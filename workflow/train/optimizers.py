@@ -8,6 +8,9 @@ API:
         lamb: workflow.train.lamb.make_optimizer (apex FusedLAMB or the torch Lamb, clipping inside its step).
         adamw: torch.optim.AdamW (decoupled weight decay, bias correction) on lamb.param_groups (no decay on
         biases and LayerNorm), fused on CUDA where torch has it and `fused`.
+    weight_decay_groups(model, weight_decay)   two groups by what a parameter is: decayed (matrices, embeddings),
+        and without decay the parameters of normalisation layers and every bias; for BERT exactly lamb.param_groups
+        (the same parameters in the same order), for ModernBERT its recipe's split (norms and biases exempt)
     engine_clip(kind, max_grad_norm)   the engine's torch clipping norm before the step: AdamW's max_grad_norm (as
         Hugging Face's Trainer clips), None for LAMB (its step clips) and for 0
     refuse_other_optimizer_keys(section)   config pretrain: a key of the section of the optimizer not chosen, set to
@@ -47,6 +50,20 @@ def make_optimizer(kind: str, model: nn.Module, lr: float, weight_decay: float =
     optimizer = torch.optim.AdamW(lamb.param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
                                   weight_decay=weight_decay, fused=True if use_fused else None)
     return optimizer, "torch.AdamW (fused)" if use_fused else "torch.AdamW"
+
+
+NORMALISATIONS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """[decayed, exempt] parameter groups (see the module docstring); frozen parameters are left out."""
+    exempt = {id(parameter) for module in model.modules() for name, parameter in module.named_parameters(recurse=False)
+              if isinstance(module, NORMALISATIONS) or name == "bias"}
+    decay, no_decay = [], []
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            (no_decay if id(parameter) in exempt else decay).append(parameter)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def engine_clip(kind: str, max_grad_norm: float) -> float | None:
