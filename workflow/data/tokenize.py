@@ -1,4 +1,4 @@
-"""Stage tokenize: WordPiece-tokenize one text shard once, for both pretraining phases to reuse.
+"""Stage tokenize: tokenize one text shard once (WordPiece or byte-level BPE), for both pretraining phases to reuse.
 
 Input: one sentence per line, a blank line between documents (UTF-8). Output: an .npz with
   ids               [T]        uint16 (int32 for vocabs over 65,536 tokens): every token of the shard, in order
@@ -8,11 +8,14 @@ Input: one sentence per line, a blank line between documents (UTF-8). Output: an
                                (absent without one)
 Sentences that tokenize to nothing and documents without sentences are dropped (as Google's script does).
 Ids are those of `tokenizers`' BERT pipeline, token for token; each distinct word is tokenized once (WordCache).
+With a byte-level BPE, those of its tokenizer.json on each sentence, a space before each (before a document's first
+only where the file adds a prefix space): the ids of the whole document, cut at its sentences (ByteLevelCache).
 """
 import argparse
 import json
 import logging
 import os
+import re
 from itertools import islice
 from pathlib import Path
 from typing import Sequence
@@ -23,7 +26,8 @@ from tqdm import tqdm
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
 from workflow.data.shard import MANIFEST
-from workflow.data.vocab import Normalization, read_vocab
+from workflow.data.tokenizer import Vocabulary
+from workflow.data.vocab import Normalization
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +39,8 @@ CACHE_WORDS = 1 << 19  # distinct chunks cached (~70 MB); a full-size shard may 
 def bert_tokenizer(vocab_path: str | os.PathLike, lowercase: bool = True, normalization: Normalization | None = None):
     """A `tokenizers` BERT WordPiece tokenizer (BERT normaliser and pre-tokeniser), no special tokens added;
     normalising as `normalization` (default: `lowercase`, accents as lowercase, CJK characters apart)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tokens = read_vocab(vocab_path)
-    model = models.WordPiece({token: i for i, token in enumerate(tokens)}, unk_token="[UNK]", max_input_chars_per_word=100)
-    tokenizer = Tokenizer(model)
-    tokenizer.normalizer = (normalization or Normalization(lowercase)).bert_normalizer()
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    return tokenizer, len(tokens)
+    vocab = Vocabulary.load(vocab_path, "wordpiece")
+    return vocab.text_tokenizer(normalization or Normalization(lowercase)), vocab.size
 
 
 def read_documents(text_path: str | os.PathLike) -> tuple[list[str], list[int]]:
@@ -92,7 +90,7 @@ class WordCache:
 
     def encode(self, lines: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids of `lines`, flat, and the per-line token counts: equal to encode_batch's, token for token."""
-        chunks = " ".join(lines).split(" ")
+        chunks, chunks_per_line = self._split(lines)
         new = set(chunks).difference(self.index)
         if len(self.index) + len(new) > self.max_words:
             self._shrink()
@@ -104,10 +102,16 @@ class WordCache:
         # Position t of the output is ids[starts[chunk] + (t - first output position of chunk)].
         gather = np.repeat(starts - (ends - lengths), lengths) + np.arange(ends[-1] if len(ends) else 0)
         first_chunks = np.zeros(len(lines), np.int64)  # every line has count(" ") + 1 chunks
-        np.cumsum(np.fromiter((line.count(" ") + 1 for line in lines), np.int64, len(lines))[:-1], out=first_chunks[1:])
+        np.cumsum(chunks_per_line[:-1], out=first_chunks[1:])
         self.chunks += len(chunks)
         self.misses += len(new)
         return self.ids[gather], np.add.reduceat(lengths, first_chunks) if len(lines) else np.zeros(0, np.int64)
+
+    @staticmethod
+    def _split(lines: Sequence[str]) -> tuple[list[str], np.ndarray]:
+        """The chunks of `lines`, back to back, and how many each line has (every line count(" ") + 1)."""
+        chunks_per_line = np.fromiter((line.count(" ") + 1 for line in lines), np.int64, len(lines))
+        return " ".join(lines).split(" "), chunks_per_line
 
     def _add(self, words: list[str]) -> None:
         # Many words per Encoding (one per word costs ~6 µs more), joined by the spaces they were split at; a
@@ -134,9 +138,59 @@ class WordCache:
         self.ids = self.ids[: int(self.starts[-1] + self.lengths[-1]) if keep else 0]
 
 
-def tokenize_lines(tokenizer, lines: Sequence[str], dtype, max_words: int = CACHE_WORDS) -> tuple[np.ndarray, ...]:
+class ByteLevelCache(WordCache):
+    """WordCache for a byte-level BPE: a chunk begins at a space between two non-spaces and keeps that space.
+
+    Exact because the GPT-2 pre-tokenizer regex (`'s| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`) ends every
+    piece before such a space and starts the next with it, looking ahead only within runs of whitespace; so a text's
+    ids are its chunks' ids back to back (with no normaliser; Python's \\s is a superset of the regex's, so a split
+    here is a split there). Every chunk is encoded as its own sequence: byte-level pieces carry their space.
+    """
+
+    BOUNDARY = re.compile(r"(?<=\S)(?= \S)")
+
+    @classmethod
+    def _split(cls, lines: Sequence[str]) -> tuple[list[str], np.ndarray]:
+        per_line = [cls.BOUNDARY.split(line) for line in lines]
+        return [chunk for chunks in per_line for chunk in chunks], np.fromiter(map(len, per_line), np.int64, len(lines))
+
+    def _add(self, words: list[str]) -> None:
+        encodings = self.tokenizer.encode_batch(words, add_special_tokens=False) if words else []
+        lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
+        ids = [np.asarray(encoding.ids, self.dtype) for encoding in encodings]
+        self.index.update(zip(words, range(len(self.index), len(self.index) + len(words))))
+        self.starts = np.concatenate([self.starts, len(self.ids) + np.cumsum(lengths) - lengths])
+        self.lengths = np.concatenate([self.lengths, lengths])
+        self.ids = np.concatenate([self.ids, *ids])
+
+
+class LineCache(ByteLevelCache):
+    """Whole lines as chunks: for a tokenizer.json whose normaliser or added tokens may join text across a space."""
+
+    @staticmethod
+    def _split(lines: Sequence[str]) -> tuple[list[str], np.ndarray]:
+        return list(lines), np.ones(len(lines), np.int64)
+
+
+def byte_level_cache(tokenizer) -> type:
+    """ByteLevelCache where its split is exact for `tokenizer` (no normaliser, no added token spanning a space
+    between non-spaces), else LineCache."""
+    spanning = any(re.search(r"\S \S", token.content) for token in tokenizer.get_added_tokens_decoder().values())
+    return ByteLevelCache if tokenizer.normalizer is None and not spanning else LineCache
+
+
+def prefixed_lines(lines: Sequence[str], line_documents: Sequence[int], prefix_space: bool) -> list[str]:
+    """Each line with the space a byte-level BPE sees before it inside its document: every line but a document's
+    first, and that one too with `prefix_space` (the tokenizer's add_prefix_space); none before a leading space."""
+    first = np.diff(np.asarray(line_documents, np.int64), prepend=-1) != 0
+    return [line if line.startswith(" ") or (is_first and not prefix_space) else " " + line
+            for line, is_first in zip(lines, first.tolist())]
+
+
+def tokenize_lines(tokenizer, lines: Sequence[str], dtype, max_words: int = CACHE_WORDS,
+                   cache_class: type = WordCache) -> tuple[np.ndarray, ...]:
     """Token ids of every line, flat, and the per-line token counts."""
-    cache = WordCache(tokenizer, dtype, max_words)
+    cache = cache_class(tokenizer, dtype, max_words)
     pieces: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
     for start in tqdm(range(0, len(lines), BATCH_LINES), desc="tokenize", unit="batch", mininterval=5, disable=None):
@@ -156,10 +210,15 @@ def tokenize_shard(
     normalization: Normalization | None = None,
 ) -> dict[str, int]:
     """Tokenize one shard into `output` (.npz, see the module doc); returns token/sentence/document counts."""
-    tokenizer, vocab_size = bert_tokenizer(vocab_path, lowercase, normalization)
-    dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
+    vocab = Vocabulary.load(vocab_path)
+    tokenizer = vocab.text_tokenizer(normalization or Normalization(lowercase))
+    dtype = np.uint16 if vocab.size <= 1 << 16 else np.int32
     lines, line_documents = read_documents(text_path)
-    ids, lengths = tokenize_lines(tokenizer, lines, dtype)
+    if vocab.type == "bpe":
+        ids, lengths = tokenize_lines(tokenizer, prefixed_lines(lines, line_documents, vocab.prefix_space), dtype,
+                                      cache_class=byte_level_cache(tokenizer))
+    else:
+        ids, lengths = tokenize_lines(tokenizer, lines, dtype)
     corpus_tokens = tokens_per_corpus(text_path, lengths, line_documents)
     # Drop sentences with no tokens, then documents left with no sentences.
     kept = lengths > 0
@@ -210,7 +269,7 @@ def load_tokenized(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--text", required=True, help="text shard: one sentence per line, blank line between documents")
-    parser.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
+    parser.add_argument("--vocab", required=True, help="WordPiece vocab.txt or byte-level BPE tokenizer.json")
     parser.add_argument("--output", required=True, help=".npz to write")
     Normalization.add_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="tokenizer threads")

@@ -1,4 +1,5 @@
-"""Stage vocab: validate and copy a given WordPiece vocab.txt, or train one on the training shards.
+"""Stage vocab: validate and copy a given vocab (a WordPiece vocab.txt or a byte-level BPE tokenizer.json, config
+vocab.type), or train one on the training shards. workflow.data.tokenizer reads either for the later stages.
 
 A trained vocab is a function of the shards and the settings: the same corpus gives the same file byte for byte.
 Left alone, the `tokenizers` WordPiece trainer is not (three runs, three vocabs, whatever PYTHONHASHSEED or
@@ -10,6 +11,11 @@ every `##x` numbered in advance, in character order, through the trainer's `spec
 first, in the order given). Cost: one extra pass over the shards (a character histogram), and a `##x` for each alphabet
 character.
 
+A trained byte-level BPE needs no such help: its alphabet is the 256 byte characters (`initial_alphabet`), which
+the BPE trainer numbers in character order itself, and it breaks ties between equally frequent merges by those
+numbers (tests/test_bpe.py trains in fresh processes). Its specials are numbered first, as WordPiece's: [PAD] 0,
+[UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, so padding stays id 0.
+
 Speed: the trainer counts words (normalize, pre-tokenize: ~3 MB/s per core, most of its time) and updates its merges
 on `threads` rayon threads, and the character histogram runs in `threads` processes, one shard each; all are sums or
 fully ordered, so the file does not depend on the number of threads (tests/test_vocab.py trains in fresh processes
@@ -17,6 +23,7 @@ with 1 to 4). What stays serial is the trainer's merge loop on the main thread (
 """
 import argparse
 import collections
+import json
 import logging
 import multiprocessing
 import os
@@ -31,6 +38,7 @@ from workflow.cli import UserError, run
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+VOCAB_FILES = {"wordpiece": "vocab.txt", "bpe": "tokenizer.json"}  # config vocab.type -> the file stage vocab writes
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,61 @@ def special_token_ids(tokens: Sequence[str]) -> dict[str, int]:
     return {token: index[token] for token in SPECIAL_TOKENS}
 
 
+def vocab_file_type(path: str | os.PathLike) -> str:
+    """"bpe" for a tokenizer.json (a JSON object), else "wordpiece" (a vocab.txt): what a file claims to be, by its
+    first character, before it is read in full."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4096).lstrip()
+    except FileNotFoundError:
+        raise UserError(f"{path}: vocab file not found") from None
+    except OSError as error:
+        raise UserError(f"{path}: cannot read vocab ({error.strerror})") from None
+    return "bpe" if head.startswith(b"{") else "wordpiece"
+
+
+def check_vocab_type(path: str | os.PathLike, vocab_type: str) -> None:
+    """Raise UserError (naming config vocab.file and vocab.type) if `path` is not the kind `vocab_type` takes."""
+    found = vocab_file_type(path)
+    if found != vocab_type:
+        kinds = {"wordpiece": "a WordPiece vocab.txt", "bpe": "a tokenizer.json"}
+        raise UserError(f"config key 'vocab.file': {path} is {kinds[found]}, but vocab.type {vocab_type} takes "
+                        f"{kinds[vocab_type]} (set vocab.type: {found}, or give {kinds[vocab_type]})")
+
+
+def read_tokenizer_json(path: str | os.PathLike):
+    """A byte-level BPE `tokenizers.Tokenizer` from a tokenizer.json (ours, or e.g. ModernBERT's). Raises UserError
+    if it is not one (model BPE, pre-tokenizer ByteLevel) or lacks a special token."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        model, pre_tokenizer = data["model"]["type"], (data.get("pre_tokenizer") or {}).get("type")
+    except FileNotFoundError:
+        raise UserError(f"{path}: vocab file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+        raise UserError(f"{path}: not a tokenizer.json ({error})") from None
+    if model != "BPE" or pre_tokenizer != "ByteLevel":
+        raise UserError(f"{path}: a {model} tokenizer with pre-tokenizer {pre_tokenizer}, not a byte-level BPE (model "
+                        "BPE, pre_tokenizer ByteLevel)")
+    try:
+        tokenizer = Tokenizer.from_str(json.dumps(data))
+    except Exception as error:  # tokenizers raises a bare Exception for a malformed file
+        raise UserError(f"{path}: cannot load the tokenizer ({error})") from None
+    missing = [token for token in SPECIAL_TOKENS if tokenizer.token_to_id(token) is None]
+    if missing:
+        raise UserError(f"{path}: tokenizer lacks the special token(s) {' '.join(missing)}")
+    return tokenizer
+
+
+def copy_tokenizer(source: str | os.PathLike, output: str | os.PathLike) -> int:
+    """Validate the tokenizer.json `source` and copy it byte for byte to `output`; returns its size (ids)."""
+    size = max(read_tokenizer_json(source).get_vocab(with_added_tokens=True).values()) + 1
+    _write(output, Path(source).read_bytes())
+    return size
+
+
 def copy_vocab(source: str | os.PathLike, output: str | os.PathLike) -> int:
     """Validate `source` and copy it byte for byte to `output`; returns the vocab size."""
     tokens = read_vocab(source)
@@ -180,11 +243,7 @@ def train_vocab(shards: Sequence[str | os.PathLike], output: str | os.PathLike, 
     normaliser's settings (default: `lowercase`, accents as lowercase, CJK characters apart)."""
     from tokenizers import BertWordPieceTokenizer
 
-    for shard in shards:
-        if not Path(shard).is_file():
-            raise UserError(f"{shard}: training shard not found")
-    if not any(Path(shard).stat().st_size for shard in shards):
-        raise UserError(f"{shards[0]}: training shards are empty, nothing to train a vocab on")
+    _check_shards(shards)
     tokenizer = BertWordPieceTokenizer(clean_text=True)
     tokenizer.normalizer = (normalization or Normalization(lowercase)).bert_normalizer()
     alphabet = choose_alphabet(character_counts(shards, tokenizer.normalizer, threads), limit_alphabet)
@@ -210,6 +269,38 @@ def train_vocab(shards: Sequence[str | os.PathLike], output: str | os.PathLike, 
     return n_tokens
 
 
+def train_bpe(shards: Sequence[str | os.PathLike], output: str | os.PathLike, size: int) -> int:
+    """Train a byte-level BPE tokenizer.json of `size` ids on text `shards`, the same file for the same input:
+    BERT's special tokens first (SPECIAL_TOKENS), the 256 byte characters, then the merges; no normaliser (cased,
+    every text round-trips), a space before each text (add_prefix_space: a sentence tokenizes as inside its
+    document), `[CLS] A [SEP]` and `[CLS] A [SEP] B [SEP]` added on request. Returns the size reached. Threads:
+    rayon's, as for train_vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    _check_shards(shards)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train([str(shard) for shard in shards], trainer)
+    cls, sep = ((token, tokenizer.token_to_id(token)) for token in ("[CLS]", "[SEP]"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[cls, sep])
+    _write(output, (tokenizer.to_str(pretty=True) + "\n").encode("utf-8"))
+    n_ids = tokenizer.get_vocab_size(with_added_tokens=True)
+    log.info("trained a byte-level BPE of %d ids (asked %d) on %d shard(s)", n_ids, size, len(shards))
+    return n_ids
+
+
+def _check_shards(shards: Sequence[str | os.PathLike]) -> None:
+    for shard in shards:
+        if not Path(shard).is_file():
+            raise UserError(f"{shard}: training shard not found")
+    if not any(Path(shard).stat().st_size for shard in shards):
+        raise UserError(f"{shards[0]}: training shards are empty, nothing to train a vocab on")
+
+
 def _write(output: str | os.PathLike, data: bytes) -> None:
     try:
         with atomic_path(output) as temporary:
@@ -220,9 +311,10 @@ def _write(output: str | os.PathLike, data: bytes) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", required=True, help="vocab.txt to write")
+    parser.add_argument("--output", required=True, help="vocab.txt (wordpiece) or tokenizer.json (bpe) to write")
+    parser.add_argument("--type", choices=tuple(VOCAB_FILES), default="wordpiece", help="the vocab's type")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--vocab-file", help="an existing WordPiece vocab.txt to validate and copy")
+    source.add_argument("--vocab-file", help="an existing vocab of --type (vocab.txt, tokenizer.json) to validate and copy")
     source.add_argument("--shard-dir", help="directory of training text shards shard_0.txt ... to train a vocab on")
     parser.add_argument("--n-shards", type=int, help="number of shards in --shard-dir")
     parser.add_argument("--size", type=int, default=30522, help="size of a trained vocab")
@@ -230,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="trainer threads (the same vocab for any number)")
     args = parser.parse_args(argv)
     if args.vocab_file:
-        n_tokens = copy_vocab(args.vocab_file, args.output)
+        check_vocab_type(args.vocab_file, args.type)
+        n_tokens = (copy_tokenizer if args.type == "bpe" else copy_vocab)(args.vocab_file, args.output)
         log.info("copied %s (%d tokens) to %s", args.vocab_file, n_tokens, args.output)
     else:
         if not args.n_shards:
@@ -239,7 +332,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         # before tokenizers first runs in parallel: rayon sizes its pool once, from this variable
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if args.threads > 1 else "false"
-        train_vocab(shards, args.output, args.size, threads=args.threads, normalization=Normalization.from_args(args))
+        if args.type == "bpe":
+            train_bpe(shards, args.output, args.size)
+        else:
+            train_vocab(shards, args.output, args.size, threads=args.threads,
+                        normalization=Normalization.from_args(args))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""The vocabulary as every stage after vocab reads it, whatever its type (config vocab.type): a WordPiece vocab.txt or a
+byte-level BPE tokenizer.json (trained by stage vocab, or given: e.g. an existing ModernBERT's).
+
+API:
+    Vocabulary.load(path, vocab_type=None)   the file's type found by its content; a given type is checked (error
+                                             naming config vocab.file and vocab.type)
+    .type .path .size .tokens                "wordpiece" | "bpe"; ids 0 .. size-1; token strings by id
+    .special_ids .cls .sep .mask .pad .unk   ids of BERT's special tokens, found by name
+    .continues_word                          [size] bool: the token continues a word (whole-word masking's table)
+    .text_tokenizer(normalization)           the `tokenizers.Tokenizer` stage tokenize encodes with, no specials added
+    .prefix_space                            BPE: whether a text's first word gets its space (add_prefix_space)
+    .save_pretrained(out_dir, normalization, model_max_length)   the tokenizer files of an HF export
+
+Words: WordPiece marks a word's later pieces "##"; a byte-level BPE marks a word's first piece instead, with the
+space before it (the byte-level alphabet writes it "Ġ"): a BPE word is what the pre-tokenizer splits at a space, so
+punctuation joined to a word ("world,") masks with it.
+"""
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from workflow.data.vocab import (SPECIAL_TOKENS, VOCAB_FILES, Normalization, check_vocab_type, read_tokenizer_json, read_vocab,
+                                 special_token_ids, tokenizer_config, vocab_file_type)
+
+WORD_START = "\u0120"  # "Ġ": the byte-level alphabet's space, which begins every BPE token that starts a word
+CONTINUATION = "##"  # WordPiece: the prefix of a token that continues a word
+
+
+@dataclass(frozen=True, eq=False)
+class Vocabulary:
+    """A vocab.txt or a byte-level BPE tokenizer.json, read and validated."""
+
+    path: Path
+    type: str  # "wordpiece" | "bpe"
+    tokens: tuple  # token string of each id (None for an id a tokenizer.json leaves unused)
+    special_ids: dict  # [PAD] [UNK] [CLS] [SEP] [MASK] -> id
+    added: frozenset = frozenset()  # BPE: ids of the file's added tokens (matched whole, each a word of its own)
+    prefix_space: bool = False  # BPE: the pre-tokenizer's add_prefix_space
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, vocab_type: str | None = None) -> "Vocabulary":
+        """Read `path` (type by its content); with `vocab_type`, a file of the other type is a UserError."""
+        path = Path(path)
+        if vocab_type is not None:
+            check_vocab_type(path, vocab_type)
+        if vocab_file_type(path) == "wordpiece":
+            tokens = read_vocab(path)
+            return cls(path, "wordpiece", tuple(tokens), special_token_ids(tokens))
+        tokenizer = read_tokenizer_json(path)
+        ids = tokenizer.get_vocab(with_added_tokens=True)
+        tokens = [None] * (max(ids.values()) + 1)
+        for token, index in ids.items():
+            tokens[index] = token
+        data = json.loads(path.read_text(encoding="utf-8"))
+        added = frozenset(token["id"] for token in data.get("added_tokens", []))
+        return cls(path, "bpe", tuple(tokens), {token: ids[token] for token in SPECIAL_TOKENS}, added,
+                   bool(data["pre_tokenizer"].get("add_prefix_space", True)))
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    cls = property(lambda self: self.special_ids["[CLS]"])
+    sep = property(lambda self: self.special_ids["[SEP]"])
+    mask = property(lambda self: self.special_ids["[MASK]"])
+    pad = property(lambda self: self.special_ids["[PAD]"])
+    unk = property(lambda self: self.special_ids["[UNK]"])
+
+    @property
+    def continues_word(self) -> np.ndarray:
+        """[size] bool: WordPiece: a "##" piece; BPE: a token that neither starts with the word-start space "Ġ" nor
+        is an added token (the specials among them)."""
+        if self.type == "wordpiece":
+            return np.fromiter((token.startswith(CONTINUATION) for token in self.tokens), bool, self.size)
+        return np.fromiter((token is not None and index not in self.added and not token.startswith(WORD_START)
+                            for index, token in enumerate(self.tokens)), bool, self.size)
+
+    def text_tokenizer(self, normalization: Normalization | None = None):
+        """The `tokenizers.Tokenizer` that gives a text's ids, special tokens not added. WordPiece: BERT's normaliser
+        (as `normalization` says; default lower-casing) and pre-tokeniser. BPE: the file's pipeline without its
+        special tokens (a "[MASK]" in the text is text) and with add_prefix_space off, so that the caller puts the
+        space where it belongs (`prefix_space`)."""
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        if self.type == "wordpiece":
+            model = models.WordPiece({token: i for i, token in enumerate(self.tokens)}, unk_token="[UNK]",
+                                     max_input_chars_per_word=100)
+            tokenizer = Tokenizer(model)
+            tokenizer.normalizer = (normalization or Normalization()).bert_normalizer()
+            tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+            return tokenizer
+        data = json.loads(self.path.read_text(encoding="utf-8"))
+        # "[MASK]" in the text is text, not the special token; what decides the ids is the model, not its extras
+        data["added_tokens"] = [token for token in data.get("added_tokens", []) if not token.get("special")]
+        data.update(post_processor=None, truncation=None, padding=None)
+        data["pre_tokenizer"]["add_prefix_space"] = False
+        return Tokenizer.from_str(json.dumps(data))
+
+    def save_pretrained(self, out_dir: str | os.PathLike, normalization: Normalization | None = None,
+                        model_max_length: int = 512) -> list[str]:
+        """Write the tokenizer files of an HF model directory into `out_dir`; returns their names. WordPiece:
+        vocab.txt, and with `normalization` tokenizer_config.json (BertTokenizer, its casing). BPE: tokenizer.json
+        and tokenizer_config.json (PreTrainedTokenizerFast with BERT's special tokens named)."""
+        out_dir = Path(out_dir)
+        if self.type == "wordpiece":
+            shutil.copyfile(self.path, out_dir / "vocab.txt")
+            if normalization is None:
+                return ["vocab.txt"]
+            config = tokenizer_config(normalization, model_max_length)
+        else:
+            shutil.copyfile(self.path, out_dir / "tokenizer.json")
+            config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+                      "clean_up_tokenization_spaces": False, "unk_token": "[UNK]", "sep_token": "[SEP]",
+                      "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]"}
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return [VOCAB_FILES[self.type], "tokenizer_config.json"]
+
