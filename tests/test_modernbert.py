@@ -307,3 +307,21 @@ def test_weight_decay_groups_keep_berts_split_and_exempt_modernberts_norms_and_b
     names = {id(p): name for name, p in model.named_parameters()}
     assert sorted(names[i] for i in exempt) == sorted(n for n in names.values() if "norm" in n or n.endswith("bias"))
     assert "model.embeddings.tok_embeddings.weight" in {names[i] for i in decayed}  # ModernBERT's recipe decays them
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def test_the_step_benchmark_times_ours_and_hf_on_the_same_weights_and_batch(capsys):
+    from benchmarks.modernbert_step import main
+
+    main(["--repeats", "1", "--warmup", "0", "--seq", "16", "--micro-batch", "2", "--vocab", "128",
+          "--base-layers", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    for model in ("tiny", "base-small (1 layers)"):
+        table = lines[next(i for i, line in enumerate(lines) if line.startswith(model)) + 2:][:3]
+        assert [line.split()[0] for line in table] == ["ours", "hf", "hf"]
+        losses = {line.split()[-6] for line in table}  # the same model and batch: one loss on every side
+        assert len(losses) == 1, table
+    main(["--gpu"])  # no CUDA device here: said, and nothing run
+    assert capsys.readouterr().out == "no CUDA device: GPU benchmark skipped\n"
