@@ -6,8 +6,8 @@ API:
                                       pretrain.adamw) of HYPER_PARAMETERS and `fused`
     make_optimizer(kind, model, lr, weight_decay, max_grad_norm, betas, eps, fused) -> (optimizer, name)
         lamb: workflow.train.lamb.make_optimizer (apex FusedLAMB or the torch Lamb, clipping inside its step).
-        adamw: torch.optim.AdamW (decoupled weight decay, bias correction) on lamb.param_groups (no decay on
-        biases and LayerNorm), fused on CUDA where torch has it and `fused`.
+        adamw: torch.optim.AdamW (decoupled weight decay, bias correction) on weight_decay_groups (no decay on
+        biases and normalisation layers, either family), fused on CUDA where torch has it and `fused`.
     weight_decay_groups(model, weight_decay)   two groups by what a parameter is: decayed (matrices, embeddings),
         and without decay the parameters of normalisation layers and every bias; for BERT exactly lamb.param_groups
         (the same parameters in the same order), for ModernBERT its recipe's split (norms and biases exempt)
@@ -47,7 +47,7 @@ def make_optimizer(kind: str, model: nn.Module, lr: float, weight_decay: float =
     device = next(model.parameters()).device
     # torch's fused AdamW: one kernel for all parameters, and fp16 overflow steps skipped on the device itself.
     use_fused = fused and device.type == "cuda"
-    optimizer = torch.optim.AdamW(lamb.param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
                                   weight_decay=weight_decay, fused=True if use_fused else None)
     return optimizer, "torch.AdamW (fused)" if use_fused else "torch.AdamW"
 
