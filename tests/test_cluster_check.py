@@ -153,8 +153,8 @@ def test_the_whole_check_runs_on_one_cpu_process_with_its_fast_paths_in_the_resu
                                     "boundary_per_step": 1.0}
     assert (result["matmul_math"], result["mfu"]) == ("fp32", None)  # no datasheet peak for a CPU
     report(result)
-    assert ("MFU n/a (no datasheet peak; matmuls in fp32); host syncs per optimizer step: 0 between log lines and "
-            "checkpoints (1 step), 1 at them (1 step)") in capsys.readouterr().err.splitlines()
+    assert ("MFU unknown (no datasheet peak for this device; matmuls in fp32); host syncs per optimizer step: 0 "
+            "between log lines and checkpoints (1 step), 1 at them (1 step)") in capsys.readouterr().err.splitlines()
 
 
 def test_mfu_is_measured_against_the_peak_of_the_math_the_matmuls_ran_in(monkeypatch):

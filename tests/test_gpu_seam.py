@@ -283,12 +283,25 @@ def test_a_token_id_beyond_the_models_vocabulary_is_named_with_its_shard_at_star
 
 def test_peak_flops_come_from_the_cards_datasheet_for_its_matmul_math():
     assert accelerator.peak_flops("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4e12)
-    assert accelerator.peak_flops("NVIDIA H100 PCIe", "bf16") == pytest.approx(756e12)
+    assert accelerator.peak_flops("NVIDIA H100 PCIe", "bf16") == pytest.approx(756.5e12)
     assert accelerator.peak_flops("NVIDIA A100-SXM4-80GB", "tf32") == pytest.approx(156e12)
     assert accelerator.peak_flops("NVIDIA A100-SXM4-80GB", "fp32") is None  # fp32 there runs as tf32
     assert accelerator.peak_flops("Tesla V100-SXM2-32GB", "fp32") == pytest.approx(15.7e12)  # no TF32 cores
     assert accelerator.peak_flops("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 tensor cores
     assert accelerator.peak_flops(None, "bf16") is None
+
+
+@pytest.mark.parametrize("name, bf16", [("NVIDIA H100 NVL", 835.5), ("NVIDIA H200 NVL", 835.5),
+                                        ("NVIDIA H200", 989.4), ("NVIDIA A100 80GB PCIe", 312.0),
+                                        ("NVIDIA L40S", 362.05), ("NVIDIA L40", 181.05)])
+def test_a_cards_peak_is_its_own_parts_not_a_sibling_whose_name_contains_it(name, bf16):
+    # "H100 NVL" and "H200 NVL" contain "H100" and "H200": a match by fragment gave them the SXM peak (~18% more).
+    assert accelerator.peak_flops(name, "bf16") == pytest.approx(bf16 * 1e12)
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H100", "NVIDIA H800", "NVIDIA GeForce RTX 4090", "NVIDIA A100-SXM4"])
+def test_a_card_not_in_the_table_has_no_peak_and_no_mfu(name):
+    assert accelerator.peak_flops(name, "bf16") is None
 
 
 class Capability:

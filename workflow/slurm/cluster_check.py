@@ -336,7 +336,8 @@ def report(result: dict) -> None:
           f"{result['sequences_per_second']:.1f} seq/s over {result['steps']} steps; checkpoint "
           f"{result['checkpoint_bytes'] / 1e9:.2f} GB written in {result['checkpoint_write_s']:.1f} s", file=sys.stderr)
     mfu = (f"{result['mfu']:.1%} of {result['peak_tflops']:g} TFLOP/s (datasheet dense {result['matmul_math']})"
-           if result.get("mfu") is not None else f"n/a (no datasheet peak; matmuls in {result.get('matmul_math')})")
+           if result.get("mfu") is not None else f"unknown (no datasheet peak for this device; matmuls in "
+           f"{result.get('matmul_math')})")
     syncs = result.get("host_syncs")
     if syncs:
         print(f"MFU {mfu}; host syncs per optimizer step: {syncs['between_per_step']:g} between log lines and "

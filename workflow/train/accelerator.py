@@ -23,7 +23,7 @@ API:
     attention_kernel(device, dtype, head_size) -> "flash" | "efficient" | "math"   SDPA's first usable kernel
                                   for nested (varlen) attention on `device`; "math" off CUDA
     peak_flops(device_name, math) -> float | None   the card's datasheet dense peak (FLOP/s) for the matmuls' math
-                                  (bf16, fp16, tf32, fp32)
+                                  (bf16, fp16, tf32, fp32), by NVML's exact device name; None: unknown
     host_syncs(device, run) -> str | None   what made `run()` wait for the device (CUDA's sync debug mode "error"):
                                   "" none, else the error; None off CUDA (nothing to wait for)
 """
@@ -42,21 +42,34 @@ FUSED_LAMB_DEVICE_TYPES = ("cuda",)  # apex's kernels are CUDA kernels; a test a
 ALLOCATOR = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 CUBLAS = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what cuBLAS needs for reproducible matmuls (CUDA >= 10.2)
 
-# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, in TFLOP/s: bf16/fp16, tf32 (fp32 runs on compute
-# capability >= 8.0), fp32 where no TF32 exists (V100). The first name fragment found in torch.cuda.get_device_name()
-# wins (so "H100 PCIe" before "H100").
-DATASHEET_TFLOPS = (
-    ("H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7}),
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0}),
-    ("H100", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7}),
-    ("GH200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7}),
-    ("B200", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0}),
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0}),
-    ("A800", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0}),
-    ("L40S", {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0}),
-    ("A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5}),
-    ("V100", {"fp16": 125.0, "fp32": 15.7}),
-)
+# Dense (no sparsity) tensor-core peaks in TFLOP/s by the exact name NVML reports (torch.cuda.get_device_name,
+# nvidia-smi): bf16/fp16, tf32 (what fp32 matmuls run in from compute capability 8.0), fp32 where no TF32 exists.
+# Datasheets give the sparse figure (2:4 structured sparsity) with an asterisk; dense is half of it. A card not named
+# here has no peak ("unknown"): parts of one family differ by 15-25% (clocks, power limit), so none is guessed.
+_H100_SXM = {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7}  # NVIDIA H100 Tensor Core GPU datasheet, column H100 SXM
+_H100_NVL = {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5}  # NVIDIA H100 Tensor Core GPU datasheet, column H100 NVL
+_A100 = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0}  # NVIDIA A100 Tensor Core GPU datasheet (all four parts)
+DATASHEET_TFLOPS = {
+    "NVIDIA H100 80GB HBM3": _H100_SXM,
+    "NVIDIA H100 NVL": _H100_NVL,
+    "NVIDIA H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0},  # H100 datasheet (2022), column H100 PCIe
+    "NVIDIA H200": _H100_SXM,  # NVIDIA H200 Tensor Core GPU datasheet, column H200 SXM (the H100 SXM's compute)
+    "NVIDIA H200 NVL": _H100_NVL,  # NVIDIA H200 Tensor Core GPU datasheet, column H200 NVL
+    "NVIDIA GH200 480GB": _H100_SXM,  # NVIDIA GH200 Grace Hopper Superchip datasheet (its H100's figures)
+    "NVIDIA B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0},  # NVIDIA HGX B200 datasheet, per GPU
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA L40S": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0},  # NVIDIA L40S datasheet
+    "NVIDIA L40": {"bf16": 181.05, "fp16": 181.05, "tf32": 90.5},  # NVIDIA L40 datasheet
+    "NVIDIA L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0},  # NVIDIA L4 Tensor Core GPU datasheet
+    "NVIDIA A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5},  # NVIDIA A10 Tensor Core GPU datasheet
+    "Tesla V100-SXM2-16GB": {"fp16": 125.0, "fp32": 15.7},  # NVIDIA V100 Tensor Core GPU datasheet, V100 SXM2
+    "Tesla V100-SXM2-32GB": {"fp16": 125.0, "fp32": 15.7},
+    "Tesla V100-PCIE-16GB": {"fp16": 112.0, "fp32": 14.0},  # NVIDIA V100 datasheet, V100 PCIe
+    "Tesla V100-PCIE-32GB": {"fp16": 112.0, "fp32": 14.0},
+}
 
 
 def configure_process(deterministic: bool) -> None:
@@ -176,12 +189,10 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, h
 
 
 def peak_flops(name: str | None, math: str) -> float | None:
-    """FLOP/s of the card called `name` for matmuls in `math` (bf16, fp16, tf32, fp32) from its datasheet (None: not
-    in the table)."""
-    for fragment, peaks in DATASHEET_TFLOPS:
-        if name and fragment in name and math in peaks:
-            return peaks[math] * 1e12
-    return None
+    """FLOP/s of the card NVML calls `name` for matmuls in `math` (bf16, fp16, tf32, fp32) from its datasheet (None:
+    unknown, the card or its math not in DATASHEET_TFLOPS)."""
+    peak = DATASHEET_TFLOPS.get((name or "").strip(), {}).get(math)
+    return peak * 1e12 if peak else None
 
 
 def host_syncs(device: torch.device, run) -> str | None:
