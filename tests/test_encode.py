@@ -18,9 +18,9 @@ from benchmarks import google_reference
 from workflow.data.encode import EncodeSettings, Vocab, _truncate_pair, build_batch, encode_shard, plan_instances, shard_rng
 from workflow.cli import UserError
 from workflow.data.hdf5_dir import build_hdf5_dir
-from workflow.data.pack import PackSettings, pack_arrays
+from workflow.data.pack import PackSettings, check_packed, pack_arrays
 from workflow.data.tokenize import load_tokenized, tokenize_shard
-from workflow.data.vocab import train_vocab
+from workflow.data.vocab import read_vocab, special_token_ids, train_vocab
 from workflow.train.pretraining_data import list_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -517,3 +517,115 @@ def test_closed_form_truncation_equals_googles_token_by_token_loop():
     trimmed_front = (a0 - a_start).sum() + (b0 - b_start).sum()
     trimmed = (len_a - (a1 - a0)).sum() + (len_b - (b1 - b0)).sum()
     assert a0.min() >= 0 and abs(trimmed_front / trimmed - 0.5) < 0.01
+
+
+# Every cell of objective x masking x length x packing algorithm: the invariant of packing (issue 37).
+MATRIX = [(objective, masking, length, algorithm) for objective in ("nsp", "full_sentences")
+          for masking in ("static", "dynamic") for length in (128, 512) for algorithm in ("gapfill", "lpfhp", "spfhp")]
+
+
+@pytest.mark.parametrize("objective, masking, length, algorithm", MATRIX)
+def test_packed_sequences_equal_their_unpacked_instances_token_for_token_with_no_special_token_inside(
+        shard, tmp_path, objective, masking, length, algorithm):
+    vocab_path, tokenized, vocab = shard
+    settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=length * 15 // 100 + 1, dupe_factor=2,
+                              masking=masking, objective=objective)
+    encode_shard(tokenized, vocab_path, tmp_path / "u.hdf5", settings, 5, "training", 0, "none")
+    encode_shard(tokenized, vocab_path, tmp_path / "p.hdf5", settings, 5, "training", 0, "none",
+                 PackSettings(3, algorithm))
+    unpacked, _ = read_all(tmp_path / "u.hdf5")
+    packed, attributes = read_all(tmp_path / "p.hdf5")
+    assert attributes["packed_version"] == 2
+    rows, slots = np.nonzero(packed["sequence_lengths"] > 0)
+    instances = packed["instance_index"][rows, slots]
+    assert sorted(instances.tolist()) == list(range(len(unpacked["input_ids"])))  # each instance once
+    specials = {vocab.cls, vocab.sep, vocab.mask, *special_token_ids(read_vocab(vocab_path)).values()}
+    for row, slot, instance in zip(rows.tolist(), slots.tolist(), instances.tolist()):
+        start, n = int(packed["cls_positions"][row, slot]), int(packed["sequence_lengths"][row, slot])
+        cells = slice(start, start + n)
+        assert n == unpacked["input_mask"][instance].sum() and unpacked["input_mask"][instance, :n].all()
+        np.testing.assert_array_equal(packed["input_ids"][row, cells], unpacked["input_ids"][instance, :n])
+        np.testing.assert_array_equal(packed["segment_ids"][row, cells], unpacked["segment_ids"][instance, :n])
+        np.testing.assert_array_equal(packed["position_ids"][row, cells], np.arange(n))
+        assert (packed["input_mask"][row, cells] == slot + 1).all()
+        assert packed["next_sentence_labels"][row, slot] == unpacked["next_sentence_labels"][instance]
+        positions = packed["masked_lm_positions"][row]
+        mine = (positions >= start) & (positions < start + n) & (positions > 0)
+        theirs = unpacked["masked_lm_positions"][instance] > 0
+        np.testing.assert_array_equal(positions[mine] - start, unpacked["masked_lm_positions"][instance][theirs])
+        np.testing.assert_array_equal(packed["masked_lm_ids"][row][mine], unpacked["masked_lm_ids"][instance][theirs])
+        # No special token inside but its [CLS] and [SEP]s (a masked cell may hold any token: Google's 10% random).
+        text = np.ones(n, bool)
+        text[positions[mine] - start] = False
+        ids = packed["input_ids"][row, cells]
+        assert ids[0] == vocab.cls and ids[-1] == vocab.sep
+        inner = ids[1:][text[1:]]
+        assert not np.isin(inner, list(specials - {vocab.sep})).any(), (row, slot, ids)
+    assert packed["input_mask"].astype(bool).sum() == unpacked["input_mask"].sum()  # no extra token anywhere
+
+
+def test_the_packer_refuses_to_write_a_shard_whose_sequences_hold_padding(shard, tmp_path, monkeypatch):
+    """The defect of issue 37 put back: a full-sentences instance within a document given a+b+3 tokens."""
+    vocab_path, tokenized, vocab = shard
+    from workflow.data import encode
+
+    def pack_with_the_old_lengths(arrays, *args, **options):  # a+b+3: one more where B is empty (a single [SEP])
+        *rest, lengths = args
+        return pack_arrays(arrays, *rest, lengths + ((arrays["input_ids"] == vocab.sep).sum(axis=1) == 1), **options)
+
+    monkeypatch.setattr(encode, "pack_arrays", pack_with_the_old_lengths)
+    settings = EncodeSettings(max_seq_length=128, max_predictions_per_seq=20, masking="dynamic",
+                              objective="full_sentences")
+    with pytest.raises(UserError, match=r"p\.hdf5: packed row \d+, slot \d does not start with \[CLS\] and end with "
+                                        r"\[SEP\]; the packer was given wrong lengths$"):
+        encode_shard(tokenized, vocab_path, tmp_path / "p.hdf5", settings, 5, "training", 0, "none", PackSettings())
+    assert not (tmp_path / "p.hdf5").exists()
+
+
+def test_check_packed_names_the_padding_inside_a_sequence(shard, tmp_path):
+    vocab_path, tokenized, vocab = shard
+    settings = EncodeSettings(max_seq_length=128, max_predictions_per_seq=20, objective="full_sentences")
+    encode_shard(tokenized, vocab_path, tmp_path / "p.hdf5", settings, 5, "training", 0, "none", PackSettings())
+    packed, _ = read_all(tmp_path / "p.hdf5")
+    check_packed(packed, vocab.cls, vocab.sep, (0, vocab.mask), "p")  # the shard as written passes
+    row = int(np.flatnonzero(packed["sequence_lengths"][:, 0] > 3)[0])
+    start = int(packed["cls_positions"][row, 0])
+    predicted = set(packed["masked_lm_positions"][row].tolist())
+    column = next(c for c in range(start + 1, start + packed["sequence_lengths"][row, 0] - 1) if c not in predicted
+                  and packed["input_ids"][row, c] != vocab.sep)
+    packed["input_ids"][row, column] = 0
+    with pytest.raises(UserError, match=rf"^p: 1 \[PAD\], \[MASK\] or \[CLS\] token\(s\) inside packed sequences "
+                                        rf"\(first in row {row}\); the packer was given wrong lengths$"):
+        check_packed(packed, vocab.cls, vocab.sep, (0, vocab.mask), "p")
+
+
+def test_the_trainer_refuses_packed_full_sentences_of_the_old_layout_with_one_error_line(shard, tmp_path):
+    vocab_path, tokenized, _ = shard
+    settings = EncodeSettings(max_seq_length=128, max_predictions_per_seq=20, masking="dynamic",
+                              objective="full_sentences")
+    for split in ("training", "test"):
+        encode_shard(tokenized, vocab_path, tmp_path / "encoded" / split / "shard_0.hdf5", settings, 5, split, 0,
+                     "none", PackSettings())
+    build_hdf5_dir(tmp_path / "encoded", {"training": 1, "test": 1}, tmp_path / "hdf5")
+    assert list_shards(tmp_path / "hdf5", "training")[0].packed  # the current layout trains
+    path = tmp_path / "hdf5" / "training" / "seq128_training_shard_0.hdf5"
+    with h5py.File(path, "r+") as handle:  # as the encoder before the fix wrote it
+        del handle.attrs["packed_version"]
+    with pytest.raises(UserError, match=r"^\S+seq128_training_shard_0\.hdf5: packed full-sentences data of layout "
+                                        r"version 1, which holds a \[PAD\] inside every sequence; rebuild it "
+                                        r"\(snakemake rebuilds data/encoded_seq\* and data/hdf5_seq\* on its own\) "
+                                        r"and start the pretraining run over in a new run directory$"):
+        list_shards(tmp_path / "hdf5", "training")
+
+
+def test_a_new_packed_layout_changes_the_params_of_full_sentences_encode_jobs_only():
+    """Snakemake reruns a job whose params changed: the DAG rebuilds the shards the layout version changed."""
+    namespace = {"config": {"encode": {"objective": "full_sentences",
+                                       "packing": {"enabled": True, "max_sequences_per_pack": 3,
+                                                   "algorithm": "gapfill"}}}}
+    exec((REPO / "rules/functions/encode.smk").read_text(), namespace)
+    assert namespace["packing_arguments"](None).endswith(" --packed-version 2")
+    namespace["config"]["encode"]["objective"] = "nsp"
+    assert namespace["packing_arguments"](None) == "--packing --max-sequences-per-pack 3 --pack-algorithm gapfill"
+    namespace["config"]["encode"]["packing"]["enabled"] = False
+    assert namespace["packing_arguments"](None) == "--no-packing"

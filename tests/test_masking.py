@@ -171,3 +171,42 @@ def test_packing_a_dynamic_file_keeps_what_its_masker_needs(sample, tmp_path):
     assert (packed.vocab.size, packed.vocab.cls, packed.vocab.sep, packed.vocab.mask) == (
         unpacked.vocab.size, unpacked.vocab.cls, unpacked.vocab.sep, unpacked.vocab.mask)
     assert np.array_equal(packed.vocab.continues_word, sample[3].continues_word)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("whole_word_masking", [False, True], ids=["tokens", "whole_words"])
+def test_the_load_time_masker_never_picks_padding_or_a_special_token_whatever_the_file_holds(packed,
+                                                                                           whole_word_masking):
+    """Rows whose sequences hold [PAD]s (the defect of issue 37), stray [CLS]/[SEP]/[MASK]s and text: over many
+    epochs every prediction is a text token, and every text token is predicted some time."""
+    size, cls, sep, mask = 50, 2, 3, 4  # [PAD] 0, [UNK] 1 (text: it stands for a word)
+    vocab = Vocab(size, cls, sep, mask, np.arange(size) % 3 == 0)
+    masker = LoadTimeMasker(EncodeSettings(max_seq_length=32, max_predictions_per_seq=6, masking="dynamic",
+                                           whole_word_masking=whole_word_masking), vocab, seed=3)
+    rng = np.random.default_rng(0)
+    input_ids = rng.integers(5, size, (64, 32)).astype(np.int32)
+    input_ids[rng.random(input_ids.shape) < 0.05] = 1  # [UNK]
+    specials = np.array([0, cls, sep, mask])
+    stray = rng.random(input_ids.shape) < 0.25
+    input_ids[stray] = specials[rng.integers(0, 4, int(stray.sum()))]
+    input_ids[:, 0] = cls
+    if packed:  # two sequences of 16 per row
+        sequence = np.repeat(np.array([1, 2], np.int8), 16)[None, :].repeat(64, axis=0)
+        input_ids[:, 16] = cls
+        arrays = {"input_ids": input_ids, "input_mask": sequence,
+                  "instance_index": np.arange(128, dtype=np.int32).reshape(64, 2),
+                  "masked_lm_positions": np.zeros((64, 12), np.int32), "masked_lm_ids": np.zeros((64, 12), np.int32)}
+    else:
+        arrays = {"input_ids": input_ids, "input_mask": np.ones((64, 32), np.int8),
+                  "masked_lm_positions": np.zeros((64, 6), np.int32), "masked_lm_ids": np.zeros((64, 6), np.int32)}
+    picked = np.zeros(input_ids.shape, bool)
+    for epoch in range(30):
+        out = masker(arrays, epoch, 0, np.arange(64))
+        rows, slots = np.nonzero(out["masked_lm_positions"])
+        assert len(rows) > 0
+        labels = out["masked_lm_ids"][rows, slots]
+        assert not np.isin(labels, specials).any(), labels[np.isin(labels, specials)]
+        np.testing.assert_array_equal(labels, input_ids[rows, out["masked_lm_positions"][rows, slots]])
+        picked[rows, out["masked_lm_positions"][rows, slots]] = True
+    text = ~np.isin(input_ids, specials)
+    assert picked[text].mean() > 0.8 and not picked[~text].any()  # only text, and most of it in 30 epochs

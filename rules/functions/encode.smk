@@ -1,4 +1,5 @@
 # Input and params functions of rules/encode.smk (functions apart from rules, as `snakemake --lint` asks).
+from workflow.data.hdf5 import PACKED_VERSION
 
 
 def shard_indices(split):
@@ -32,11 +33,16 @@ def masking_arguments(wildcards):
 
 
 def packing_arguments(wildcards):
-    """encode's packing options from config encode.packing."""
+    """encode's packing options from config encode.packing; for full sentences also the packed layout's version, so
+    that a new version changes the job's params and Snakemake rebuilds the shards of the recipe it changed (packed
+    NSP data, unchanged, keeps its params and is not rebuilt)."""
     packing = config["encode"]["packing"]
     if not packing["enabled"]:
         return "--no-packing"
-    return f"--packing --max-sequences-per-pack {packing['max_sequences_per_pack']} --pack-algorithm {packing['algorithm']}"
+    options = f"--packing --max-sequences-per-pack {packing['max_sequences_per_pack']} --pack-algorithm {packing['algorithm']}"
+    if config["encode"]["objective"] == "full_sentences":
+        options += f" --packed-version {PACKED_VERSION}"
+    return options
 
 
 def encoded_shards(wildcards):

@@ -31,8 +31,8 @@ import numpy as np
 from tqdm import tqdm
 
 from workflow.cli import UserError, run
-from workflow.data.hdf5 import CHUNK_ROWS, write_shard
-from workflow.data.pack import ALGORITHMS, PackSettings, pack_arrays, packing_stats
+from workflow.data.hdf5 import CHUNK_ROWS, PACKED_VERSION, write_shard
+from workflow.data.pack import ALGORITHMS, PackSettings, check_packed, pack_arrays, packing_stats
 from workflow.data.masking_rule import (MASKINGS, OBJECTIVES, EncodeSettings, GeneratorDraws, Vocab,  # noqa: F401
                                        mask_rows)
 from workflow.data.tokenize import load_tokenized
@@ -264,6 +264,7 @@ def encode_shard(
         lengths = instance_lengths(plan)
         packed = pack_arrays(arrays, packing.max_sequences_per_pack, settings.masked_lm_prob, packing.algorithm,
                              str(tokenized), lengths, in_place=True)
+        check_packed(packed, vocab.cls, vocab.sep, (0, vocab.mask), str(output))  # 0: the padding
         stats = packing_stats(lengths, length, len(packed["input_ids"]))
         packing_time = time.process_time() - started
         write_shard(output, {**attributes, **stats, **packing.attributes()},
@@ -318,7 +319,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="pack the instances (workflow.data.pack); --no-packing writes NVIDIA's schema")
     parser.add_argument("--max-sequences-per-pack", type=int, default=PackSettings.max_sequences_per_pack)
     parser.add_argument("--pack-algorithm", choices=ALGORITHMS, default=PackSettings.algorithm)
+    parser.add_argument("--packed-version", type=int, default=PACKED_VERSION,
+                        help="the packed layout the workflow asks for (rules/functions/encode.smk): this one's only")
     args = parser.parse_args(argv)
+    if args.packed_version != PACKED_VERSION:
+        raise UserError(f"encode --packed-version {args.packed_version}: this encoder writes version {PACKED_VERSION}; "
+                        f"the workflow's rules and workflow/data are of different versions")
     settings = EncodeSettings(
         max_seq_length=args.max_seq_length,
         max_predictions_per_seq=args.max_predictions_per_seq,

@@ -19,6 +19,10 @@ ENCODED = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "mas
 PACKED = ("input_ids", "segment_ids", "input_mask", "position_ids", "cls_positions", "sequence_lengths",
           "next_sentence_labels", "instance_index", "masked_lm_positions", "masked_lm_ids")  # the order files get them
 TABLES = ("continues_word",)  # whole datasets beside the rows (a dynamic-masking file's vocab table)
+# Version of the packed layout, root attribute `packed_version` of every packed shard (absent = 1). Version 1 packed
+# each full-sentences instance within a document one token too long, the row's padding: a [PAD] inside every such
+# sequence; the trainer refuses those shards (workflow.train.pretraining_data) and the DAG rebuilds them.
+PACKED_VERSION = 2
 CHUNK_ROWS = 64  # HDF5 chunk = 64 whole rows: a random row read decompresses little (see benchmarks/)
 CHUNK_WIDTH = 128  # narrower datasets (predictions, per-pack slots, labels) get proportionally more rows per chunk
 

@@ -21,8 +21,8 @@ the slots (lpfhp 97.0%, spfhp 96.8%; no packing can beat 99.8%, `fewest_packs`),
 (benchmarks/packing.py).
 
 Input: an encoded shard in NVIDIA's schema (workflow.data.encode). Output (root attributes `packing` = the
-algorithm, `max_sequences_per_pack`, and the fill statistics of `packing_stats`), zero-padded, one row per pack of
-S = max_sequences_per_pack slots:
+algorithm, `max_sequences_per_pack`, `packed_version` (workflow.data.hdf5.PACKED_VERSION) and the fill statistics of
+`packing_stats`), zero-padded, one row per pack of S = max_sequences_per_pack slots:
 
     input_ids [R,L] int32, segment_ids [R,L] int8,
     input_mask [R,L] int8            sub-sequence number of each token, 1..S (0 = padding; > 0 = NVIDIA's mask),
@@ -37,7 +37,8 @@ S = max_sequences_per_pack slots:
 with W = min(S * max_predictions_per_seq, floor(masked_lm_prob * L) + S) (encode predicts at most
 max(1, rint(masked_lm_prob * n)) tokens of an instance of n tokens). Packs are ordered by their first instance's
 row, so the file keeps the encode stage's shuffled order. The whole shard is held in memory (a shard is bounded
-by the shard stage's size).
+by the shard stage's size). Every shard written is checked first (check_packed): each sequence is its instance's
+tokens, [CLS] first and [SEP] last, with no [PAD] or other special token inside but [SEP] and masked cells.
 """
 import argparse
 import logging
@@ -48,7 +49,7 @@ from typing import Sequence
 import numpy as np
 
 from workflow.cli import UserError, run
-from workflow.data.hdf5 import PACKED, TABLES, read_encoded, write_shard
+from workflow.data.hdf5 import PACKED, PACKED_VERSION, TABLES, read_encoded, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ class PackSettings:
 
     def attributes(self) -> dict:
         """The packed file's root attributes saying how it was packed."""
-        return {"packing": self.algorithm, "max_sequences_per_pack": self.max_sequences_per_pack}
+        return {"packing": self.algorithm, "max_sequences_per_pack": self.max_sequences_per_pack,
+                "packed_version": PACKED_VERSION}
 
 
 def packing_stats(lengths: np.ndarray, max_length: int, n_packs: int) -> dict:
@@ -382,6 +384,36 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     return {name: out[name] for name in PACKED}
 
 
+def check_packed(packed: dict[str, np.ndarray], cls_id: int, sep_id: int, stray_ids: Sequence[int],
+                 source: str = "input") -> None:
+    """Raise a UserError unless every sequence of the packed arrays is whole: its tokens numbered slot + 1 are
+    exactly `sequence_lengths` from its `cls_positions`, the first a [CLS] and the last a [SEP], and none in between
+    is a [CLS] or one of `stray_ids` (the padding 0, [PAD], [MASK]) but at a masked position (static masks may put any
+    token there). A cheap pass over the rows, run on every shard the packer writes: a wrong length packs padding."""
+    ids, sequence, lengths = packed["input_ids"], packed["input_mask"], packed["sequence_lengths"]
+    for slot in range(lengths.shape[1]):
+        wrong = np.flatnonzero((sequence == slot + 1).sum(axis=1) != lengths[:, slot])
+        if len(wrong):
+            raise UserError(f"{source}: packed row {int(wrong[0])} holds another number of tokens in slot {slot} "
+                            f"than its sequence length; the packer was given wrong lengths")
+    rows, slots = np.nonzero(lengths > 0)
+    first = packed["cls_positions"][rows, slots]
+    last = first + lengths[rows, slots] - 1
+    wrong = np.flatnonzero((ids[rows, first] != cls_id) | (ids[rows, last] != sep_id))
+    if len(wrong):
+        raise UserError(f"{source}: packed row {int(rows[wrong[0]])}, slot {int(slots[wrong[0]])} does not start "
+                        f"with [CLS] and end with [SEP]; the packer was given wrong lengths")
+    text = sequence > 0
+    text[rows, first] = False
+    predicted_rows, columns = np.nonzero(packed["masked_lm_positions"] > 0)
+    text[predicted_rows, packed["masked_lm_positions"][predicted_rows, columns]] = False
+    stray = text & np.isin(ids, np.asarray([cls_id, *stray_ids]))
+    if stray.any():
+        row = int(np.flatnonzero(stray.any(axis=1))[0])
+        raise UserError(f"{source}: {int(stray.sum())} [PAD], [MASK] or [CLS] token(s) inside packed sequences (first "
+                        f"in row {row}); the packer was given wrong lengths")
+
+
 def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
                max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK, algorithm: str = PackSettings.algorithm,
                compression: str = "gzip") -> dict:
@@ -390,7 +422,11 @@ def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
     tables = {name: arrays.pop(name) for name in TABLES if name in arrays}
     arrays, lengths = as_written_by_encode(arrays, str(encoded))
     masked_lm_prob = float(attributes.get("masked_lm_prob", 0.15))
+    # An encoded shard's first instance gives the ids: [CLS] first, [SEP] last (a static file does not record them).
+    ids = arrays["input_ids"]
+    cls_id, sep_id = (int(ids[0, 0]), int(ids[0, lengths[0] - 1])) if len(lengths) else (0, 0)
     packed = pack_arrays(arrays, max_sequences_per_pack, masked_lm_prob, algorithm, str(encoded), lengths)
+    check_packed(packed, cls_id, sep_id, {0, int(attributes.get("mask_id", 0))}, str(encoded))
     stats = packing_stats(lengths, arrays["input_ids"].shape[1], packed["input_ids"].shape[0])
     attributes.update(stats, **PackSettings(max_sequences_per_pack, algorithm).attributes())
     write_shard(output, attributes, {name: (packed[name].shape, packed[name].dtype) for name in sorted(packed)},

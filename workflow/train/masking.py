@@ -2,7 +2,8 @@
 
 The files then hold unmasked rows (workflow.data.encode, masked_lm_* all zero) and what the masker needs: the
 settings as root attributes and the vocab's "##" continuation table (dataset `continues_word`, for whole-word
-masking); [CLS]/[SEP] are found by their ids. The rule is encode's own (workflow.data.masking_rule.mask_rows: Google's
+masking); [CLS]/[SEP] are found by their ids. Whatever the files hold, the masker never picks the padding (id 0,
+[PAD]), [CLS], [SEP] or [MASK] as a candidate: only text is predicted. The rule is encode's own (workflow.data.masking_rule.mask_rows: Google's
 create_pretraining_data.py), so dynamic masks have the statistics of static ones (tests/test_masking.py).
 
 The random numbers are counter-based: each is a hash (SplitMix64's finaliser) of (seed, epoch, shard, instance,
@@ -89,6 +90,11 @@ class LoadTimeMasker:
                       continues)
         return cls(settings, vocab, int(attributes["seed"]) if seed is None else seed)
 
+    @property
+    def special_ids(self) -> np.ndarray:
+        """Ids never masked: the padding (0, [PAD] in BERT's vocab), [CLS], [SEP], [MASK] ([UNK] is text)."""
+        return np.array([0, self.vocab.cls, self.vocab.sep, self.vocab.mask])
+
     def __call__(self, arrays: dict[str, np.ndarray], epoch: int, shard: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         """`arrays` (the file rows `rows` of shard number `shard`, either layout) with every sequence masked: each sequence's cells are
         masked as a row of its own, then the rows put back together."""
@@ -100,7 +106,7 @@ class LoadTimeMasker:
         owned = sequence[:, None, :] == np.arange(1, slots + 1)[None, :, None]  # [B, S, L]
         ids = np.broadcast_to(input_ids[:, None, :], owned.shape).reshape(-1, length).copy()
         owned = owned.reshape(-1, length)
-        candidate = owned & (ids != self.vocab.cls) & (ids != self.vocab.sep)
+        candidate = owned & ~np.isin(ids, self.special_ids)
         n_tokens = owned.sum(axis=1)
         draws = KeyedDraws(sequence_keys(self.seed, epoch, shard, instances.reshape(-1)))
         positions, labels = mask_rows(ids, candidate, n_tokens, self.settings, self.vocab, draws)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from workflow.cli import UserError
-from workflow.data.hdf5 import CHUNK_ROWS
+from workflow.data.hdf5 import CHUNK_ROWS, PACKED_VERSION
 from workflow.train.checkpoint import file_sha256
 from workflow.train.masking import LoadTimeMasker
 
@@ -91,6 +91,12 @@ def _validate(path: Path) -> ShardInfo:
         sequences_per_row = (handle["sequence_lengths"][()] > 0).sum(axis=1) if packed else None
         dynamic = handle.attrs.get("masking", "static") == "dynamic"
         objective = str(handle.attrs.get("objective", "nsp"))
+        packed_version = int(handle.attrs.get("packed_version", 1))
+    if packed and objective == "full_sentences" and packed_version < PACKED_VERSION:
+        # Such a shard holds a [PAD] inside every sequence (workflow.data.hdf5.PACKED_VERSION): never train on it.
+        raise UserError(f"{path}: packed full-sentences data of layout version {packed_version}, which holds a [PAD] "
+                        f"inside every sequence; rebuild it (snakemake rebuilds data/encoded_seq* and "
+                        f"data/hdf5_seq* on its own) and start the pretraining run over in a new run directory")
     n, seq_length = shapes["input_ids"]
     max_predictions = shapes["masked_lm_positions"][1]
     expected = {"input_mask": (n, seq_length), "segment_ids": (n, seq_length),
