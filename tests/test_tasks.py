@@ -220,6 +220,29 @@ def test_bad_input_stops_in_one_line_naming_the_file_line_and_key(tmp_path):
         "max_seq_length 16 (config key 'tasks.mine.max_seq_length'; split the sentence or raise the key)")
 
 
+@pytest.mark.parametrize("form, rows, line", [
+    ("csv", 'text,label\n"a good day",pos\n"a bad day",\n', 3),
+    ("tsv", "text\tlabel\na good day\tpos\na bad day\t \n", 3),
+    ("jsonl", '{"text": "a good day", "label": "pos"}\n{"text": "a bad day", "label": ""}\n', 2)])
+def test_an_empty_label_stops_in_one_line_naming_the_file_and_line(tmp_path, form, rows, line):
+    # It became a class "" of its own: labels.json read ["", "pos"].
+    (tmp_path / f"train.{form}").write_text(rows)
+    task = entry(tmp_path, train=str(tmp_path / f"train.{form}"))
+    message = (f"{tmp_path / f'train.{form}'}:{line}: the label field 'label' is empty (config key "
+               "'tasks.mine.label_field'; a labelled file needs a label on every row: remove the row or label it)")
+    with pytest.raises(UserError) as error:
+        task_data.label_list(task, "mine")
+    assert str(error.value) == message
+    assert featurize(tmp_path, task, "train", ["neg", "pos"]) == message
+    regression = entry(tmp_path, type="regression", train=str(tmp_path / f"train.{form}"))
+    assert featurize(tmp_path, regression, "train").startswith(f"{tmp_path / f'train.{form}'}:{line}: the label field")
+    (tmp_path / "train.jsonl").write_text('{"tokens": ["anna", "went"], "tags": ["B-PER", ""]}\n')
+    tokens = entry(tmp_path, type="token_classification", train=str(tmp_path / "train.jsonl"),
+                   text_fields=["tokens"], label_field="tags")
+    assert featurize(tmp_path, tokens, "train", ["B-PER", "O"]) == (
+        f"{tmp_path / 'train.jsonl'}:1: an empty tag (config key 'tasks.mine.label_field'; every word needs one)")
+
+
 def test_a_task_named_as_a_glue_preset_is_refused_naming_the_key():
     config = {"glue": {"batch_size": 32, "micro_batch_size": 32}, "squad": {},
               "tasks": {"sst-2": {"type": "classification", "train": "a.csv", "dev": "b.csv"}}}

@@ -3,7 +3,8 @@
 CSV and TSV have a header row naming the fields (TSV: tab-separated, no quoting). JSONL: one JSON object per line.
 CoNLL (tokens only): the word is the first column, the tag the last, a blank line ends a sentence, `-DOCSTART-`
 lines are skipped. Token examples hold a list of words and a list of tags (JSONL: the text field is a list of words,
-the label field a list of tags). Every bad record is one UserError naming file:line and the config key.
+the label field a list of tags). Every bad record is one UserError naming file:line and the config key; a labelled
+file's empty label or tag is one (an unlabelled row is not skipped: it would silently shrink the training set).
 
 API:
     Example(line, texts, label)         line: where the example starts (1-based); texts: 1 or 2 strings, or (words,)
@@ -87,6 +88,8 @@ def _token_example(path, line, words, tags, key: str, labelled: bool) -> Example
         raise UserError(f"{path}:{line}: the words are not a non-empty list of strings (config key '{key}')")
     if labelled and (not isinstance(tags, list) or len(tags) != len(words)):
         raise UserError(f"{path}:{line}: {len(words)} words but tags {tags!r:.60} (config key '{key}')")
+    if labelled and any(not str(tag).strip() for tag in tags):
+        raise UserError(f"{path}:{line}: an empty tag (config key '{key}'; every word needs one)")
     return Example(line, (words,), [str(tag) for tag in tags] if labelled else None)
 
 
@@ -105,5 +108,8 @@ def read_examples(path, form: str, fields: list, label_field: str, key: str, tok
         label = _field(record, label_field, path, line, f"{key}.label_field") if labelled else None
         if tokens:
             yield _token_example(path, line, texts[0], label, f"{key}.label_field", labelled)
-        else:
-            yield Example(line, tuple(str(text) for text in texts), None if label is None else str(label).strip())
+            continue
+        if labelled and not str(label).strip():  # else a class "" of its own, or a float("") error
+            raise UserError(f"{path}:{line}: the label field {label_field!r} is empty (config key '{key}.label_field'; "
+                            "a labelled file needs a label on every row: remove the row or label it)")
+        yield Example(line, tuple(str(text) for text in texts), None if label is None else str(label).strip())
