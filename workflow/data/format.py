@@ -20,7 +20,6 @@ import argparse
 import collections
 import json
 import logging
-import multiprocessing
 import re
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Sequence
@@ -30,6 +29,7 @@ from tqdm import tqdm
 
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, run
+from workflow.pool import forked_pool
 from workflow.data.corpora import Corpus, corpus_documents
 from workflow.data.extract import HEADING_MARK
 
@@ -404,7 +404,7 @@ def format_corpus(
     counts = DropCounts()
     sentences_written = 0
     with atomic_path(output) as temporary, open(temporary, "w", encoding="utf-8") as out:
-        with multiprocessing.get_context("fork").Pool(max(1, processes), _init_worker, (splitter, min_article_chars)) as pool:
+        with forked_pool(max(1, processes), _init_worker, (splitter, min_article_chars)) as pool:
             results = pool.imap(split_document, read_documents(source), chunksize=16)  # ordered: deterministic
             for result in tqdm(results, desc=f"format {source.name}", unit=" docs", disable=None):
                 counts.add(result)

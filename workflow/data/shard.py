@@ -13,7 +13,6 @@ corpus is named by its path: `.../wikipedia/<part>.txt` is wikipedia, any other 
 import argparse
 import heapq
 import logging
-import multiprocessing
 from array import array
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,6 +23,7 @@ from tqdm import tqdm
 
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, run
+from workflow.pool import forked_pool
 
 log = logging.getLogger("shard")
 
@@ -80,7 +80,7 @@ def corpus_documents_per_shard(inputs: Sequence[Path], per_input: list[np.ndarra
 def _map_inputs(function, arguments: list[tuple], processes: int) -> list:
     """function(*each of `arguments`), in order; in `processes` forked processes when there are several."""
     if processes > 1 and len(arguments) > 1:
-        with multiprocessing.get_context("fork").Pool(min(processes, len(arguments))) as pool:
+        with forked_pool(min(processes, len(arguments))) as pool:
             return pool.starmap(function, arguments)
     return [function(*each) for each in arguments]
 

@@ -13,13 +13,13 @@ from __future__ import annotations  # also runs on PyPy 3.9 (the extract rule)
 import argparse
 import logging
 import mmap
-import multiprocessing
 import struct
 from pathlib import Path
 from typing import Sequence
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
+from workflow.pool import forked_pool
 
 log = logging.getLogger("templates")
 
@@ -79,7 +79,7 @@ def compile_templates(pages: Sequence[str | Path], output: str | Path, processes
     prefix = template_prefix(pages)
     templates, redirects = StreamingTemplateBlobBuilder(), StreamingTemplateBlobBuilder()
     count = 0
-    with multiprocessing.get_context("fork").Pool(max(1, min(processes, len(pages)))) as pool:
+    with forked_pool(max(1, min(processes, len(pages)))) as pool:
         # imap: in file order, each file's pairs added (and let go) while later files are parsed
         for pages_read, template_pairs, redirect_pairs in pool.imap(
                 parse_template_pages, [(str(path), prefix) for path in pages], chunksize=1):

@@ -25,7 +25,6 @@ import argparse
 import collections
 import json
 import logging
-import multiprocessing
 import os
 import tempfile
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Sequence
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError, run
+from workflow.pool import forked_pool
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +210,7 @@ def character_counts(shards: Sequence[str | os.PathLike], normalizer, processes:
     must work character by character, as BertNormalizer does (clean-up, accent stripping, lowercasing).
     `processes`: shards counted in parallel (a sum: the same counts for any number)."""
     if processes > 1 and len(shards) > 1:
-        # fork: the children inherit the imports; spawn would re-import per process
-        with multiprocessing.get_context("fork").Pool(min(processes, len(shards))) as pool:
+        with forked_pool(min(processes, len(shards))) as pool:
             histograms = pool.imap_unordered(_code_point_histogram, shards)
             histogram = next(histograms)
             for other in histograms:
