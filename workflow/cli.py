@@ -52,7 +52,7 @@ def run(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
     """Run a stage's `main`; a UserError becomes `error: <message>` on stderr and exit status 1."""
     configure_logging()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # scancel, Snakemake's shutdown
-    # Forked workers (multiprocessing.Pool) must die on SIGTERM as Pool.terminate() expects, not unwind: restore.
+    # A forked child dies on SIGTERM, never unwinds the parent's blocks; pools also block it across the fork (pool.py).
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     try:
         main(argv)
