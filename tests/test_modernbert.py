@@ -325,3 +325,36 @@ def test_the_step_benchmark_times_ours_and_hf_on_the_same_weights_and_batch(caps
         assert len(losses) == 1, table
     main(["--gpu"])  # no CUDA device here: said, and nothing run
     assert capsys.readouterr().out == "no CUDA device: GPU benchmark skipped\n"
+
+
+def test_the_head_runs_at_the_prediction_slots_as_berts_does():
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(small_config()).eval()
+    input_ids, attention_mask = padded_batch(33)
+    batch = training_batch(input_ids, attention_mask)
+    positions, valid = batch["masked_lm_positions"], batch["masked_lm_labels"] >= 0
+    with torch.no_grad():
+        every = model(input_ids, None, attention_mask)[0]
+        at_slots = model(input_ids, None, attention_mask, positions)[0]
+        at_valid = model(input_ids, None, attention_mask, positions, masked_lm_valid=valid)[0]
+        at_index = model(input_ids, None, attention_mask, positions, masked_lm_index=batch["masked_lm_index"],
+                         mask_needed=batch["mask_needed"])[0]
+    expected = torch.gather(every, 1, positions.unsqueeze(-1).expand(-1, -1, every.shape[-1]))
+    assert at_slots.shape == (*positions.shape, 97) and torch.allclose(at_slots, expected, atol=1e-6)
+    assert torch.allclose(at_valid, expected[valid], atol=1e-6) and torch.allclose(at_index, at_valid, atol=1e-6)
+
+
+def test_weights_start_as_hfs_initialisation_draws_them():
+    config = ModernBertConfig.preset("modernbert-tiny", vocab_size=512, pad_token_id=0, num_hidden_layers=8)
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(config)
+    std_in, std_out = config.initializer_range, config.initializer_range / (2 * config.num_hidden_layers) ** 0.5
+    for name, parameter in model.named_parameters():
+        if "norm" in name:
+            assert torch.equal(parameter, torch.ones_like(parameter)), name
+        elif name == "decoder.bias":
+            assert not parameter.any()
+        else:
+            std = std_out if name.endswith("Wo.weight") or name == "head.dense.weight" else std_in
+            assert parameter.abs().max() <= config.initializer_cutoff_factor * std + 1e-9, name
+            assert 0.7 * std < parameter.std() < 1.0 * std, name  # a normal cut at 2 std keeps ~0.88 of its std

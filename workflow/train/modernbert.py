@@ -336,9 +336,10 @@ class ModernBertModel(nn.Module):
         batch, length = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
-        if self._runs_unpadded(input_ids.device) and unpadded is None:
+        unpadded_path = self._runs_unpadded(input_ids.device)
+        if unpadded_path and unpadded is None:
             unpadded = unpad(attention_mask if attention_mask is not None else torch.ones_like(input_ids))
-        if unpadded is not None and self._runs_unpadded(input_ids.device) and unpadded.max_seqlen:
+        if unpadded_path and unpadded.max_seqlen:  # an all-padding micro-batch runs as rows: nothing to unpad
             tokens = unpadded.tokens
             x = self.embeddings(input_ids.flatten()[tokens])
             positions = position_ids.flatten()[tokens]
