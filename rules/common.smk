@@ -13,9 +13,10 @@ sys.path.insert(0, REPO_ROOT)
 # command, so a conda env (which blocks an inherited PYTHONPATH) and a Slurm job (which re-reads this file) get it
 shell.prefix("set -euo pipefail; export PYTHONPATH={REPO_ROOT:q}${{PYTHONPATH:+:$PYTHONPATH}}; ")
 from workflow.cli import UserError
-from workflow.config import validate_config
+from workflow.config import optimizer_config_error, validate_config
 from workflow.data.corpora import corpora_error
 from workflow.data.download import dump_parts, wikipedia_dump_url
+from workflow.data.vocab import vocab_config_error
 from workflow.glue.data import TASKS as GLUE_TASKS
 from workflow.tasks.config import task_config_error
 
@@ -49,7 +50,8 @@ def config_consistency_error(config):
         if batch % micro:
             return (f"config key 'glue.batch_size': {batch} is not a multiple of glue.micro_batch_size ({micro}) "
                     f"for task {task} (glue.overrides.{task} may set either)")
-    return task_config_error(config) or corpora_error(config)
+    return (optimizer_config_error(config["pretrain"]) or task_config_error(config) or corpora_error(config)
+            or vocab_config_error(config))
 
 
 def glue_setting(task, key):

@@ -31,6 +31,10 @@ def workdir(tmp_path_factory):
     ("squad: {batch_size: 24, micro_batch_size: 16}",
      "config key 'squad.batch_size': 24 is not a multiple of squad.micro_batch_size (16)"),
     ("squad: {weight_decay: -1}", "config key 'squad.weight_decay': -1 is less than the minimum of 0"),
+    # A key the chosen optimizer never reads: refused here, not when the phase job starts after the data half.
+    ("pretrain: {optimizer: adamw, lamb: {beta2: 0.98}}",
+     "config pretrain.lamb.beta2: 0.98 is set, but pretrain.optimizer is adamw, which reads pretrain.adamw; set "
+     "pretrain.adamw.beta2 instead, or pretrain.optimizer: lamb"),
 ])
 def test_bad_config_is_one_line_naming_the_key_and_plans_nothing(override, message, tmp_path, workdir):
     configfile = tmp_path / "bad.yaml"

@@ -4,6 +4,8 @@ Snakefile does when it starts (rules/common.smk calls validate_config), for a st
 API:
     validate_config(config, schema_path=SCHEMA) -> config   in place: defaults filled in; UserError naming the key
     load_config(path) -> config                             a YAML config file, validated
+    optimizer_config_error(pretrain) -> one line or None    a key set in the section of the optimizer not chosen
+                                                            (Snakefile at parse time, and the phase's own check)
 """
 from __future__ import annotations
 
@@ -62,3 +64,18 @@ def load_config(path: str | os.PathLike) -> dict:
     except (OSError, yaml.YAMLError) as error:
         raise UserError(f"{path}: not a readable YAML config ({error})") from None
     return validate_config(config)
+
+
+def optimizer_config_error(pretrain: dict) -> str | None:
+    """The config's pretrain section (defaults filled in): a key of the section of the optimizer not chosen
+    (pretrain.lamb with pretrain.optimizer: adamw, or the reverse) set to other than its default would do nothing; the
+    line naming it, None when there is none."""
+    schema = yaml.safe_load(SCHEMA.read_text())["properties"]["pretrain"]["properties"]
+    chosen = pretrain.get("optimizer", schema["optimizer"]["default"])
+    for other in schema["optimizer"]["enum"]:
+        defaults = {key: value.get("default") for key, value in schema[other]["properties"].items()}
+        for key, value in pretrain.get(other, {}).items() if other != chosen else ():
+            if key in defaults and value != defaults[key]:
+                return (f"config pretrain.{other}.{key}: {value} is set, but pretrain.optimizer is {chosen}, which "
+                        f"reads pretrain.{chosen}; set pretrain.{chosen}.{key} instead, or pretrain.optimizer: {other}")
+    return None

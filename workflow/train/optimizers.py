@@ -24,11 +24,10 @@ from __future__ import annotations
 import logging
 
 import torch
-import yaml
 from torch import nn
 
 from workflow.cli import UserError
-from workflow.config import SCHEMA
+from workflow.config import optimizer_config_error
 from workflow.train import lamb
 
 log = logging.getLogger(__name__)
@@ -71,16 +70,11 @@ def engine_clip(kind: str, max_grad_norm: float) -> float | None:
 
 
 def refuse_other_optimizer_keys(section: dict) -> None:
-    """See the module docstring; `section` is the config's pretrain section with its defaults filled in."""
-    chosen = section.get("optimizer", "lamb")
-    schema = yaml.safe_load(SCHEMA.read_text())["properties"]["pretrain"]["properties"]
-    for other in OPTIMIZERS:
-        defaults = {key: value.get("default") for key, value in schema[other]["properties"].items()}
-        for key, value in section.get(other, {}).items() if other != chosen else ():
-            if key in defaults and value != defaults[key]:
-                raise UserError(f"config pretrain.{other}.{key}: {value} is set, but pretrain.optimizer is {chosen}, "
-                                f"which reads pretrain.{chosen}; set pretrain.{chosen}.{key} instead, or "
-                                f"pretrain.optimizer: {other}")
+    """See the module docstring; `section` is the config's pretrain section with its defaults filled in. The same
+    check stops the Snakefile at parse time (rules/common.smk)."""
+    error = optimizer_config_error(section)
+    if error:
+        raise UserError(error)
 
 
 def carry_optimizer_state(optimizer, path: str) -> None:
