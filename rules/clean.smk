@@ -9,7 +9,7 @@ rule clean_intermediates:
     input:
         hdf5_dir("phase1"),
         hdf5_dir("phase2"),
-        "data/vocab.txt",
+        VOCAB,
         "results/corpora.csv",  # counted from the shards and their tokens: before they go
     params:
         paths=INTERMEDIATES,

@@ -9,7 +9,7 @@ include: "functions/encode.smk"
 rule encode:
     input:
         tokenized="data/tokenized/{split}/shard_{index}.npz",
-        vocab="data/vocab.txt",
+        vocab=VOCAB,
     output:
         "data/encoded_seq{seq}/{split}/shard_{index}.hdf5",
     params:

@@ -19,7 +19,7 @@ rule scaling:
 rule scaling_benchmark:
     input:
         data=scaling_data,
-        vocab="data/vocab.txt",
+        vocab=VOCAB,
     output:
         "results/scaling/{phase}/{layout}.json",
     params:

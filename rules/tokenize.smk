@@ -1,4 +1,4 @@
-# Stage 6: each text shard is WordPiece-tokenized once; both pretraining phases encode the same tokenized shards.
+# Stage 6: each text shard is tokenized once (WordPiece or BPE, as VOCAB); both pretraining phases encode the same tokenized shards.
 
 
 include: "functions/tokenize.smk"
@@ -7,7 +7,7 @@ include: "functions/tokenize.smk"
 rule tokenize:
     input:
         shards="data/shards",
-        vocab="data/vocab.txt",
+        vocab=VOCAB,
     output:
         "data/tokenized/{split}/shard_{index}.npz",
     params:

@@ -1,6 +1,7 @@
-# Stage 5: the WordPiece vocab every later stage reads: a given vocab.file copied, or one trained on the first
-# vocab.training_shards training shards (default 8 of 256: ~0.5 GB of full enwiki text), the same file for the same
-# shards whatever the threads (workflow/data/vocab.py fixes the alphabet and the `##x` numbering).
+# Stage 5: the vocab every later stage reads (VOCAB: a WordPiece vocab.txt or, vocab.type bpe, a byte-level BPE
+# tokenizer.json): a given vocab.file checked and copied, or one trained on the first vocab.training_shards training
+# shards (default 8 of 256: ~0.5 GB of full enwiki text), the same file for the same shards whatever the threads
+# (workflow/data/vocab.py fixes the alphabet and the `##x` numbering).
 
 
 include: "functions/vocab.smk"
@@ -15,13 +16,13 @@ if config["vocab"]["file"]:
         input:
             config["vocab"]["file"],
         output:
-            "data/vocab.txt",
+            VOCAB,
         log:
             "logs/vocab/vocab.log",
         conda:
             "../envs/data.yaml"
         shell:
-            "python -m workflow.data.vocab --vocab-file {input:q} --output {output} 2> {log}"
+            f"python -m workflow.data.vocab{VOCAB_TYPE_FLAG} --vocab-file {{input:q}} --output {{output}} 2> {{log}}"
 
 else:
 
@@ -29,7 +30,7 @@ else:
         input:
             "data/shards",
         output:
-            "data/vocab.txt",
+            VOCAB,
         params:
             size=config["vocab"]["size"],
             normalization=normalization_flags(),
@@ -41,5 +42,6 @@ else:
             "../envs/data.yaml"
         shell:
             # The shard directory, not {input}: thousands of paths would overflow one shell argument.
-            "python -m workflow.data.vocab --shard-dir data/shards/training --n-shards {params.n_shards}"
+            f"python -m workflow.data.vocab{VOCAB_TYPE_FLAG} --shard-dir data/shards/training"
+            " --n-shards {params.n_shards}"
             " --size {params.size} {params.normalization} --threads {threads} --output {output} 2> {log}"

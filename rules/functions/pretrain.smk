@@ -3,7 +3,7 @@
 
 def pretrain_inputs(wildcards):
     """A phase's data and vocab; phase 2 also starts from phase 1's export (and LAMB moments)."""
-    inputs = {"data": hdf5_dir(wildcards.phase), "vocab": "data/vocab.txt"}
+    inputs = {"data": hdf5_dir(wildcards.phase), "vocab": VOCAB}
     if wildcards.phase == "phase2":
         inputs["init"] = "results/pretrain/phase1/model"
         if config["pretrain"]["carry_optimizer_state"]:
@@ -61,8 +61,8 @@ def finetune_vocab(section):
     """The vocab `section`'s features are made with: the fine-tuned model's own."""
     init = config[section]["init_from"]
     if not init:
-        return "data/vocab.txt"
-    return config["vocab"]["file"] if os.path.isfile(init) else f"{init}/vocab.txt"
+        return VOCAB
+    return config["vocab"]["file"] if os.path.isfile(init) else f"{init}/{VOCAB_FILES[config['vocab']['type']]}"
 
 
 def finetune_tokenizer(section):

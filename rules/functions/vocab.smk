@@ -1,5 +1,11 @@
 # Input and params functions of rules/vocab.smk (functions apart from rules, as `snakemake --lint` asks).
-from workflow.data.vocab import Normalization
+from workflow.data.vocab import VOCAB_FILES, Normalization
+
+# The vocab every later stage reads: data/vocab.txt (vocab.type wordpiece) or data/tokenizer.json (bpe).
+VOCAB = f"data/{VOCAB_FILES[config['vocab']['type']]}"
+# The vocab rule's --type flag: in the command, not params, so that a WordPiece vocab made before vocab.type existed
+# is not retrained (its output path names the type anyway).
+VOCAB_TYPE_FLAG = "" if config["vocab"]["type"] == "wordpiece" else f" --type {config['vocab']['type']}"
 
 
 def vocab_shard_indices():

@@ -5,7 +5,8 @@ from encode so that a training job imports it without the data half's text stack
 
 API:
     EncodeSettings       the knobs of create_pretraining_data.py, with NVIDIA's phase-1 defaults
-    Vocab.read(path)     the ids the rule needs: size, [CLS], [SEP], [MASK], the "##" continuation table
+    Vocab.read(path)     the ids the rule needs: size, [CLS], [SEP], [MASK], the continuation table (a vocab.txt's
+                         "##" pieces, a byte-level BPE's tokens without the word-start space: workflow.data.tokenizer)
     mask_rows(input_ids, candidate, n_tokens, settings, vocab, draws) -> (masked_lm_positions, masked_lm_ids)
     GeneratorDraws(rng)  mask_rows' random numbers from a numpy Generator, in encode's order
 """
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from workflow.data.vocab import read_vocab, special_token_ids
+from workflow.data.tokenizer import Vocabulary
 
 MASKINGS = ("static", "dynamic")
 OBJECTIVES = ("nsp", "full_sentences")
@@ -47,14 +48,12 @@ class Vocab:
     cls: int
     sep: int
     mask: int
-    continues_word: np.ndarray  # [size] bool: the token is a "##" WordPiece continuation
+    continues_word: np.ndarray  # [size] bool: the token continues a word (Vocabulary.continues_word)
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "Vocab":
-        tokens = read_vocab(path)
-        ids = special_token_ids(tokens)
-        continues = np.fromiter((token.startswith("##") for token in tokens), dtype=bool, count=len(tokens))
-        return cls(len(tokens), ids["[CLS]"], ids["[SEP]"], ids["[MASK]"], continues)
+        vocab = Vocabulary.load(path)
+        return cls(vocab.size, vocab.cls, vocab.sep, vocab.mask, vocab.continues_word)
 
 
 class GeneratorDraws:

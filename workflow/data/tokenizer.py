@@ -9,7 +9,8 @@ API:
     .continues_word                          [size] bool: the token continues a word (whole-word masking's table)
     .text_tokenizer(normalization)           the `tokenizers.Tokenizer` stage tokenize encodes with, no specials added
     .prefix_space                            BPE: whether a text's first word gets its space (add_prefix_space)
-    .save_pretrained(out_dir, normalization, model_max_length)   the tokenizer files of an HF export
+    vocab_tokens(path)                       the tokens two vocabs compare by (a vocab.txt unvalidated)
+    save_tokenizer(path, out_dir, normalization, model_max_length)   the tokenizer files of an HF export
 
 Words: WordPiece marks a word's later pieces "##"; a byte-level BPE marks a word's first piece instead, with the
 space before it (the byte-level alphabet writes it "Ġ"): a BPE word is what the pre-tokenizer splits at a space, so
@@ -94,28 +95,38 @@ class Vocabulary:
             tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
             return tokenizer
         data = json.loads(self.path.read_text(encoding="utf-8"))
-        # "[MASK]" in the text is text, not the special token; what decides the ids is the model, not its extras
+        # a "[MASK]" in the text is text, not the special token (as for WordPiece, whose pipeline has no added tokens)
         data["added_tokens"] = [token for token in data.get("added_tokens", []) if not token.get("special")]
         data.update(post_processor=None, truncation=None, padding=None)
         data["pre_tokenizer"]["add_prefix_space"] = False
         return Tokenizer.from_str(json.dumps(data))
 
-    def save_pretrained(self, out_dir: str | os.PathLike, normalization: Normalization | None = None,
-                        model_max_length: int = 512) -> list[str]:
-        """Write the tokenizer files of an HF model directory into `out_dir`; returns their names. WordPiece:
-        vocab.txt, and with `normalization` tokenizer_config.json (BertTokenizer, its casing). BPE: tokenizer.json
-        and tokenizer_config.json (PreTrainedTokenizerFast with BERT's special tokens named)."""
-        out_dir = Path(out_dir)
-        if self.type == "wordpiece":
-            shutil.copyfile(self.path, out_dir / "vocab.txt")
-            if normalization is None:
-                return ["vocab.txt"]
-            config = tokenizer_config(normalization, model_max_length)
-        else:
-            shutil.copyfile(self.path, out_dir / "tokenizer.json")
-            config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
-                      "clean_up_tokenization_spaces": False, "unk_token": "[UNK]", "sep_token": "[SEP]",
-                      "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]"}
-        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return [VOCAB_FILES[self.type], "tokenizer_config.json"]
 
+def vocab_tokens(path: str | os.PathLike) -> list:
+    """The tokens of a vocab.txt (its whitespace-separated words, not validated: a model's own vocab may lack the
+    specials) or of a tokenizer.json (validated), by id: what two vocabs compare by."""
+    if vocab_file_type(path) == "wordpiece":
+        return Path(path).read_text(encoding="utf-8").split()
+    return list(Vocabulary.load(path).tokens)
+
+
+def save_tokenizer(vocab_path: str | os.PathLike, out_dir: str | os.PathLike,
+                   normalization: Normalization | None = None, model_max_length: int = 512) -> list[str]:
+    """Write the tokenizer files of an HF model directory for the vocab `vocab_path` into `out_dir`; returns their
+    names. WordPiece: vocab.txt (a copy), and with `normalization` tokenizer_config.json (BertTokenizer and its
+    casing). BPE: tokenizer.json (a copy) and tokenizer_config.json (PreTrainedTokenizerFast, BERT's special tokens
+    named), which AutoTokenizer loads."""
+    out_dir = Path(out_dir)
+    vocab_type = vocab_file_type(vocab_path)
+    shutil.copyfile(vocab_path, out_dir / VOCAB_FILES[vocab_type])
+    if vocab_type == "wordpiece":
+        if normalization is None:
+            return [VOCAB_FILES[vocab_type]]
+        config = tokenizer_config(normalization, model_max_length)
+    else:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+                  "clean_up_tokenization_spaces": False, "unk_token": "[UNK]", "sep_token": "[SEP]",
+                  "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]",
+                  "model_input_names": ["input_ids", "attention_mask"]}  # as ModernBERT's: no segment embeddings
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return [VOCAB_FILES[vocab_type], "tokenizer_config.json"]

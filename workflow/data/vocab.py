@@ -149,6 +149,19 @@ def check_vocab_type(path: str | os.PathLike, vocab_type: str) -> None:
                         f"{kinds[vocab_type]} (set vocab.type: {found}, or give {kinds[vocab_type]})")
 
 
+def vocab_config_error(config: dict) -> str | None:
+    """A vocab.file of the other vocab.type, as one line naming both keys; None when it fits or is absent (the vocab
+    rule reports a missing file)."""
+    path = config["vocab"]["file"]
+    if not path or not Path(path).is_file():
+        return None
+    try:
+        check_vocab_type(path, config["vocab"]["type"])
+    except UserError as error:
+        return str(error)
+    return None
+
+
 def read_tokenizer_json(path: str | os.PathLike):
     """A byte-level BPE `tokenizers.Tokenizer` from a tokenizer.json (ours, or e.g. ModernBERT's). Raises UserError
     if it is not one (model BPE, pre-tokenizer ByteLevel) or lacks a special token."""

@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -504,8 +503,9 @@ NSP_HEAD = "cls.seq_relationship."  # the next-sentence head's weights (left out
 
 def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.PathLike | None,
                     out_dir: str | os.PathLike, normalization=None, next_sentence_prediction: bool = True) -> None:
-    """Write an HF directory (model.safetensors, config.json, vocab.txt) into `out_dir` (created); with
-    `normalization` (workflow.data.vocab.Normalization: how the vocab was built and the data tokenized), also
+    """Write an HF directory (model.safetensors, config.json, the vocab's files: workflow.data.tokenizer's
+    save_tokenizer; a tokenizer.json comes with its tokenizer_config.json) into `out_dir` (created); with a vocab.txt
+    and `normalization` (workflow.data.vocab.Normalization: how the vocab was built and the data tokenized), also
     tokenizer_config.json, so that `AutoTokenizer.from_pretrained` loads BERT's WordPiece tokenizer that lower-cases,
     strips accents and splits CJK characters exactly as the data was tokenized. Without `next_sentence_prediction` (a model trained without NSP), the untrained NSP head is left out and
     config.json says BertForMaskedLM."""
@@ -520,12 +520,9 @@ def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.P
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config.to_json(out_dir / "config.json", "BertForPreTraining" if next_sentence_prediction else "BertForMaskedLM")
     if vocab_path is not None:
-        shutil.copyfile(vocab_path, out_dir / "vocab.txt")
-    if vocab_path is not None and normalization is not None:
-        from workflow.data.vocab import tokenizer_config
+        from workflow.data.tokenizer import save_tokenizer
 
-        tokenizer = tokenizer_config(normalization, config.max_position_embeddings)
-        (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer, indent=2) + "\n")
+        save_tokenizer(vocab_path, out_dir, normalization, config.max_position_embeddings)
 
 
 def _normalise_names(state: dict) -> dict:

@@ -59,7 +59,8 @@ from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, config_sections, run
 from workflow.config import load_config
-from workflow.data.vocab import Normalization
+from workflow.data.tokenizer import Vocabulary, vocab_tokens
+from workflow.data.vocab import VOCAB_FILES, Normalization, vocab_file_type
 from workflow.train.dle_checkpoint import load_checkpoint, save_dle_export
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.evaluation import EvaluationSet
@@ -151,6 +152,9 @@ class TrainSettings:
 
 
 def read_vocab_size(path: str) -> int:
+    """The ids of a vocab.txt (its non-empty lines) or a tokenizer.json."""
+    if vocab_file_type(path) == "bpe":
+        return Vocabulary.load(path).size
     try:
         with open(path, encoding="utf-8") as handle:
             size = sum(1 for line in handle if line.rstrip("\n"))
@@ -163,15 +167,15 @@ def read_vocab_size(path: str) -> int:
 
 def check_same_vocab(init_from: str, rows: int, vocab_size: int, vocab: str | None) -> None:
     """Continuing a model needs the data tokenized with its own vocab: as many entries (its rows, or those rows
-    padded to a multiple of 8 as DLE and our presets do) and, where the model has a vocab.txt, the same ones."""
+    padded to a multiple of 8 as DLE and our presets do) and, where the model has a vocab.txt or tokenizer.json, the
+    same tokens."""
     if rows not in (vocab_size, (vocab_size + 7) // 8 * 8):
         raise UserError(f"model.init_from {init_from}: a vocabulary of {rows} entries, the data's has {vocab_size}: "
                         "tokenize the data with the model's own vocab (vocab.file) or start from random weights "
                         "(model.init_from: null)")
-    own = Path(init_from) / "vocab.txt"
-    if vocab and own.is_file() and own.read_text(encoding="utf-8").split() != Path(vocab).read_text(
-            encoding="utf-8").split():
-        raise UserError(f"model.init_from {init_from}: its vocab.txt differs from the data's {vocab}: tokenize the "
+    own = next((Path(init_from) / name for name in VOCAB_FILES.values() if (Path(init_from) / name).is_file()), None)
+    if vocab and own and vocab_tokens(own) != vocab_tokens(vocab):
+        raise UserError(f"model.init_from {init_from}: its {own.name} differs from the data's {vocab}: tokenize the "
                         f"data with it (vocab.file: {own}) or start from random weights (model.init_from: null)")
 
 
