@@ -1,0 +1,253 @@
+"""Model families (config model.family): what differs between BERT and ModernBERT, each named in one place.
+
+A family reads its model config (a preset with `model.architecture` over it, a config file, or an HF directory to
+start from), builds the pretraining model, says what defines its math (the fingerprint), counts its FLOPs, prepares
+a batch's indices on the host and writes its exports. The engine, the data half and the pretraining task call either
+the same way; the models themselves are workflow/train/model.py (BERT) and workflow/train/modernbert.py.
+
+API:
+    family(name) -> Family               "bert" (NVIDIA's recipe, the default) | "modernbert"
+    ModelSettings.from_config(model)     the config's model section (family, preset, architecture, bert_config,
+                                         init_from, dle_gelu), a key that does not apply to the family refused
+    Family.build(m, vocab, vocab_size, seq_length) -> (config, model)   the pretraining model
+    Family.check_objective(objective)    the data's objective (encode.objective), refused where the family lacks it
+    Family.fingerprint(config), .flops_per_sequence(config, seq_length, max_predictions), .host_indices(batch)
+    Family.export(model, config, vocab, directory, normalization, next_sentence_prediction, dle_gelu)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from workflow.cli import UserError
+from workflow.data.tokenizer import Vocabulary, vocab_tokens
+from workflow.data.vocab import VOCAB_FILES
+from workflow.train import model as bert
+from workflow.train import modernbert
+from workflow.train.model import read_config_json
+
+log = logging.getLogger("family")
+DEFAULT_PRESETS = {"bert": "bert-large", "modernbert": "modernbert-base"}
+DLE_GELU_DEFAULT = "tanh"
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The config's model section as a family reads it."""
+
+    family: str = "bert"
+    preset: str | None = None           # None: the family's DEFAULT_PRESETS entry
+    architecture: dict = dataclasses.field(default_factory=dict)  # HF config keys over the preset
+    bert_config: str | None = None      # BERT: a Google bert_config.json (or the DLE checkpoint's)
+    init_from: str | None = None
+    dle_gelu: str = DLE_GELU_DEFAULT
+
+    @classmethod
+    def from_config(cls, model: dict, init_from: str | None = None) -> "ModelSettings":
+        settings = cls(family=model.get("family") or "bert", preset=model.get("preset"),
+                       architecture=dict(model.get("architecture") or {}), bert_config=model.get("bert_config"),
+                       init_from=init_from or model.get("init_from"), dle_gelu=model.get("dle_gelu") or DLE_GELU_DEFAULT)
+        family(settings.family).check_settings(settings)
+        return settings
+
+    @property
+    def preset_name(self) -> str:
+        return self.preset or DEFAULT_PRESETS[self.family]
+
+
+def check_same_vocab(init_from: str, rows: int, vocab_size: int, vocab: str | None) -> None:
+    """Continuing a model needs the data tokenized with its own vocab: as many entries (its rows, or those rows
+    padded to a multiple of 8 as DLE and our presets do) and, where the model has a vocab.txt or tokenizer.json, the
+    same tokens."""
+    if rows not in (vocab_size, (vocab_size + 7) // 8 * 8):
+        raise UserError(f"model.init_from {init_from}: a vocabulary of {rows} entries, the data's has {vocab_size}: "
+                        "tokenize the data with the model's own vocab (vocab.file) or start from random weights "
+                        "(model.init_from: null)")
+    own = next((Path(init_from) / name for name in VOCAB_FILES.values() if (Path(init_from) / name).is_file()), None)
+    if vocab and own and vocab_tokens(own) != vocab_tokens(vocab):
+        raise UserError(f"model.init_from {init_from}: its {own.name} differs from the data's {vocab}: tokenize the "
+                        f"data with it (vocab.file: {own}) or start from random weights (model.init_from: null)")
+
+
+def _check_sizes(config, source: str, vocab_size: int, seq_length: int) -> None:
+    if config.vocab_size < vocab_size:
+        raise UserError(f"{source}: vocab_size {config.vocab_size} is smaller than the vocabulary ({vocab_size})")
+    if config.max_position_embeddings < seq_length:
+        raise UserError(f"{source}: max_position_embeddings {config.max_position_embeddings} < sequence length "
+                        f"{seq_length} of the data")
+
+
+def _preset(config_class, m: ModelSettings, **sized):
+    """The preset with `model.architecture` over it (a key the family's config lacks is refused)."""
+    names = {f.name for f in dataclasses.fields(config_class)}
+    unknown = sorted(set(m.architecture) - names)
+    if unknown:
+        raise UserError(f"config model.architecture: {', '.join(unknown)} not a key of a {m.family} config (one of "
+                        f"{', '.join(sorted(names))})")
+    return config_class.preset(m.preset_name, **{**m.architecture, **sized})
+
+
+def _load_weights(model, state: dict, init_from: str) -> None:
+    missing, unexpected = bert.load_weights(model, state)
+    log.info("initialised from %s (%d tensors)", init_from, len(state))
+    if missing or unexpected:
+        log.warning("init_from %s: missing %s, unexpected %s (kept freshly initialised)", init_from, missing,
+                    unexpected)
+
+
+class BertFamily:
+    """NVIDIA's BERT (workflow/train/model.py): NSP or not, DLE checkpoints in and out."""
+
+    name = "bert"
+    objectives = ("nsp", "full_sentences")
+    host_indices = staticmethod(bert.host_indices)
+    flops_per_sequence = staticmethod(bert.flops_per_sequence)
+
+    def check_settings(self, m: ModelSettings) -> None:
+        if m.preset_name not in bert._PRESETS:
+            raise UserError(f"config model.preset: {m.preset_name!r} is not a bert preset (one of "
+                            f"{', '.join(bert._PRESETS)}); a ModernBERT preset needs model.family: modernbert")
+
+    def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
+        """Model from (in order of precedence) an HF directory or a DLE checkpoint (with its bert_config.json), a
+        bert_config.json, or a preset sized to the vocab."""
+        from workflow.train.dle_checkpoint import load_checkpoint
+
+        state = None
+        if m.init_from:
+            config, state = load_checkpoint(m.init_from, m.bert_config, gelu=m.dle_gelu)
+            source = m.init_from
+            check_same_vocab(m.init_from, config.vocab_size, vocab_size, vocab)
+        elif m.bert_config:
+            config, source = bert.BertConfig.from_json(m.bert_config), m.bert_config
+        else:  # the vocab padded to a multiple of 8 (tensor-core friendly), as NVIDIA does
+            config = _preset(bert.BertConfig, m, vocab_size=(vocab_size + 7) // 8 * 8)
+            source = f"preset {m.preset_name}"
+        _check_sizes(config, source, vocab_size, seq_length)
+        model = bert.BertForPreTraining(config)
+        if state is not None:
+            _load_weights(model, state, m.init_from)
+        return config, model
+
+    def check_objective(self, objective: str) -> None:
+        pass
+
+    def fingerprint(self, config) -> dict:
+        return {"model": config.to_dict()}
+
+    def export(self, model, config, vocab, directory, normalization, next_sentence_prediction: bool,
+               dle_gelu: str) -> None:
+        from workflow.train.dle_checkpoint import save_dle_export
+
+        bert.save_pretrained(model, config, vocab, directory, normalization=normalization,
+                             next_sentence_prediction=next_sentence_prediction)
+        save_dle_export(model, directory, gelu=dle_gelu)
+
+
+class ModernBertFamily:
+    """ModernBERT (workflow/train/modernbert.py): masked LM only, HF directories in and out."""
+
+    name = "modernbert"
+    objectives = ("full_sentences",)
+    host_indices = staticmethod(modernbert.host_indices)
+    flops_per_sequence = staticmethod(modernbert.flops_per_sequence)
+
+    def check_settings(self, m: ModelSettings) -> None:
+        if m.preset_name not in modernbert._PRESETS:
+            raise UserError(f"config model.preset: {m.preset_name!r} is not a modernbert preset (one of "
+                            f"{', '.join(modernbert._PRESETS)})")
+        if m.bert_config:
+            raise UserError("config model.bert_config: a BERT config file does not apply to model.family: "
+                            "modernbert (set model.preset and model.architecture, or start from an HF directory "
+                            "with model.init_from)")
+        if m.dle_gelu != DLE_GELU_DEFAULT:
+            raise UserError("config model.dle_gelu: NVIDIA DLE checkpoints are BERT's; it does not apply to "
+                            "model.family: modernbert")
+        if m.init_from and not Path(m.init_from).is_dir():
+            raise UserError(f"model.init_from {m.init_from}: model.family modernbert starts from a Hugging Face "
+                            "ModernBERT directory (config.json, model.safetensors), not a file (DLE checkpoints are "
+                            "BERT's)")
+
+    def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
+        """Model from an HF ModernBERT directory (ModernBERT's, Ettin's, mmBERT's) or a preset sized to the vocab,
+        with the vocab's special ids."""
+        if m.init_from:
+            config, state = load_pretrained(m.init_from)
+            check_same_vocab(m.init_from, config.vocab_size, vocab_size, vocab)
+            source = m.init_from
+        else:
+            specials = Vocabulary.load(vocab).special_ids if vocab else {}
+            ids = {key: specials[token] for key, token in (("pad_token_id", "[PAD]"), ("cls_token_id", "[CLS]"),
+                                                          ("bos_token_id", "[CLS]"), ("sep_token_id", "[SEP]"),
+                                                          ("eos_token_id", "[SEP]")) if token in specials}
+            config = _preset(modernbert.ModernBertConfig, m, vocab_size=(vocab_size + 7) // 8 * 8, **ids)
+            source, state = f"preset {m.preset_name}", None
+        _check_sizes(config, source, vocab_size, seq_length)
+        model = modernbert.ModernBertForMaskedLM(config)
+        if state is not None:
+            _load_weights(model, state, m.init_from)
+        return config, model
+
+    def check_objective(self, objective: str) -> None:
+        if objective not in self.objectives:
+            raise UserError(f"encode.objective {objective}: model.family modernbert has no next-sentence head; "
+                            f"encode the data with encode.objective: full_sentences")
+
+    def fingerprint(self, config) -> dict:
+        return {"model family": self.name, "model": config.to_dict()}
+
+    def export(self, model, config, vocab, directory, normalization, next_sentence_prediction: bool,
+               dle_gelu: str) -> None:
+        save_pretrained(model, config, vocab, directory)
+
+
+def load_pretrained(directory: str | Path):
+    """(ModernBertConfig, state dict) of an HF ModernBERT directory (HF's own save or ours); another model type is
+    refused in one line."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"model.init_from {directory}: not a Hugging Face model directory (no config.json)")
+    fields = read_config_json(config_path)
+    if fields.get("model_type") != "modernbert":
+        raise UserError(f"model.init_from {directory}: a {fields.get('model_type')!r} model, not a ModernBERT one "
+                        "(model.family: modernbert); start a BERT with model.family: bert")
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"model.init_from {directory}: no model.safetensors")
+    from safetensors.torch import load_file
+
+    state = load_file(str(weights))
+    state.pop("decoder.weight", None)  # tied to the token embeddings
+    return modernbert.ModernBertConfig.from_dict(fields), state
+
+
+def save_pretrained(model, config, vocab, directory) -> None:
+    """An HF directory ModernBertForMaskedLM, AutoModelForMaskedLM and pipeline("fill-mask") load: model.safetensors
+    (without the tied decoder.weight, as HF saves it), config.json (both transformers eras' keys), the tokenizer's
+    files."""
+    import torch
+    from safetensors.torch import save_file
+
+    from workflow.data.tokenizer import save_tokenizer
+
+    model = getattr(model, "module", model)  # unwrap DDP
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in model.state_dict().items()
+             if k != "decoder.weight"}
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config.to_json(directory / "config.json")
+    if vocab is not None:
+        save_tokenizer(vocab, directory, None, config.max_position_embeddings)
+
+
+FAMILIES = {each.name: each for each in (BertFamily(), ModernBertFamily())}
+
+
+def family(name: str):
+    if name not in FAMILIES:
+        raise UserError(f"config model.family: {name!r} is not one of {', '.join(FAMILIES)}")
+    return FAMILIES[name]
