@@ -248,3 +248,41 @@ def test_the_config_check_names_a_vocab_file_of_the_other_type(trained):
     assert vocab_config_error({"vocab": {"file": None, "type": "bpe"}}) is None
     assert vocab_config_error({"vocab": {"file": str(trained), "type": "wordpiece"}}).startswith(
         f"config key 'vocab.file': {trained} is a tokenizer.json, but vocab.type wordpiece")
+
+
+def test_fine_tuning_features_with_bpe_equal_the_exports_autotokenizer(corpus, trained, tmp_path, sample_dir):
+    from transformers import AutoTokenizer
+
+    from workflow.classify.features import featurize as classify_features
+    from workflow.data.features import load_tokenizer
+    from workflow.squad.data import featurize as squad_features
+    from workflow.squad.data import load_squad
+    from workflow.tasks.readers import Example
+    from workflow.tasks.tokens import IGNORE, featurize_tokens
+
+    tokenizer = load_tokenizer(trained, lowercase=True)  # the casing arguments do not apply to a tokenizer.json
+    save_tokenizer(trained, tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    pairs = [("The town grew.", "Rivers cross the plains."), ("A keeper lit the lamp, e.g. at 9.", "Yes!")]
+    features = classify_features(pairs, np.zeros(2, np.int64), tokenizer, max_seq_length=32)
+    for row, (a, b) in enumerate(pairs):
+        ids = hf(a, b)["input_ids"]
+        assert features["input_ids"][row, : len(ids)].tolist() == ids and features["attention_mask"][row].sum() == len(ids)
+    # SQuAD: each answer's tokens cover exactly its text (a byte-level token's span includes its leading space)
+    examples = load_squad(sample_dir / "squad" / "train-sample.json", "1.1")[:40]
+    squad = squad_features(examples, tokenizer, max_seq_length=128, doc_stride=64, max_query_length=32, training=False)
+    checked = 0
+    for row in np.flatnonzero(squad["start_positions"]):
+        example = examples[squad["example_index"][row]]
+        start, end = squad["offsets"][row, squad["start_positions"][row]][0], squad["offsets"][row, squad["end_positions"][row]][1]
+        assert example.context[start:end].strip() == example.answers[0]["text"].strip()
+        checked += 1
+    assert checked > 10
+    # token classification: the first piece of each word carries its tag
+    words = ["Alderbrook", "is", "a", "market", "town", "."]
+    tags = ["B-LOC", "O", "O", "O", "O", "O"]
+    tokens = featurize_tokens([Example(1, (words,), tags)], {"O": 0, "B-LOC": 1}, tokenizer, 32, "x.jsonl", "tasks.x")
+    labels = tokens["labels"][0]
+    assert [label for label in labels.tolist() if label != IGNORE] == [1, 0, 0, 0, 0, 0]
+    first_pieces = tokens["input_ids"][0][labels != IGNORE]
+    assert all(Vocabulary.load(trained).tokens[i].startswith("\u0120") for i in first_pieces)

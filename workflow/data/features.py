@@ -1,8 +1,9 @@
-"""Fine-tuning features (SQuAD, GLUE): the WordPiece tokenizer they are made with, and their .npz files.
+"""Fine-tuning features (SQuAD, GLUE): the tokenizer they are made with, and their .npz files.
 
 API:
     load_tokenizer(vocab, lowercase, strip_accents=None, tokenize_chinese_chars=True)
-                                        -> tokenizers.BertWordPieceTokenizer ([CLS]/[SEP] not added automatically)
+                                        -> tokenizers.BertWordPieceTokenizer, or for a byte-level BPE tokenizer.json
+                                        its own tokenizers.Tokenizer ([CLS]/[SEP] added by the featurizers)
     add_tokenizer_arguments(parser) / tokenizer_from_args(args)   the featurizers' --vocab, the normalisation flags
                                         (--[no-]lowercase, --[no-]strip-accents, --[no-]tokenize-chinese-chars) and
                                         --tokenizer-config (the fine-tuned model's tokenizer_config.json, which wins)
@@ -21,15 +22,22 @@ import numpy as np
 
 from workflow.atomic import atomic_path
 from workflow.cli import UserError
-from workflow.data.vocab import Normalization
+from workflow.data.vocab import Normalization, read_tokenizer_json, vocab_file_type
 
 
 def load_tokenizer(vocab: str | Path, lowercase: bool, strip_accents: bool | None = None,
                    tokenize_chinese_chars: bool = True):
     """The project's WordPiece tokenizer (BERT normalisation, [CLS]/[SEP] not added automatically); accents are
-    stripped as `strip_accents` says, or, when None, exactly when lower-casing (BERT's and HF's rule)."""
+    stripped as `strip_accents` says, or, when None, exactly when lower-casing (BERT's and HF's rule). A byte-level
+    BPE tokenizer.json is its own tokenizer (its casing and prefix space: what AutoTokenizer loads from an export;
+    the casing arguments do not apply); the featurizers encode with add_special_tokens=False."""
     from tokenizers import BertWordPieceTokenizer
 
+    if vocab_file_type(vocab) == "bpe":
+        tokenizer = read_tokenizer_json(vocab)
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        return tokenizer
     try:
         return BertWordPieceTokenizer(str(vocab), lowercase=lowercase, handle_chinese_chars=tokenize_chinese_chars,
                                       strip_accents=lowercase if strip_accents is None else strip_accents)
@@ -48,7 +56,7 @@ def tokenizer_settings(path: str | Path) -> dict:
 
 
 def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--vocab", required=True, help="WordPiece vocab.txt")
+    parser.add_argument("--vocab", required=True, help="WordPiece vocab.txt or byte-level BPE tokenizer.json")
     Normalization.add_arguments(parser)
     parser.add_argument("--tokenizer-config", default=None, help="the fine-tuned model's tokenizer_config.json: its "
                         "do_lower_case, strip_accents and tokenize_chinese_chars (instead of the flags above)")
