@@ -286,3 +286,33 @@ def test_fine_tuning_features_with_bpe_equal_the_exports_autotokenizer(corpus, t
     assert [label for label in labels.tolist() if label != IGNORE] == [1, 0, 0, 0, 0, 0]
     first_pieces = tokens["input_ids"][0][labels != IGNORE]
     assert all(Vocabulary.load(trained).tokens[i].startswith("\u0120") for i in first_pieces)
+
+
+def test_snakemake_trains_a_bpe_and_encodes_with_it(corpus, tmp_path):
+    """The rules with vocab.type bpe: data/tokenizer.json, then the tokenized shards and HDF5 built from it."""
+    import shutil
+
+    for split, sources in (("training", ["shard_0.txt", "shard_1.txt"]), ("test", ["shard_1.txt"])):
+        (tmp_path / "data" / "shards" / split).mkdir(parents=True)
+        for index, source in enumerate(sources):
+            shutil.copyfile(corpus / source, tmp_path / "data" / "shards" / split / f"shard_{index}.txt")
+    shutil.copyfile(REPO / "config.yaml", tmp_path / "config.yaml")
+    (tmp_path / "test-config.yaml").write_text(
+        "shard: {n_training_shards: 2, n_test_shards: 1}\nvocab: {type: bpe, size: 800}\n"
+        "encode: {dupe_factor: 1, whole_word_masking: true, phase1: {max_seq_length: 64, max_predictions_per_seq: 10}}\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+         "--configfile", str(tmp_path / "test-config.yaml"), "--allowed-rules", "vocab", "tokenize", "encode",
+         "hdf5_dir", "--quiet", "rules", "--cores", "1", "data/hdf5_seq64"], capture_output=True, text=True, env=env,
+        cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (tmp_path / "data" / "vocab.txt").exists()
+    vocab = Vocabulary.load(tmp_path / "data" / "tokenizer.json", "bpe")
+    assert vocab.size == 800
+    ids, _, _ = load_tokenized(tmp_path / "data" / "tokenized" / "training" / "shard_0.npz")
+    assert ids.max() < 800 and not np.isin(ids, list(vocab.special_ids.values())).any()
+    files = sorted((tmp_path / "data" / "hdf5_seq64").rglob("*.hdf5"))
+    assert files
+    with h5py.File(files[0]) as handle:
+        assert handle["input_ids"][:].max() < 800
