@@ -18,7 +18,8 @@ of the real tokens predicted (ModernBERT's masking rate). Sides, each a forward,
      position (its default);
    - hf sparse: the same with sparse_prediction (the head at the labelled tokens only, as ModernBERT's recipe trains).
 Each repeat runs every side once, the order rotating, after --warmup untimed rounds; medians printed, with each
-side's time relative to hf. GPU: also peak memory and MFU (FLOPs: modernbert.flops_per_sequence at the mean real
+side's time relative to hf: wall time, and the process's CPU time (summed over its threads: what other processes
+on a shared machine disturb least; on CUDA it is the host's share only). GPU: also peak memory and MFU (FLOPs: modernbert.flops_per_sequence at the mean real
 length, counting the GLU and the window; peak: the card's datasheet bf16 figure).
 """
 from __future__ import annotations
@@ -116,6 +117,7 @@ def compare(name: str, config: ModernBertConfig, args, device: torch.device) -> 
              "hf sparse": (hf, lambda: hf_step(hf, batch, True))}
     precision = "bf16" if args.gpu else "fp32"
     times = {side: [] for side in sides}
+    cpu_times = {side: [] for side in sides}  # CPU seconds of the process: less hit by other processes than wall time
     losses = {}
     peaks = {}
     for round_ in range(args.warmup + args.repeats):
@@ -124,15 +126,16 @@ def compare(name: str, config: ModernBertConfig, args, device: torch.device) -> 
             model, step = sides[side]
             accelerator.reset_peak_memory(device)
             accelerator.synchronize(device)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             with autocast(device, precision):
                 loss = step()
             loss.backward()
             accelerator.synchronize(device)
-            elapsed = time.perf_counter() - start
+            elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
             model.zero_grad(set_to_none=True)
             if round_ >= args.warmup:
                 times[side].append(elapsed)
+                cpu_times[side].append(cpu_elapsed)
                 losses[side], peaks[side] = float(loss.detach()), peak_memory(device)
     mean_length = float(batch["attention_mask"].float().sum(1).mean())
     flops = flops_per_sequence(config, round(mean_length), len(batch["masked_lm_targets"]) / args.micro_batch)
@@ -142,12 +145,14 @@ def compare(name: str, config: ModernBertConfig, args, device: torch.device) -> 
     print(f"\n{name}: {config.num_hidden_layers} layers x {config.hidden_size}, vocab {config.vocab_size}, "
           f"{args.micro_batch} rows x {seq} tokens (mean real {mean_length:.0f}), {precision}, "
           f"{args.repeats} repeats, {where}")
-    print(f"{'side':<10} {'median ms':>10} {'min ms':>8} {'vs hf':>6} {'loss':>8}  {'MFU':>6}  memory")
+    cpu_baseline = statistics.median(cpu_times["hf"])
+    print(f"{'side':<10} {'median ms':>10} {'min ms':>8} {'vs hf':>6} {'cpu ms':>8} {'vs hf':>6} {'loss':>8}  "
+          f"{'MFU':>6}  memory")
     for side, samples in times.items():
-        median = statistics.median(samples)
+        median, cpu = statistics.median(samples), statistics.median(cpu_times[side])
         utilisation = mfu(device, args.micro_batch * flops / median)
         print(f"{side:<10} {median * 1e3:>10.1f} {min(samples) * 1e3:>8.1f} {median / baseline:>6.2f} "
-              f"{losses[side]:>8.4f}  {utilisation:>6}  {peaks[side]}")
+              f"{cpu * 1e3:>8.1f} {cpu / cpu_baseline:>6.2f} {losses[side]:>8.4f}  {utilisation:>6}  {peaks[side]}")
 
 
 def main(argv=None) -> None:
