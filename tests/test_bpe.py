@@ -311,3 +311,21 @@ def test_snakemake_trains_a_bpe_and_encodes_with_it(corpus, tmp_path):
     assert files
     with h5py.File(files[0]) as handle:
         assert handle["input_ids"][:].max() < 800
+
+
+def test_the_word_cache_falls_back_to_whole_lines_where_its_split_is_not_exact(trained, tmp_path):
+    from tokenizers import AddedToken, normalizers
+
+    from workflow.data.tokenize import byte_level_cache
+
+    assert byte_level_cache(Vocabulary.load(trained).text_tokenizer()) is ByteLevelCache
+    for change in ("normalizer", "rstrip", "space"):
+        tokenizer = Vocabulary.load(trained).text_tokenizer()
+        if change == "normalizer":
+            tokenizer.normalizer = normalizers.NFC()
+        else:
+            tokenizer.add_tokens([AddedToken("|||X|||", rstrip=True) if change == "rstrip" else AddedToken("New York")])
+        assert byte_level_cache(tokenizer) is LineCache
+        lines = [" a |||X||| b New York c", " |||X|||  d"]
+        ids, _ = tokenize_lines(tokenizer, lines, np.uint16, cache_class=byte_level_cache(tokenizer))
+        assert ids.tolist() == [i for line in lines for i in tokenizer.encode(line).ids]

@@ -173,10 +173,11 @@ class LineCache(ByteLevelCache):
 
 
 def byte_level_cache(tokenizer) -> type:
-    """ByteLevelCache where its split is exact for `tokenizer` (no normaliser, no added token spanning a space
-    between non-spaces), else LineCache."""
-    spanning = any(re.search(r"\S \S", token.content) for token in tokenizer.get_added_tokens_decoder().values())
-    return ByteLevelCache if tokenizer.normalizer is None and not spanning else LineCache
+    """ByteLevelCache where its split is exact for `tokenizer` (no normaliser; no added token that spans a space
+    between non-spaces or strips the spaces beside it), else LineCache."""
+    crossing = any(re.search(r"\S \S", token.content) or token.lstrip or token.rstrip
+                   for token in tokenizer.get_added_tokens_decoder().values())
+    return ByteLevelCache if tokenizer.normalizer is None and not crossing else LineCache
 
 
 def prefixed_lines(lines: Sequence[str], line_documents: Sequence[int], prefix_space: bool) -> list[str]:
