@@ -19,15 +19,18 @@ API (the BERT family's shape, workflow/train/model.py; the engine and the pretra
     host_indices(batch) -> batch    model.host_indices, plus the real tokens of unpacked rows too (this family runs
                                     every batch unpadded on the devices of model.VARLEN_DEVICE_TYPES)
     flops_per_sequence(config, seq_length, max_predictions)   training FLOPs, counting the GLU and the local window
+    attended_pairs(seq_length, reach)   query-key pairs of a sequence whose tokens see `reach` tokens each side
 
 Parameter names equal HF's `ModernBertForMaskedLM`'s but for the tied `decoder.weight` (= the token embeddings),
 which HF itself leaves out of model.safetensors: the HF export is `state_dict()` and `config.to_json`.
 
 The batch: input_ids [B, L]; attention_mask [B, L]: 1/0 for rows of one sequence with padding, or each token's
 sequence number 1..S (0 = padding) for packed rows, whose position_ids [B, L] restart at 0 per sequence and whose
-cls_positions [B, S] mark them as packed (as for BERT). A token attends only to its own sequence, and in a local layer
-only to tokens at most `sliding_window` away; rotary positions are position_ids (else 0..L-1). Padding attends to
-padding only (HF lets it attend to real keys; no real token's output differs).
+cls_positions [B, S] mark them as packed (as for BERT); training adds masked_lm_positions [B, P] and
+masked_lm_labels [B, P] (-1 = empty slot), and host_indices what the forward would read back from the device.
+A token attends only to its own sequence, and in a local layer only to tokens at most `sliding_window` away; rotary
+positions are position_ids (else 0..L-1). Padding attends to padding only (HF lets it attend to real keys; no real
+token's output differs).
 Two paths: rows with dense boolean SDPA masks (CPU; exact), or, on model.VARLEN_DEVICE_TYPES (CUDA) in a 16-bit
 compute dtype (VARLEN_DTYPES: flash kernels), the real tokens [T, H] through torch's varlen flash attention with
 window_size=(sliding_window, sliding_window) for local layers; `varlen_attn` below is the seam the CPU tests replace.
