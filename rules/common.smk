@@ -19,6 +19,7 @@ from workflow.data.download import dump_parts, wikipedia_dump_url
 from workflow.data.vocab import vocab_config_error
 from workflow.glue.data import TASKS as GLUE_TASKS
 from workflow.tasks.config import task_config_error
+from workflow.train.family import model_config_error
 
 
 try:
@@ -51,7 +52,7 @@ def config_consistency_error(config):
             return (f"config key 'glue.batch_size': {batch} is not a multiple of glue.micro_batch_size ({micro}) "
                     f"for task {task} (glue.overrides.{task} may set either)")
     return (optimizer_config_error(config["pretrain"]) or task_config_error(config) or corpora_error(config)
-            or vocab_config_error(config))
+            or vocab_config_error(config) or model_config_error(config))
 
 
 def glue_setting(task, key):

@@ -27,7 +27,15 @@ from workflow.data.vocab import Normalization
 from workflow.train import dle_checkpoint
 from workflow.train.dle_checkpoint import load_dle_checkpoint, save_dle_checkpoint
 from workflow.train.model import BertConfig, BertForPreTraining, load_pretrained, save_pretrained
-from workflow.train.pretrain import build_model, pretrain
+from workflow.train.family import ModelSettings, family
+from workflow.train.pretrain import pretrain
+
+
+def build_model(preset, bert_config, init_from, vocab_size, seq_length, vocab=None):
+    """The BERT family's model as the phase builds it."""
+    settings = ModelSettings(family="bert", preset=preset, bert_config=bert_config, init_from=init_from)
+    return family("bert").build(settings, vocab, vocab_size, seq_length)
+
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
             max_position_embeddings=64)

@@ -124,3 +124,27 @@ def test_the_bert_familys_preset_is_as_before():
     config, model = family("bert").build(ModelSettings.from_config({"preset": "tiny"}), None, 100, 128)
     assert config == BertConfig.preset("tiny", vocab_size=104)
     assert family("bert").fingerprint(config) == {"model": config.to_dict()}
+
+
+def test_the_preset_table_names_each_models_presets():
+    from workflow.train import model, modernbert
+    from workflow.train.family import PRESETS
+
+    assert set(PRESETS["bert"]) == set(model._PRESETS)
+    assert set(PRESETS["modernbert"]) == set(modernbert._PRESETS)
+
+
+@pytest.mark.parametrize("model, objective, message", [
+    ({"family": "modernbert", "preset": "modernbert-tiny"}, "nsp", "encode.objective nsp: model.family modernbert"),
+    ({"family": "modernbert", "architecture": {"hidden_size": 64}, "init_from": "x"}, "full_sentences",
+     "model.architecture {'hidden_size': 64}: the model comes from x"),
+    ({"family": "bert", "preset": None}, "nsp", None),
+])
+def test_the_snakefiles_model_check(model, objective, message):
+    from workflow.train.family import model_config_error
+
+    error = model_config_error({"model": model, "encode": {"objective": objective}})
+    if message is None:
+        assert error is None
+    else:
+        assert message in error and "\n" not in error

@@ -46,8 +46,8 @@ from workflow.train import model as model_module
 from workflow.train.lamb import Lamb, make_optimizer, param_groups
 from workflow.train.model import BertConfig, BertForPreTraining, host_indices
 from workflow.train.precision import autocast, autocast_dtype, matmul_math, resolve_precision
-from workflow.train.pretrain import (PretrainingTask, TrainSettings, build_model, forward, read_vocab_size,
-                                     train_phase)
+from workflow.train.family import family
+from workflow.train.pretrain import PretrainingTask, TrainSettings, forward, read_vocab_size, train_phase
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
 AGREEMENT = 1e-4  # relative difference of the packed and unpacked losses in fp32 (summation order only)
@@ -116,7 +116,8 @@ def packed_unpacked_losses(s: TrainSettings, model_dir: Path, env, sequences: in
     shards = list_shards(s.data_dir, "training")
     if not shards[0].packed:
         return {"packed": False}
-    _, model = build_model(s.preset, s.bert_config, str(model_dir), read_vocab_size(s.vocab), shards[0].seq_length)
+    _, model = family(s.family).build(dataclasses.replace(s.model_settings, init_from=str(model_dir)), None,
+                                      read_vocab_size(s.vocab), shards[0].seq_length)
     model.to(env.device).eval()
     reader = PretrainingSequences(shards, s.seed)
     try:
@@ -247,7 +248,8 @@ def gather(env, value) -> list:
 
 def check_fast_paths(s: TrainSettings, shards, env, scratch: Path, sequences: int = 16) -> dict:
     """fast_paths with the phase-1 settings: the configured model (fresh weights), this rank's first sequences."""
-    config, _ = build_model(s.preset, s.bert_config, None, read_vocab_size(s.vocab), shards[0].seq_length)
+    config, _ = family(s.family).build(dataclasses.replace(s.model_settings, init_from=None), None,
+                                       read_vocab_size(s.vocab), shards[0].seq_length)
     config = dataclasses.replace(config, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     reader = PretrainingSequences(shards, s.seed)
     try:

@@ -7,6 +7,8 @@ the same way; the models themselves are workflow/train/model.py (BERT) and workf
 
 API:
     family(name) -> Family               "bert" (NVIDIA's recipe, the default) | "modernbert"
+    model_config_error(config) -> line | None   the model section and encode.objective checked (the Snakefile, at
+                                         parse time: this module imports torch only when a model is built)
     ModelSettings.from_config(model)     the config's model section (family, preset, architecture, bert_config,
                                          init_from, dle_gelu), a key that does not apply to the family refused
     Family.build(m, vocab, vocab_size, seq_length) -> (config, model)   the pretraining model
@@ -22,14 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workflow.cli import UserError
-from workflow.data.tokenizer import Vocabulary, vocab_tokens
-from workflow.data.vocab import VOCAB_FILES
-from workflow.train import model as bert
-from workflow.train import modernbert
-from workflow.train.model import read_config_json
 
 log = logging.getLogger("family")
-DEFAULT_PRESETS = {"bert": "bert-large", "modernbert": "modernbert-base"}
+# Each family's presets (its model module's _PRESETS), the first its default.
+PRESETS = {"bert": ("bert-large", "bert-base", "tiny"),
+           "modernbert": ("modernbert-base", "modernbert-large", "modernbert-tiny")}
 DLE_GELU_DEFAULT = "tanh"
 
 
@@ -49,12 +48,27 @@ class ModelSettings:
         settings = cls(family=model.get("family") or "bert", preset=model.get("preset"),
                        architecture=dict(model.get("architecture") or {}), bert_config=model.get("bert_config"),
                        init_from=init_from or model.get("init_from"), dle_gelu=model.get("dle_gelu") or DLE_GELU_DEFAULT)
+        if settings.architecture and (settings.init_from or settings.bert_config):
+            raise UserError(f"config model.architecture {settings.architecture}: the model comes from "
+                            f"{settings.init_from or settings.bert_config} (model.init_from or model.bert_config), "
+                            "whose config it would contradict; set one or the other")
         family(settings.family).check_settings(settings)
         return settings
 
     @property
     def preset_name(self) -> str:
-        return self.preset or DEFAULT_PRESETS[self.family]
+        return self.preset or PRESETS[self.family][0]
+
+
+def model_config_error(config: dict) -> str | None:
+    """The workflow config's model section (and the data's objective) as the phases will read them: the one error
+    line, None when they fit."""
+    try:
+        settings = ModelSettings.from_config(config["model"])
+        family(settings.family).check_objective(config["encode"]["objective"])
+    except UserError as error:
+        return str(error)
+    return None
 
 
 def check_same_vocab(init_from: str, rows: int, vocab_size: int, vocab: str | None) -> None:
@@ -65,6 +79,9 @@ def check_same_vocab(init_from: str, rows: int, vocab_size: int, vocab: str | No
         raise UserError(f"model.init_from {init_from}: a vocabulary of {rows} entries, the data's has {vocab_size}: "
                         "tokenize the data with the model's own vocab (vocab.file) or start from random weights "
                         "(model.init_from: null)")
+    from workflow.data.tokenizer import vocab_tokens
+    from workflow.data.vocab import VOCAB_FILES
+
     own = next((Path(init_from) / name for name in VOCAB_FILES.values() if (Path(init_from) / name).is_file()), None)
     if vocab and own and vocab_tokens(own) != vocab_tokens(vocab):
         raise UserError(f"model.init_from {init_from}: its {own.name} differs from the data's {vocab}: tokenize the "
@@ -90,7 +107,9 @@ def _preset(config_class, m: ModelSettings, **sized):
 
 
 def _load_weights(model, state: dict, init_from: str) -> None:
-    missing, unexpected = bert.load_weights(model, state)
+    from workflow.train.model import load_weights
+
+    missing, unexpected = load_weights(model, state)
     log.info("initialised from %s (%d tensors)", init_from, len(state))
     if missing or unexpected:
         log.warning("init_from %s: missing %s, unexpected %s (kept freshly initialised)", init_from, missing,
@@ -102,17 +121,28 @@ class BertFamily:
 
     name = "bert"
     objectives = ("nsp", "full_sentences")
-    host_indices = staticmethod(bert.host_indices)
-    flops_per_sequence = staticmethod(bert.flops_per_sequence)
+
+    @staticmethod
+    def host_indices(batch: dict) -> dict:
+        from workflow.train.model import host_indices
+
+        return host_indices(batch)
+
+    @staticmethod
+    def flops_per_sequence(config, seq_length: int, max_predictions: float) -> float:
+        from workflow.train.model import flops_per_sequence
+
+        return flops_per_sequence(config, seq_length, max_predictions)
 
     def check_settings(self, m: ModelSettings) -> None:
-        if m.preset_name not in bert._PRESETS:
+        if m.preset_name not in PRESETS[self.name]:
             raise UserError(f"config model.preset: {m.preset_name!r} is not a bert preset (one of "
-                            f"{', '.join(bert._PRESETS)}); a ModernBERT preset needs model.family: modernbert")
+                            f"{', '.join(PRESETS[self.name])}); a ModernBERT preset needs model.family: modernbert")
 
     def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
         """Model from (in order of precedence) an HF directory or a DLE checkpoint (with its bert_config.json), a
         bert_config.json, or a preset sized to the vocab."""
+        from workflow.train import model as bert
         from workflow.train.dle_checkpoint import load_checkpoint
 
         state = None
@@ -140,8 +170,9 @@ class BertFamily:
     def export(self, model, config, vocab, directory, normalization, next_sentence_prediction: bool,
                dle_gelu: str) -> None:
         from workflow.train.dle_checkpoint import save_dle_export
+        from workflow.train.model import save_pretrained
 
-        bert.save_pretrained(model, config, vocab, directory, normalization=normalization,
+        save_pretrained(model, config, vocab, directory, normalization=normalization,
                              next_sentence_prediction=next_sentence_prediction)
         save_dle_export(model, directory, gelu=dle_gelu)
 
@@ -151,13 +182,23 @@ class ModernBertFamily:
 
     name = "modernbert"
     objectives = ("full_sentences",)
-    host_indices = staticmethod(modernbert.host_indices)
-    flops_per_sequence = staticmethod(modernbert.flops_per_sequence)
+
+    @staticmethod
+    def host_indices(batch: dict) -> dict:
+        from workflow.train.modernbert import host_indices
+
+        return host_indices(batch)
+
+    @staticmethod
+    def flops_per_sequence(config, seq_length: int, max_predictions: float) -> float:
+        from workflow.train.modernbert import flops_per_sequence
+
+        return flops_per_sequence(config, seq_length, max_predictions)
 
     def check_settings(self, m: ModelSettings) -> None:
-        if m.preset_name not in modernbert._PRESETS:
+        if m.preset_name not in PRESETS[self.name]:
             raise UserError(f"config model.preset: {m.preset_name!r} is not a modernbert preset (one of "
-                            f"{', '.join(modernbert._PRESETS)})")
+                            f"{', '.join(PRESETS[self.name])})")
         if m.bert_config:
             raise UserError("config model.bert_config: a BERT config file does not apply to model.family: "
                             "modernbert (set model.preset and model.architecture, or start from an HF directory "
@@ -173,6 +214,9 @@ class ModernBertFamily:
     def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
         """Model from an HF ModernBERT directory (ModernBERT's, Ettin's, mmBERT's) or a preset sized to the vocab,
         with the vocab's special ids."""
+        from workflow.data.tokenizer import Vocabulary
+        from workflow.train import modernbert
+
         if m.init_from:
             config, state = load_pretrained(m.init_from)
             check_same_vocab(m.init_from, config.vocab_size, vocab_size, vocab)
@@ -210,6 +254,9 @@ def load_pretrained(directory: str | Path):
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise UserError(f"model.init_from {directory}: not a Hugging Face model directory (no config.json)")
+    from workflow.train import modernbert
+    from workflow.train.model import read_config_json
+
     fields = read_config_json(config_path)
     if fields.get("model_type") != "modernbert":
         raise UserError(f"model.init_from {directory}: a {fields.get('model_type')!r} model, not a ModernBERT one "

@@ -481,18 +481,30 @@ def pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_lab
     (empty prediction slots, empty sequence slots of packed rows) are ignored."""
     mlm_logits = mlm_logits.float().flatten(0, -2)
     labels = masked_lm_labels.flatten()
-    nsp_logits = nsp_logits.float().flatten(0, -2)
-    nsp_labels = next_sentence_labels.flatten().long()
     mlm_loss = F.cross_entropy(mlm_logits, labels, ignore_index=-1)
-    nsp_loss = F.cross_entropy(nsp_logits, nsp_labels, ignore_index=-1)
     with torch.no_grad():
         valid = labels >= 0
         mlm_correct = ((mlm_logits.argmax(-1) == labels) & valid).sum()
+    nsp = next_sentence_terms(nsp_logits, next_sentence_labels.flatten().long(), mlm_loss)
+    return {"loss": mlm_loss + nsp["nsp_loss"], "mlm_loss": mlm_loss, "mlm_correct": mlm_correct,
+            "mlm_count": valid.sum(), **nsp}
+
+
+def next_sentence_terms(nsp_logits, nsp_labels, mlm_loss, normaliser=None) -> dict:
+    """nsp_loss (summed / `normaliser`, else the mean), nsp_correct and nsp_count over the labels that are not -1;
+    a model without a next-sentence head (nsp_logits None: ModernBERT) has a zero loss and counts nothing."""
+    if nsp_logits is None:
+        zero = torch.zeros((), dtype=torch.long, device=mlm_loss.device)
+        return {"nsp_loss": mlm_loss * 0.0, "nsp_correct": zero, "nsp_count": zero}
+    nsp_logits = nsp_logits.float().flatten(0, -2)
+    if normaliser is None:
+        nsp_loss = F.cross_entropy(nsp_logits, nsp_labels, ignore_index=-1)
+    else:
+        nsp_loss = F.cross_entropy(nsp_logits, nsp_labels, ignore_index=-1, reduction="sum") / normaliser
+    with torch.no_grad():
         nsp_valid = nsp_labels >= 0
         nsp_correct = ((nsp_logits.argmax(-1) == nsp_labels) & nsp_valid).sum()
-    return {"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
-            "mlm_correct": mlm_correct, "mlm_count": valid.sum(), "nsp_correct": nsp_correct,
-            "nsp_count": nsp_valid.sum()}
+    return {"nsp_loss": nsp_loss, "nsp_correct": nsp_correct, "nsp_count": nsp_valid.sum()}
 
 
 # ---------------------------------------------------------------- Hugging Face directories

@@ -1,12 +1,12 @@
-"""BERT pretraining (one phase): the pretraining task (data, heads, loss) plugged into the training engine.
+"""Pretraining (one phase) of the configured model family: the pretraining task (data, heads, loss) plugged into the training engine.
 
 API:
     TrainSettings.from_config(config, phase, **paths)   the phase's settings from the workflow config (validated)
     pretrain(settings)     train (resuming from `run_dir/checkpoints`), evaluate on the fixed held-out set
                            (workflow/train/evaluation.py) every `eval_every` steps and at the end, export;
                            returns the summary dict
-    build_model(...)       (config, BertForPreTraining) from preset / bert_config.json / HF directory / DLE
-                           checkpoint (workflow/train/dle_checkpoint.py)
+    family(s.family)       the model family's build, fingerprint, FLOPs and export (workflow/train/family.py:
+                           BERT from a preset / bert_config.json / HF directory / DLE checkpoint; ModernBERT)
     PretrainingTask        the engine's Task: global sequence order, MLM + NSP loss normalised over the global batch
 
     python -m workflow.train.pretrain --phase phase1 --config '{"seed": .., "model": {..}, "pretrain": {..}}' \
@@ -59,17 +59,16 @@ from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, config_sections, run
 from workflow.config import load_config
-from workflow.data.tokenizer import Vocabulary, vocab_tokens
-from workflow.data.vocab import VOCAB_FILES, Normalization, vocab_file_type
-from workflow.train.dle_checkpoint import load_checkpoint, save_dle_export
+from workflow.data.tokenizer import Vocabulary
+from workflow.data.vocab import Normalization, vocab_file_type
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.evaluation import EvaluationSet
+from workflow.train.family import ModelSettings, family
 from workflow.train.lamb import make_scheduler
 from workflow.train.optimizers import (HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer,
                                        refuse_other_optimizer_keys)
-from workflow.train.model import (VARLEN_DEVICE_TYPES, BertConfig, BertForPreTraining, count_parameters,
-                                  flops_per_sequence, host_indices, load_weights, pretraining_loss,
-                                  save_pretrained, unpadded_of)
+from workflow.train.model import (VARLEN_DEVICE_TYPES, count_parameters, next_sentence_terms, pretraining_loss,
+                                  unpadded_of)
 from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, datasets, list_shards
 from workflow.train.telemetry import merge_node_files
@@ -97,7 +96,9 @@ class TrainSettings:
     global_batch_size: int
     micro_batch_size: int
     max_steps: int | None = None
-    preset: str = "bert-large"
+    family: str = "bert"                # config model.family (workflow/train/family.py)
+    preset: str | None = None           # None: the family's default preset
+    architecture: dict | None = None    # config model.architecture: HF config keys over the preset
     bert_config: str | None = None
     dle_gelu: str = "tanh"              # what a DLE checkpoint's "gelu" computes (config model.dle_gelu)
     init_from: str | None = None
@@ -144,11 +145,20 @@ class TrainSettings:
                                                          "log_every", "eval_max_sequences", "compile",
                                                          "loader_workers")})
             values.update({key: section.get(key, getattr(cls, key)) for key in ("eval_seed", "eval_every")})
-            values.update(preset=config["model"]["preset"], bert_config=config["model"]["bert_config"],
+            values.update(family=config["model"].get("family", cls.family), preset=config["model"]["preset"],
+                          architecture=config["model"].get("architecture"), bert_config=config["model"]["bert_config"],
                           dle_gelu=config["model"].get("dle_gelu", cls.dle_gelu), seed=config["seed"])
         except (KeyError, TypeError, AttributeError) as error:
             raise UserError(f"config: missing key {error} for pretrain.{phase} (see config.schema.yaml)") from None
-        return cls(phase=phase, **values, **paths)
+        settings = cls(phase=phase, **values, **paths)
+        settings.model_settings  # a model key that does not apply to the family: refused here
+        return settings
+
+    @property
+    def model_settings(self) -> ModelSettings:
+        return ModelSettings.from_config({"family": self.family, "preset": self.preset,
+                                          "architecture": self.architecture, "bert_config": self.bert_config,
+                                          "init_from": self.init_from, "dle_gelu": self.dle_gelu})
 
 
 def read_vocab_size(path: str) -> int:
@@ -165,65 +175,24 @@ def read_vocab_size(path: str) -> int:
     return size
 
 
-def check_same_vocab(init_from: str, rows: int, vocab_size: int, vocab: str | None) -> None:
-    """Continuing a model needs the data tokenized with its own vocab: as many entries (its rows, or those rows
-    padded to a multiple of 8 as DLE and our presets do) and, where the model has a vocab.txt or tokenizer.json, the
-    same tokens."""
-    if rows not in (vocab_size, (vocab_size + 7) // 8 * 8):
-        raise UserError(f"model.init_from {init_from}: a vocabulary of {rows} entries, the data's has {vocab_size}: "
-                        "tokenize the data with the model's own vocab (vocab.file) or start from random weights "
-                        "(model.init_from: null)")
-    own = next((Path(init_from) / name for name in VOCAB_FILES.values() if (Path(init_from) / name).is_file()), None)
-    if vocab and own and vocab_tokens(own) != vocab_tokens(vocab):
-        raise UserError(f"model.init_from {init_from}: its {own.name} differs from the data's {vocab}: tokenize the "
-                        f"data with it (vocab.file: {own}) or start from random weights (model.init_from: null)")
-
-
-def build_model(preset: str, bert_config: str | None, init_from: str | None, vocab_size: int, seq_length: int,
-                vocab: str | None = None, dle_gelu: str = "tanh") -> tuple[BertConfig, BertForPreTraining]:
-    """Model from (in order of precedence) an HF directory or a DLE checkpoint (with its bert_config.json), a
-    bert_config.json, or a preset sized to the vocab."""
-    state = None
-    if init_from:
-        config, state = load_checkpoint(init_from, bert_config, gelu=dle_gelu)
-        source = init_from
-        check_same_vocab(init_from, config.vocab_size, vocab_size, vocab)
-    elif bert_config:
-        config, source = BertConfig.from_json(bert_config), bert_config
-    else:
-        # Pad the vocab to a multiple of 8 (tensor-core friendly), as NVIDIA does.
-        config, source = BertConfig.preset(preset, vocab_size=(vocab_size + 7) // 8 * 8), f"preset {preset}"
-    if config.vocab_size < vocab_size:
-        raise UserError(f"{source}: vocab_size {config.vocab_size} is smaller than the vocabulary ({vocab_size})")
-    if config.max_position_embeddings < seq_length:
-        raise UserError(f"{source}: max_position_embeddings {config.max_position_embeddings} < sequence length "
-                        f"{seq_length} of the data")
-    model = BertForPreTraining(config)
-    if state is not None:
-        missing, unexpected = load_weights(model, state)
-        log.info("initialised from %s (%d tensors)", init_from, len(state))
-        if missing or unexpected:
-            log.warning("init_from %s: missing %s, unexpected %s (kept freshly initialised)", init_from, missing,
-                        unexpected)
-    return config, model
-
-
 class PretrainingTask:
     """Masked LM + next sentence prediction on the shards' global sequence order (the engine's Task); without
     `next_sentence_prediction` (full-sentences data), masked LM only: the NSP loss is 0 (kept in the graph with zero
     gradients, so every parameter takes part in each step, as DDP requires)."""
 
-    def __init__(self, sequences: PretrainingSequences, seq_length: int, next_sentence_prediction: bool = True):
+    def __init__(self, sequences: PretrainingSequences, seq_length: int, next_sentence_prediction: bool = True,
+                 host_indices=family("bert").host_indices):
         self.sequences = sequences
         self.seq_length = seq_length
         self.next_sentence_prediction = next_sentence_prediction
+        self.host_indices = host_indices  # the model family's (ModernBERT unpads every row on the GPU)
 
     def read(self, start: int, count: int) -> dict:
         return self.sequences.read(start, count)
 
     def micro_batches(self, start: int, count: int, rank: int, world: int, rows: int) -> list[dict]:
         # In the loader's worker: the indices the forward needs are computed here, so it never waits on the device.
-        return [host_indices(batch) for batch in self.sequences.micro_batches(start, count, rank, world, rows)]
+        return [self.host_indices(batch) for batch in self.sequences.micro_batches(start, count, rank, world, rows)]
 
     def count(self, batch: dict) -> dict:
         return {"masked": (batch["masked_lm_labels"] >= 0).sum(), "sequences": (batch["next_sentence_labels"] >= 0).sum()}
@@ -231,18 +200,15 @@ class PretrainingTask:
     def loss(self, model, batch: dict, totals: dict) -> dict:
         mlm_logits, nsp_logits, labels = forward(model, batch)
         mlm_logits = mlm_logits.float()
-        nsp_labels = batch["next_sentence_labels"].flatten()
-        nsp_logits = nsp_logits.float().flatten(0, -2)
         mlm_loss = F.cross_entropy(mlm_logits, labels, ignore_index=-1, reduction="sum") / totals["masked"]
-        nsp_loss = F.cross_entropy(nsp_logits, nsp_labels, ignore_index=-1, reduction="sum") / totals["sequences"]
+        nsp = next_sentence_terms(nsp_logits, batch["next_sentence_labels"].flatten(), mlm_loss, totals["sequences"])
         if not self.next_sentence_prediction:
-            nsp_loss = nsp_loss * 0.0
+            nsp["nsp_loss"] = nsp["nsp_loss"] * 0.0
         with torch.no_grad():
-            valid, nsp_valid = labels >= 0, nsp_labels >= 0
+            valid = labels >= 0
             stats = {"mlm_correct": ((mlm_logits.argmax(-1) == labels) & valid).sum(), "mlm_count": valid.sum(),
-                     "nsp_correct": ((nsp_logits.argmax(-1) == nsp_labels) & nsp_valid).sum(),
-                     "nsp_count": nsp_valid.sum(), "real_tokens": count_real_tokens(batch)}
-        return {"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss, **stats}
+                     "real_tokens": count_real_tokens(batch)}
+        return {"loss": mlm_loss + nsp["nsp_loss"], "mlm_loss": mlm_loss, **nsp, **stats}
 
     def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float, step: int) -> dict:
         return {"loss": sums["loss"] / steps, "mlm_loss": sums["mlm_loss"] / steps,
@@ -285,7 +251,8 @@ def pretraining_forward(model, batch: dict) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, evaluation_set: EvaluationSet, env, precision, batch_size) -> dict:
+def evaluate(model, evaluation_set: EvaluationSet, env, precision, batch_size,
+             host_indices=family("bert").host_indices) -> dict:
     """Held-out MLM/NSP accuracy and loss on the fixed evaluation set: each rank scores its share, the sums are
     all-reduced (the counts exactly: an accuracy does not depend on the world size). Every rank calls it."""
     model.eval()
@@ -305,14 +272,14 @@ def evaluate(model, evaluation_set: EvaluationSet, env, precision, batch_size) -
             "test_sequences": int(nsp_count), "test_predictions": int(mlm_count)}
 
 
-def _fingerprint(s: TrainSettings, config: BertConfig, data: dict, optimizer_name: str) -> dict:
+def _fingerprint(s: TrainSettings, config, data: dict, optimizer_name: str) -> dict:
     """What defines the run's math, by config key: a change refuses to resume (world size, micro-batch size,
     threads, cadence, precision and max_steps may change). `data`: pretraining_data.data_identity."""
     key = f"pretrain.{s.phase}"
     return {f"{key}.learning_rate": s.learning_rate, f"{key}.warmup_proportion": s.warmup_proportion,
             f"{key}.total_steps": s.total_steps, f"{key}.global_batch_size": s.global_batch_size, "seed": s.seed,
             **{f"pretrain.{s.optimizer}.{k}": getattr(s, k) for k in LAMB_KEYS}, "optimizer": optimizer_name,
-            "model": config.to_dict(), "init weights": _file_digest(s.init_from, ("model.safetensors",
+            **family(s.family).fingerprint(config), "init weights": _file_digest(s.init_from, ("model.safetensors",
                                                                                   "pytorch_model.bin", "")),
             "init optimizer state": _file_digest(s.init_optimizer, ("",)), "vocab": _file_digest(s.vocab, ("",)),
             **data, "data order": ORDER}
@@ -381,8 +348,9 @@ def train_phase(s: TrainSettings, env) -> dict:
     refuse_compile(s, train_shards[0].packed, env.device)
 
     torch.manual_seed(s.seed)  # identical initial weights on every rank
-    config, model = build_model(s.preset, s.bert_config, s.init_from, read_vocab_size(s.vocab), seq_length,
-                                s.vocab, s.dle_gelu)
+    model_family = family(s.family)
+    model_family.check_objective(train_shards[0].objective)
+    config, model = model_family.build(s.model_settings, s.vocab, read_vocab_size(s.vocab), seq_length)
     check_token_ids(train_shards + test_shards, s.vocab, config.vocab_size)
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank (as NVIDIA seeds seed + rank); weights stay identical
@@ -401,7 +369,7 @@ def train_phase(s: TrainSettings, env) -> dict:
     evaluation_set = EvaluationSet(test_shards, s.eval_max_sequences, s.eval_seed)
     log.info("held-out evaluation set: %s", evaluation_set.identity)
     held_out = functools.partial(evaluate, evaluation_set=evaluation_set, env=env, precision=precision,
-                                 batch_size=s.micro_batch_size * 2)
+                                 batch_size=s.micro_batch_size * 2, host_indices=model_family.host_indices)
     loop = LoopSettings(config_key=f"pretrain.{s.phase}", run_dir=s.run_dir, total_steps=s.total_steps,
                         global_batch_size=s.global_batch_size, micro_batch_size=s.micro_batch_size,
                         max_steps=s.max_steps, precision=precision, checkpoint_every=s.checkpoint_every,
@@ -409,7 +377,7 @@ def train_phase(s: TrainSettings, env) -> dict:
                         keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed, compile=s.compile,
                         loader_workers=s.loader_workers, eval_every=s.eval_every, evaluate=held_out)
     try:
-        task = PretrainingTask(sequences, seq_length, train_shards[0].objective == "nsp")
+        task = PretrainingTask(sequences, seq_length, train_shards[0].objective == "nsp", model_family.host_indices)
         outcome = train(env, model, optimizer, scheduler, task, loop,
                         _fingerprint(s, config, data_identity(s.data_dir, train_shards), optimizer_name))
     finally:
@@ -439,10 +407,12 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
         "real_tokens_per_s": real_tokens / max(train_time, 1e-9), "packed": train_shards[0].packed,
         "world_size": env.world_size, "device": str(env.device.type), "precision": precision,
         "skipped_steps": outcome.skipped_steps,  # fp16 steps the loss scaler skipped (inf/nan gradients)
+        # How far the learning-rate schedule got: a skipped step holds it, and the phase still ends after its steps.
+        "schedule_steps": step - outcome.skipped_steps, "final_learning_rate": optimizer.param_groups[0]["lr"],
         "optimizer": optimizer_name, "parameters": count_parameters(model), "global_batch_size": s.global_batch_size,
         "micro_batch_size": s.micro_batch_size, "accumulation_steps": outcome.micro_batches_per_step,
-        "train_flops_per_sequence": flops_per_sequence(config, seq_length, train_shards[0].max_predictions),
-        "model": config.to_dict(), **evaluation, "test_set": evaluation_set,
+        "train_flops_per_sequence": family(s.family).flops_per_sequence(config, seq_length, train_shards[0].max_predictions),
+        "family": s.family, "model": config.to_dict(), **evaluation, "test_set": evaluation_set,
         "masking": "dynamic" if train_shards[0].dynamic else "static", "objective": train_shards[0].objective,
         "next_sentence_prediction": train_shards[0].objective == "nsp",
     }
@@ -451,12 +421,15 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
     # a step's last ranks RANK_EXIT_WAIT_S after its first one exits (workflow/slurm/launch.py).
     exported = distributed.patient_group()
     if env.is_main:
+        if outcome.skipped_steps:
+            log.warning("%d fp16 step(s) skipped: the learning-rate schedule ends at its step %d of %d (lr %.3g, not "
+                        "0); the phase ends with its data", outcome.skipped_steps, summary["schedule_steps"],
+                        s.total_steps, summary["final_learning_rate"])
         run_dir = Path(s.run_dir)
         merge_node_files(run_dir / "gpu_telemetry.csv")  # again: rank 0 merged on its own stop, before the others'
         with atomic_path(s.out_model) as temporary:
-            save_pretrained(model, config, s.vocab, temporary, normalization=s.normalization,
-                            next_sentence_prediction=summary["next_sentence_prediction"])
-            save_dle_export(model, temporary, gelu=s.dle_gelu)
+            family(s.family).export(model, config, s.vocab, temporary, s.normalization,
+                                    summary["next_sentence_prediction"], s.dle_gelu)
         _slow_storage()
         with atomic_path(s.out_metrics) as temporary:
             shutil.copyfile(run_dir / "metrics.jsonl", temporary)
