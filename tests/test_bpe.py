@@ -18,7 +18,8 @@ from workflow.data.encode import encode_shard
 from workflow.data.extract import extract
 from workflow.data.format import format_corpus
 from workflow.data.masking_rule import EncodeSettings, Vocab
-from workflow.data.tokenize import ByteLevelCache, LineCache, load_tokenized, read_documents, tokenize_lines, tokenize_shard
+from workflow.data.tokenize import (ByteLevelCache, LineCache, load_tokenized, read_documents, tokenize_lines,
+                                    tokenize_shard)
 from workflow.data.tokenizer import Vocabulary, save_tokenizer
 from workflow.data.vocab import SPECIAL_TOKENS, train_bpe, train_vocab
 
@@ -27,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_vocab(*args, **env_extra):
     env = dict(os.environ, PYTHONPATH=str(REPO), **env_extra)
-    return subprocess.run([sys.executable, "-m", "workflow.data.vocab", *map(str, args)], capture_output=True, text=True,
-                          env=env)
+    return subprocess.run([sys.executable, "-m", "workflow.data.vocab", *map(str, args)], capture_output=True,
+                          text=True, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +53,8 @@ def test_trained_bpe_is_the_same_file_in_two_fresh_processes(corpus, trained):
     digests = set()
     for run, (threads, seed) in enumerate([(1, "0"), (2, "1")]):
         output = corpus / f"tokenizer_{run}.json"
-        result = run_vocab("--type", "bpe", "--shard-dir", corpus, "--n-shards", 2, "--size", 1500, "--threads", threads,
-                           "--output", output, PYTHONHASHSEED=seed)
+        result = run_vocab("--type", "bpe", "--shard-dir", corpus, "--n-shards", 2, "--size", 1500,
+                           "--threads", threads, "--output", output, PYTHONHASHSEED=seed)
         assert result.returncode == 0, result.stderr
         digests.add(hashlib.sha256(output.read_bytes()).hexdigest())
     assert digests == {hashlib.sha256(trained.read_bytes()).hexdigest()}
@@ -262,14 +263,16 @@ def test_fine_tuning_features_with_bpe_equal_the_exports_autotokenizer(corpus, t
     features = classify_features(pairs, np.zeros(2, np.int64), tokenizer, max_seq_length=32)
     for row, (a, b) in enumerate(pairs):
         ids = hf(a, b)["input_ids"]
-        assert features["input_ids"][row, : len(ids)].tolist() == ids and features["attention_mask"][row].sum() == len(ids)
+        assert features["input_ids"][row, : len(ids)].tolist() == ids
+        assert features["attention_mask"][row].sum() == len(ids)
     # SQuAD: each answer's tokens cover exactly its text (a byte-level token's span includes its leading space)
     examples = load_squad(sample_dir / "squad" / "train-sample.json", "1.1")[:40]
     squad = squad_features(examples, tokenizer, max_seq_length=128, doc_stride=64, max_query_length=32, training=False)
     checked = 0
     for row in np.flatnonzero(squad["start_positions"]):
         example = examples[squad["example_index"][row]]
-        start, end = squad["offsets"][row, squad["start_positions"][row]][0], squad["offsets"][row, squad["end_positions"][row]][1]
+        start = squad["offsets"][row, squad["start_positions"][row]][0]
+        end = squad["offsets"][row, squad["end_positions"][row]][1]
         assert example.context[start:end].strip() == example.answers[0]["text"].strip()
         checked += 1
     assert checked > 10
@@ -294,7 +297,8 @@ def test_snakemake_trains_a_bpe_and_encodes_with_it(corpus, tmp_path):
     shutil.copyfile(REPO / "config.yaml", tmp_path / "config.yaml")
     (tmp_path / "test-config.yaml").write_text(
         "shard: {n_training_shards: 2, n_test_shards: 1}\nvocab: {type: bpe, size: 800}\n"
-        "encode: {dupe_factor: 1, whole_word_masking: true, phase1: {max_seq_length: 64, max_predictions_per_seq: 10}}\n")
+        "encode: {dupe_factor: 1, whole_word_masking: true,"
+        " phase1: {max_seq_length: 64, max_predictions_per_seq: 10}}\n")
     env = dict(os.environ, PYTHONPATH=str(REPO), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),

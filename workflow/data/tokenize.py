@@ -139,12 +139,13 @@ class WordCache:
 
 
 class ByteLevelCache(WordCache):
-    """WordCache for a byte-level BPE: a chunk begins at a space between two non-spaces and keeps that space.
+    r"""WordCache for a byte-level BPE: a chunk begins at a space between two non-spaces and keeps that space.
 
-    Exact because the GPT-2 pre-tokenizer regex (`'s| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`) ends every
-    piece before such a space and starts the next with it, looking ahead only within runs of whitespace; so a text's
-    ids are its chunks' ids back to back (with no normaliser; Python's \\s is a superset of the regex's, so a split
-    here is a split there). Every chunk is encoded as its own sequence: byte-level pieces carry their space.
+    Exact because the GPT-2 pre-tokenizer regex (`'s| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`)
+    ends every piece before such a space and starts the next with it, looking ahead only within runs of whitespace;
+    so a text's ids are its chunks' ids back to back (with no normaliser; Python's \s is a superset of the regex's,
+    so a split here is a split there). Every chunk is encoded as its own sequence: byte-level pieces carry their
+    space.
     """
 
     BOUNDARY = re.compile(r"(?<=\S)(?= \S)")

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from workflow.data.vocab import (SPECIAL_TOKENS, VOCAB_FILES, Normalization, check_vocab_type, read_tokenizer_json, read_vocab,
-                                 special_token_ids, tokenizer_config, vocab_file_type)
+from workflow.data.vocab import (SPECIAL_TOKENS, VOCAB_FILES, Normalization, check_vocab_type, read_tokenizer_json,
+                                 read_vocab, special_token_ids, tokenizer_config, vocab_file_type)
 
 WORD_START = "\u0120"  # "Ġ": the byte-level alphabet's space, which begins every BPE token that starts a word
 CONTINUATION = "##"  # WordPiece: the prefix of a token that continues a word

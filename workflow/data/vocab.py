@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="vocab.txt (wordpiece) or tokenizer.json (bpe) to write")
     parser.add_argument("--type", choices=tuple(VOCAB_FILES), default="wordpiece", help="the vocab's type")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--vocab-file", help="an existing vocab of --type (vocab.txt, tokenizer.json) to validate and copy")
+    source.add_argument("--vocab-file", help="an existing vocab of --type (vocab.txt, tokenizer.json) to copy")
     source.add_argument("--shard-dir", help="directory of training text shards shard_0.txt ... to train a vocab on")
     parser.add_argument("--n-shards", type=int, help="number of shards in --shard-dir")
     parser.add_argument("--size", type=int, default=30522, help="size of a trained vocab")
