@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_finetune_ddp import HEADS, RECIPE, prepare
 from tests.test_pretrain import data, read_metrics, settings  # noqa: F401  (the data fixture)
 from workflow.train import accelerator, engine
 from workflow.train.pretrain import pretrain
@@ -129,3 +130,24 @@ def test_the_stop_vote_is_read_one_step_late_between_boundaries_and_at_once_at_t
     with accelerator.counting_host_syncs(torch.device("cpu")) as calls:
         assert vote.current() == 15
     assert calls == []
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_no_host_sync_in_a_finetuning_step_between_log_lines_and_checkpoints(head, tmp_path, monkeypatch):
+    # Per micro-batch there was a pageable copy of the row count and a read of the attention mask (is there padding?).
+    from workflow.classify.model import job_of
+    from workflow.glue.data import TASKS
+    from workflow.squad.finetune import JOB
+    from workflow.tasks.run import token_job
+    from workflow.train import finetune as finetuning
+
+    prepare(head, tmp_path)
+    job = {"squad": JOB, "classification": job_of(TASKS["SST-2"]), "regression": job_of(TASKS["STS-B"]),
+           "token_classification": token_job("ner", ["O", "B-PER", "I-PER"])}[head]
+    s = finetuning.FinetuneSettings(**{**RECIPE, "log_every": 3, "checkpoint_every": 3, "precision": "fp32"})
+    with engine.measured_host_syncs() as syncs:
+        finetuning.finetune(job, tmp_path / "init", tmp_path / "train.npz", tmp_path / "model", tmp_path / "run", s,
+                            device="cpu", threads=1)
+    # 3 steps of 4 micro-batches (16 rows in 4s): steps 1-2 between boundaries, step 3 logs and checkpoints.
+    assert (syncs["between_steps"], syncs["boundary_steps"]) == (2, 1)
+    assert syncs["between_syncs"] == 0, repr(syncs["calls"])[:3000]

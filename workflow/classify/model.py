@@ -33,18 +33,19 @@ class ClassifierSettings(finetuning.FinetuneSettings):
 
 class BertForSequenceClassification(nn.Module):
     """BERT encoder + dropout + a linear layer on the pooled [CLS] output: `num_labels` logits (1: a regression)."""
+    reads_pooled_output = True  # a head on every token's output builds its encoder without the pooler
 
     def __init__(self, config: BertConfig, num_labels: int):
         super().__init__()
         self.config, self.num_labels = config, num_labels
-        self.bert = BertModel(config)
+        self.bert = BertModel(config, add_pooling_layer=self.reads_pooled_output)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, num_labels)
         nn.init.normal_(self.classifier.weight, std=config.initializer_range)
         nn.init.zeros_(self.classifier.bias)
 
-    def forward(self, input_ids, token_type_ids, attention_mask):
-        _, pooled = self.bert(input_ids, token_type_ids, attention_mask)
+    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None):
+        _, pooled = self.bert(input_ids, token_type_ids, attention_mask, mask_needed=mask_needed)
         return self.classifier(self.dropout(pooled))
 
 
@@ -82,7 +83,7 @@ class ClassificationTask(FeatureTask):
         super().__init__(features, ("input_ids", "token_type_ids", "attention_mask"), ("labels",), batch_size, seed)
 
     def loss(self, model, batch: dict, totals: dict) -> dict:
-        logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["mask_needed"])
         share = classification_loss(logits, batch["labels"], "sum")
         out = {"loss": share / totals["sequences"]}
         if logits.shape[-1] > 1:

@@ -47,8 +47,8 @@ class BertForQuestionAnswering(nn.Module):
         nn.init.normal_(self.qa_outputs.weight, std=config.initializer_range)
         nn.init.zeros_(self.qa_outputs.bias)
 
-    def forward(self, input_ids, token_type_ids, attention_mask):
-        sequence_output, _ = self.bert(input_ids, token_type_ids, attention_mask)
+    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None):
+        sequence_output, _ = self.bert(input_ids, token_type_ids, attention_mask, mask_needed=mask_needed)
         logits = self.qa_outputs(sequence_output)
         return logits[..., 0], logits[..., 1]
 
@@ -83,7 +83,8 @@ class SquadTask(FeatureTask):
                                     "end_positions"), (), batch_size, seed)
 
     def loss(self, model, batch: dict, totals: dict) -> dict:
-        start_logits, end_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        start_logits, end_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
+                                         batch["mask_needed"])
         share = qa_loss(start_logits, end_logits, batch["start_positions"], batch["end_positions"], "sum")
         return {"loss": share / totals["sequences"]}
 

@@ -10,10 +10,12 @@ from workflow.train.finetune import FeatureTask
 
 class BertForTokenClassification(BertForSequenceClassification):
     """The sentence classifier (dropout + a linear layer, the same names) on every token's output: `num_labels` logits per
-    token."""
+    token. No pooler (HF's BertForTokenClassification has none): under DDP its parameters would take no part in the
+    loss and fail the second step."""
+    reads_pooled_output = False
 
-    def forward(self, input_ids, token_type_ids, attention_mask):
-        sequence, _ = self.bert(input_ids, token_type_ids, attention_mask)
+    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None):
+        sequence, _ = self.bert(input_ids, token_type_ids, attention_mask, mask_needed=mask_needed)
         return self.classifier(self.dropout(sequence))
 
 
@@ -27,7 +29,7 @@ class TokenTask(FeatureTask):
         return {**super().count(batch), "words": (batch["labels"] != IGNORE).sum()}
 
     def loss(self, model, batch: dict, totals: dict) -> dict:
-        logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["mask_needed"])
         labels = batch["labels"]
         share = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         correct = ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum().float()

@@ -101,8 +101,11 @@ def linear_warmup_decay(step: int, total_steps: int, warmup_proportion: float) -
 
 def adamw_with_warmup(model, s: FinetuneSettings, total_steps: int):
     """(optimizer, scheduler) of BERT fine-tuning: AdamW, linear warm-up then linear decay to 0."""
+    # torch's fused AdamW (CPU and CUDA): one kernel, its step counts on the device; the foreach one reads each
+    # parameter's step count on the host every step.
+    fused = next(model.parameters()).device.type in ("cpu", "cuda")
     optimizer = torch.optim.AdamW(param_groups(model, s.weight_decay), lr=s.learning_rate, betas=(0.9, 0.999),
-                                  eps=1e-6)
+                                  eps=1e-6, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: linear_warmup_decay(step, total_steps, s.warmup_proportion))
     return optimizer, scheduler
@@ -111,7 +114,9 @@ def adamw_with_warmup(model, s: FinetuneSettings, total_steps: int):
 class FeatureTask:
     """An engine Task over feature arrays; global order: a permutation per epoch of ceil(n / batch) batches.
     Subclasses give the loss and metrics. `token_keys` are widened to int64 per batch (kept compact: SQuAD train in
-    int64 would take ~1 GB per rank), `other_keys` are passed as stored."""
+    int64 would take ~1 GB per rank), `other_keys` are passed as stored. A batch says whether its rows hold padding
+    (`mask_needed`, read here on the host, by a loader worker), so the attention never reads the mask on the device;
+    its row count is made on the device: no step waits for a host copy or a device read."""
 
     def __init__(self, features: dict, token_keys: tuple, other_keys: tuple, batch_size: int, seed: int):
         self.tensors = {k: torch.from_numpy(features[k]) for k in token_keys}
@@ -133,10 +138,11 @@ class FeatureTask:
     def read(self, start: int, count: int) -> dict:
         rows = torch.from_numpy(self.order_of(np.arange(start, start + count), self.n, self.batch_size,
                                               self.steps_per_epoch, self.seed))
-        return {**{k: v[rows].long() for k, v in self.tensors.items()}, **{k: v[rows] for k, v in self.others.items()}}
+        batch = {**{k: v[rows].long() for k, v in self.tensors.items()}, **{k: v[rows] for k, v in self.others.items()}}
+        return {**batch, "mask_needed": not bool(batch["attention_mask"].all())}
 
     def count(self, batch: dict) -> dict:
-        return {"sequences": torch.tensor(batch["input_ids"].shape[0], device=batch["input_ids"].device)}
+        return {"sequences": batch["input_ids"].new_full((), batch["input_ids"].shape[0])}  # a fill, not a copy
 
 
 @dataclass

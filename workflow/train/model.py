@@ -361,25 +361,31 @@ def _init_weights(module: nn.Module, std: float) -> None:
 
 
 class BertModel(nn.Module):
-    """The BERT encoder: embeddings, transformer layers, pooler."""
+    """The BERT encoder: embeddings, transformer layers, pooler (HF's add_pooling_layer: a head that reads no pooled
+    output goes without, as HF's token classification does, so that DDP finds no parameter outside the loss)."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
         super().__init__()
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
         self.apply(lambda m: _init_weights(m, config.initializer_range))
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None, cls_positions=None):
-        """(sequence_output [B, L, H], pooled_output [B, H], or [B, S, H] for packed rows: see the module doc)."""
-        hidden, tokens = self.encode(input_ids, token_type_ids, attention_mask, position_ids, cls_positions is not None)
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None, cls_positions=None,
+                mask_needed: bool | None = None):
+        """(sequence_output [B, L, H], pooled_output [B, H], or [B, S, H] for packed rows: see the module doc; None
+        without a pooler). `mask_needed`: see encode."""
+        hidden, tokens = self.encode(input_ids, token_type_ids, attention_mask, position_ids, cls_positions is not None,
+                                     mask_needed=mask_needed)
         if tokens is None:
             sequence_output = hidden
         else:
             batch, length = input_ids.shape
             sequence_output = hidden.new_zeros(batch * length, hidden.shape[-1]).index_copy(0, tokens, hidden).view(
                 batch, length, -1)
+        if self.pooler is None:
+            return sequence_output, None
         first = sequence_output[:, 0] if cls_positions is None else gather_positions(sequence_output, cls_positions)
         return sequence_output, self.pooler(first)
 
