@@ -66,6 +66,22 @@ def test_a_skipped_fp16_step_leaves_the_schedule_counts_the_skip_and_keeps_grad_
     assert [summary["skipped_steps"] for summary in summaries] == [0, 1]
 
 
+def test_a_phase_with_skipped_fp16_steps_ends_with_its_data_and_its_summary_says_how_far_the_schedule_got(
+        data, tmp_path, fp16_on_cpu, overflow_at, caplog):  # noqa: F811
+    # Decided: no extra steps to finish the schedule (the data read and the compute stay what the config planned).
+    from workflow.train.lamb import PolyWarmup
+
+    overflow_at({3, 5})
+    s = settings(data, tmp_path, total_steps=8, log_every=1, checkpoint_every=8, precision="fp16", eval_max_sequences=16)
+    summary = pretrain(s)
+    assert (summary["steps"], summary["skipped_steps"], summary["schedule_steps"]) == (8, 2, 6)
+    assert summary["sequences"] == 8 * s.global_batch_size
+    assert summary["final_learning_rate"] == pytest.approx(s.learning_rate * PolyWarmup(8, s.warmup_proportion)(6))
+    assert summary["final_learning_rate"] == metrics(s)[-1]["lr"] > 0  # 2 steps short: not yet decayed to 0
+    assert json.loads(Path(s.out_summary).read_text())["schedule_steps"] == 6
+    assert "the learning-rate schedule ends at its step 6 of 8" in caplog.text
+
+
 def test_a_run_resumed_after_a_skipped_fp16_step_equals_the_uninterrupted_one(data, tmp_path, fp16_on_cpu,
                                                                              overflow_at):  # noqa: F811
     common = dict(total_steps=8, log_every=2, checkpoint_every=2, precision="fp16", eval_max_sequences=16)
