@@ -15,7 +15,7 @@ from workflow.train.lamb import param_groups
 from workflow.train.model import BertConfig, BertForPreTraining
 from workflow.train.modernbert import (ModernBertConfig, ModernBertForMaskedLM, ModernBertModel, attended_pairs,
                                        flops_per_sequence, host_indices)
-from workflow.train.optimizers import weight_decay_groups
+from workflow.train.optimizers import make_optimizer, weight_decay_groups
 
 transformers = pytest.importorskip("transformers")
 
@@ -308,6 +308,8 @@ def test_weight_decay_groups_keep_berts_split_and_exempt_modernberts_norms_and_b
     names = {id(p): name for name, p in model.named_parameters()}
     assert sorted(names[i] for i in exempt) == sorted(n for n in names.values() if "norm" in n or n.endswith("bias"))
     assert "model.embeddings.tok_embeddings.weight" in {names[i] for i in decayed}  # ModernBERT's recipe decays them
+    optimizer, _ = make_optimizer("adamw", model, lr=8e-4, weight_decay=1e-5)  # the engine's AdamW: the same split
+    assert [set(map(id, g["params"])) for g in optimizer.param_groups] == [decayed, exempt]
 
 
 # ---------------------------------------------------------------- the benchmark
