@@ -122,7 +122,7 @@ notes, real = Path(sys.argv[1]), pretrain.PretrainingTask.micro_batches
 def micro_batches(self, start, count, rank, world, rows):
     with open(notes / "workers", "a") as handle:
         handle.write(f"{os.getpid()}\\n")
-    if start >= 4 * count:
+    if start >= 4 * count and os.environ.get("RANK", "0") == os.environ.get("FAILING_RANK", "0"):
         (notes / "error_at").write_text(repr(time.time()))
         raise OSError(f"{notes}/shard_1.hdf5: damaged")
     return real(self, start, count, rank, world, rows)
@@ -163,5 +163,29 @@ def test_a_rank_whose_loader_worker_raises_exits_non_zero_within_seconds_and_lea
     assert waited < 10, f"the rank exited {waited:.1f} s after its worker's error"
     workers = {int(pid) for pid in (notes / "workers").read_text().split()}
     assert len(workers) == 2
+    time.sleep(1)
+    assert not [pid for pid in workers if _alive(pid)]
+
+
+def test_two_local_ranks_end_within_seconds_of_one_ranks_loader_worker_error(data, tmp_path):  # noqa: F811
+    # Rank 1's worker raises; rank 1 exits, torchrun stops rank 0 (blocked in its next collective, not for the
+    # collective timeout's 30 minutes), and the launcher exits non-zero, leaving no worker of either rank.
+    import time
+
+    from tests.test_pretrain import command, environment
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    argv = command(settings(data, tmp_path / "out", total_steps=12, loader_workers=2, eval_max_sequences=16))
+    launcher = [sys.executable, "-m", "workflow.slurm.launch", "--", sys.executable, "-c", FAILING_WORKER, str(notes),
+                *argv[3:]]
+    result = subprocess.run(launcher, env=environment(SNAKEBERT_LOCAL_RANKS="2", FAILING_RANK="1"),
+                            capture_output=True, text=True, timeout=120)
+    exited = time.time()
+    assert result.returncode != 0 and "damaged" in result.stderr
+    waited = exited - float((notes / "error_at").read_text())
+    assert waited < 20, f"the job ended {waited:.1f} s after rank 1's worker's error"
+    workers = {int(pid) for pid in (notes / "workers").read_text().split()}
+    assert len(workers) == 4  # two per rank
     time.sleep(1)
     assert not [pid for pid in workers if _alive(pid)]
