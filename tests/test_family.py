@@ -68,13 +68,13 @@ def test_the_export_loads_in_hf_and_gives_our_logits(tokenizer_json, tmp_path):
     assert len(fill("The river [MASK] north.", top_k=3)) == 3
 
 
-def test_continuing_an_hf_modernbert_directory_loads_every_weight(tokenizer_json, tmp_path):
+def test_continuing_an_hf_modernbert_directory_with_padded_rows_loads_every_weight(tokenizer_json, tmp_path):
     from transformers import ModernBertConfig, ModernBertForMaskedLM
 
     from workflow.data.tokenizer import Vocabulary, save_tokenizer
 
     vocab = Vocabulary.load(tokenizer_json)
-    hf_config = ModernBertConfig(vocab_size=vocab.size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    hf_config = ModernBertConfig(vocab_size=vocab.size + 64, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                                  num_attention_heads=2, local_attention=8, max_position_embeddings=256,
                                  pad_token_id=vocab.pad, cls_token_id=vocab.cls, sep_token_id=vocab.sep,
                                  bos_token_id=vocab.cls, eos_token_id=vocab.sep)

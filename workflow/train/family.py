@@ -45,13 +45,15 @@ class ModelSettings:
 
     @classmethod
     def from_config(cls, model: dict, init_from: str | None = None) -> "ModelSettings":
+        """`init_from`: where this phase starts (phase 2: phase 1's export), else model.init_from."""
         settings = cls(family=model.get("family") or "bert", preset=model.get("preset"),
                        architecture=dict(model.get("architecture") or {}), bert_config=model.get("bert_config"),
                        init_from=init_from or model.get("init_from"), dle_gelu=model.get("dle_gelu") or DLE_GELU_DEFAULT)
-        if settings.architecture and (settings.init_from or settings.bert_config):
-            raise UserError(f"config model.architecture {settings.architecture}: the model comes from "
-                            f"{settings.init_from or settings.bert_config} (model.init_from or model.bert_config), "
-                            "whose config it would contradict; set one or the other")
+        given = model.get("init_from") or settings.bert_config
+        if settings.architecture and given:
+            raise UserError(f"config model.architecture {settings.architecture}: the model comes from {given} "
+                            "(model.init_from or model.bert_config), whose config it would contradict; set one or "
+                            "the other")
         family(settings.family).check_settings(settings)
         return settings
 
@@ -71,11 +73,12 @@ def model_config_error(config: dict) -> str | None:
     return None
 
 
-def check_same_vocab(init_from: str, rows: int, vocab_size: int, vocab: str | None) -> None:
+def check_same_vocab(init_from: str, rows: int, vocab_size: int, vocab: str | None, padded_rows: bool = False) -> None:
     """Continuing a model needs the data tokenized with its own vocab: as many entries (its rows, or those rows
-    padded to a multiple of 8 as DLE and our presets do) and, where the model has a vocab.txt or tokenizer.json, the
+    padded to a multiple of 8 as DLE and our presets do; with `padded_rows`, any number of rows from the vocab's size
+    up: ModernBERT pads its 50,280 tokens to 50,368 rows) and, where the model has a vocab.txt or tokenizer.json, the
     same tokens."""
-    if rows not in (vocab_size, (vocab_size + 7) // 8 * 8):
+    if rows not in (vocab_size, (vocab_size + 7) // 8 * 8) and not (padded_rows and rows >= vocab_size):
         raise UserError(f"model.init_from {init_from}: a vocabulary of {rows} entries, the data's has {vocab_size}: "
                         "tokenize the data with the model's own vocab (vocab.file) or start from random weights "
                         "(model.init_from: null)")
@@ -219,7 +222,7 @@ class ModernBertFamily:
 
         if m.init_from:
             config, state = load_pretrained(m.init_from)
-            check_same_vocab(m.init_from, config.vocab_size, vocab_size, vocab)
+            check_same_vocab(m.init_from, config.vocab_size, vocab_size, vocab, padded_rows=True)
             source = m.init_from
         else:
             specials = Vocabulary.load(vocab).special_ids if vocab else {}

@@ -158,7 +158,7 @@ class TrainSettings:
     def model_settings(self) -> ModelSettings:
         return ModelSettings.from_config({"family": self.family, "preset": self.preset,
                                           "architecture": self.architecture, "bert_config": self.bert_config,
-                                          "init_from": self.init_from, "dle_gelu": self.dle_gelu})
+                                          "dle_gelu": self.dle_gelu}, init_from=self.init_from)
 
 
 def read_vocab_size(path: str) -> int:

@@ -1,0 +1,69 @@
+"""model.family: modernbert through the real DAG on the sample: a byte-level BPE vocab, full-sentences packed data,
+both phases (128 then 512 tokens, AdamW moments carried), and phase exports that Hugging Face's classes load and
+that compute what ours compute."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import copy_workflow, snakemake_env
+
+OVERLAY = {
+    "vocab": {"type": "bpe", "size": 1000},
+    "encode": {"objective": "full_sentences"},
+    "model": {"family": "modernbert", "preset": "modernbert-tiny", "architecture": {"num_hidden_layers": 3}},
+    "pretrain": {"optimizer": "adamw", "eval_max_sequences": 200, "eval_every": 0, "checkpoint_every": 4,
+                 "phase1": {"learning_rate": 2.0e-3, "total_steps": 6, "global_batch_size": 16, "micro_batch_size": 8},
+                 "phase2": {"learning_rate": 1.0e-3, "total_steps": 3, "global_batch_size": 8, "micro_batch_size": 4}},
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = copy_workflow(tmp_path_factory.mktemp("modernbert"))
+    (root / "modernbert.yaml").write_text(json.dumps(OVERLAY))
+    result = subprocess.run([sys.executable, "-m", "snakemake", "pretrain", "--profile", "profiles/local",
+                             "--configfile", "sample/config.yaml", "modernbert.yaml"], cwd=root, text=True,
+                            capture_output=True, env=snakemake_env(), timeout=1500)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return root
+
+
+def test_both_phases_train_modernbert_on_bpe_data(run):
+    summaries = [json.loads((run / f"results/pretrain/{phase}/summary.json").read_text()) for phase in
+                 ("phase1", "phase2")]
+    assert [(s["family"], s["seq_length"], s["steps"], s["objective"], s["packed"]) for s in summaries] == [
+        ("modernbert", 128, 6, "full_sentences", True), ("modernbert", 512, 3, "full_sentences", True)]
+    assert [s["test_nsp_accuracy"] for s in summaries] == [0.0, 0.0]  # no next-sentence head, nothing counted
+    assert summaries[0]["model"]["num_hidden_layers"] == 3
+    tokenizer = json.loads((run / "data/tokenizer.json").read_text())
+    assert tokenizer["model"]["type"] == "BPE" and summaries[0]["model"]["vocab_size"] >= len(tokenizer["model"]["vocab"])
+
+
+def test_the_phase_export_is_what_hf_loads_and_computes(run):
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline
+
+    from workflow.train.family import ModelSettings, family
+
+    export = run / "results/pretrain/phase2/model"
+    hf = AutoModelForMaskedLM.from_pretrained(export).eval()
+    assert type(hf).__name__ == "ModernBertForMaskedLM"
+    settings = ModelSettings.from_config({"family": "modernbert", "init_from": str(export)})
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    _, ours = family("modernbert").build(settings, str(export / "tokenizer.json"), len(tokenizer), 512)
+    encoded = tokenizer(["The town lies on the river.", "It was founded in the year 1200 by monks."],
+                        padding=True, return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf(**encoded).logits
+        mine = ours.eval()(encoded["input_ids"], attention_mask=encoded["attention_mask"])[0]
+    real = encoded["attention_mask"].bool()
+    assert (theirs[real] - mine[real]).abs().max() < 1e-4
+
+    text = "The town lies on the [MASK]."
+    best = pipeline("fill-mask", model=str(export), device="cpu")(text, top_k=1)[0]["token"]
+    encoded = tokenizer(text, return_tensors="pt")
+    slot = int((encoded["input_ids"][0] == tokenizer.mask_token_id).nonzero())
+    with torch.no_grad():
+        assert best == int(ours(encoded["input_ids"], attention_mask=encoded["attention_mask"])[0][0, slot].argmax())
