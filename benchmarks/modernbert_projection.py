@@ -1,0 +1,113 @@
+"""Projection: ModernBERT tokens/s and memory per GPU at 1,024 and 8,192 tokens on 8 H100s, from measured parts.
+
+    python benchmarks/modernbert_projection.py            # modernbert-base; --preset modernbert-large
+
+Measured here (CPU, the model's own code, bf16 autocast):
+  - activation memory: the bytes autograd saves for the backward of one training forward (the MLM head and its
+    cross-entropy at 30% of the tokens included; parameters left out), counted once per storage, on full rows at
+    three lengths, fitted as c + a * N + b * N * L for N tokens in rows of L: c is autocast's bf16 copy of the
+    weights (once per forward), b the dense CPU path's attention probabilities, which a flash kernel does not keep
+    (it recomputes them from its log-sum-exp, a few bytes a token): a GPU keeps a per token;
+  - the parameter count of the preset.
+Computed: training FLOPs per token (workflow.train.modernbert.flops_per_sequence: the GLU's three products, the
+local layers' attention within the window, the head at the predicted tokens).
+Assumed, and printed: the H100 SXM's datasheet bf16 dense peak (workflow.train.accelerator), a model FLOPs
+utilisation (MFU; 40% by default, --mfu), AdamW with fp32 weights, gradients and two moments (16 bytes a
+parameter, and the measured bf16 copy; DDP keeps a whole replica on each GPU), no activation checkpointing, and the gradients' all-reduce at an
+NCCL bus bandwidth of --bus-gbps over NVLink, overlapped with nothing (an upper bound on its cost).
+The ratio of our step time to Hugging Face's on the same batch is benchmarks/modernbert_step.py's.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workflow.train import accelerator  # noqa: E402
+from workflow.train.modernbert import ModernBertConfig, ModernBertForMaskedLM, flops_per_sequence  # noqa: E402
+
+MASKING = 0.3  # ModernBERT's masking rate
+LENGTHS = (1024, 8192)
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def saved_bytes(model: ModernBertForMaskedLM, rows: int, length: int) -> int:
+    """Bytes autograd saves for the backward of one bf16 training forward on `rows` full rows of `length` tokens."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(5, vocab, (rows, length), generator=generator)
+    predicted = torch.rand(rows, length, generator=generator) < MASKING
+    positions = [row.nonzero().flatten() for row in predicted]
+    width = max(len(p) for p in positions)
+    masked_lm_positions = torch.zeros(rows, width, dtype=torch.long)
+    valid = torch.zeros(rows, width, dtype=torch.bool)
+    for row, p in enumerate(positions):
+        masked_lm_positions[row, :len(p)], valid[row, :len(p)] = p, True
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _ = model(input_ids, None, torch.ones_like(input_ids), masked_lm_positions, masked_lm_valid=valid)
+        loss = F.cross_entropy(logits.float(), input_ids.gather(1, masked_lm_positions)[valid])
+    del loss, logits
+    return sum(storages.values())
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="modernbert-base")
+    parser.add_argument("--vocab", type=int, default=50368, help="vocab_size (ModernBERT's)")
+    parser.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilisation")
+    parser.add_argument("--bus-gbps", type=float, default=360.0, help="assumed NCCL all-reduce bus bandwidth (GB/s)")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--step-tokens", type=int, default=4_718_592,
+                        help="tokens per optimizer step, all GPUs (ModernBERT's 4,608 x 1,024)")
+    parser.add_argument("--measure", type=int, nargs=3, default=(64, 128, 256), help="the row lengths measured")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    config = ModernBertConfig.preset(args.preset, vocab_size=args.vocab, pad_token_id=0, cls_token_id=1,
+                                     sep_token_id=2, bos_token_id=1, eos_token_id=2)
+    model = ModernBertForMaskedLM(config).train()
+    parameters = sum(p.numel() for p in model.parameters())
+    rows = 2
+    measured = [saved_bytes(model, rows, length) for length in args.measure]
+    design = torch.tensor([[1.0, rows * length, rows * length * length] for length in args.measure], dtype=torch.float64)
+    constant, kept, quadratic = torch.linalg.solve(design, torch.tensor(measured, dtype=torch.float64)).tolist()
+    peak = accelerator.peak_flops(H100, "bf16")
+    static = 16 * parameters + constant
+    print(f"{args.preset}: {parameters / 1e6:.1f} M parameters; window {config.local_attention}, a global layer "
+          f"every {config.global_attn_every_n_layers}")
+    print(f"measured: saved for backward {', '.join(f'{b / 2**20:.0f} MiB' for b in measured)} at "
+          f"{rows} rows of {', '.join(map(str, args.measure))} tokens -> {constant / 2**20:.0f} MiB a forward (the "
+          f"bf16 weights), {kept / 1e3:.1f} KB a token kept with flash attention, and {quadratic:.1f} B a token per "
+          f"token of row on the dense CPU path")
+    print(f"assumed: {H100} bf16 peak {peak / 1e12:.1f} TFLOPS, MFU {args.mfu:.0%}, AdamW 16 B/parameter + the bf16 "
+          f"copy ({static / 2**30:.1f} GiB), all-reduce bus {args.bus_gbps:.0f} GB/s, {args.step_tokens:,} tokens a step")
+    print("| tokens a sequence | training GFLOP a token | tokens/s a GPU | tokens/s on 8 | all-reduce share "
+          "| activations GiB per 64k tokens | most tokens a micro-batch in 80 GB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for length in LENGTHS:
+        flops = flops_per_sequence(config, length, MASKING * length) / length
+        per_gpu = args.mfu * peak / flops
+        step_s = args.step_tokens / (per_gpu * args.gpus)
+        allreduce_s = 2 * (args.gpus - 1) / args.gpus * 2 * parameters / (args.bus_gbps * 1e9)  # bf16 gradients
+        total = args.gpus * per_gpu * step_s / (step_s + allreduce_s)
+        fits = int((80e9 * 0.9 - static) / kept) // length * length
+        print(f"| {length:,} | {flops / 1e9:.2f} | {per_gpu:,.0f} | {total:,.0f} | {allreduce_s / step_s:.2%} "
+              f"| {kept * 65536 / 2**30:.1f} | {fits:,} |")
+
+
+if __name__ == "__main__":
+    main()
