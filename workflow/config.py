@@ -67,15 +67,17 @@ def load_config(path: str | os.PathLike) -> dict:
 
 
 def optimizer_config_error(pretrain: dict) -> str | None:
-    """The config's pretrain section (defaults filled in): a key of the section of the optimizer not chosen
-    (pretrain.lamb with pretrain.optimizer: adamw, or the reverse) set to other than its default would do nothing; the
-    line naming it, None when there is none."""
+    """The config's pretrain section (defaults filled in): a key of the section of an optimizer not chosen
+    (pretrain.lamb with pretrain.optimizer: adamw, pretrain.stable_adamw with lamb, ...) set to other than its default
+    would do nothing; the line naming it, None when there is none."""
     schema = yaml.safe_load(SCHEMA.read_text())["properties"]["pretrain"]["properties"]
     chosen = pretrain.get("optimizer", schema["optimizer"]["default"])
     for other in schema["optimizer"]["enum"]:
         defaults = {key: value.get("default") for key, value in schema[other]["properties"].items()}
         for key, value in pretrain.get(other, {}).items() if other != chosen else ():
             if key in defaults and value != defaults[key]:
+                instead = (f"set pretrain.{chosen}.{key} instead" if key in schema[chosen]["properties"] else
+                           f"{chosen} has no {key}")
                 return (f"config pretrain.{other}.{key}: {value} is set, but pretrain.optimizer is {chosen}, which "
-                        f"reads pretrain.{chosen}; set pretrain.{chosen}.{key} instead, or pretrain.optimizer: {other}")
+                        f"reads pretrain.{chosen}; {instead}, or pretrain.optimizer: {other}")
     return None

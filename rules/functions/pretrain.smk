@@ -26,9 +26,9 @@ def pretrain_recipe(wildcards):
     pretrain = config["pretrain"]
     recipe = {key: value for key, value in pretrain[wildcards.phase].items() if key != "micro_batch_size"}
     optimizer = pretrain.get("optimizer", "lamb")
-    # LAMB's recipe as before AdamW existed (no rerun of finished phases); AdamW's names its section
+    # LAMB's recipe as before AdamW existed (no rerun of finished phases); another optimizer's names its section
     recipe.update({"lamb": pretrain["lamb"]} if optimizer == "lamb" else {"optimizer": optimizer,
-                                                                            "adamw": pretrain["adamw"]})
+                                                                            optimizer: pretrain[optimizer]})
     recipe.update(precision=pretrain["precision"], seed=config["seed"],
                   eval_max_sequences=pretrain["eval_max_sequences"], eval_seed=pretrain["eval_seed"],
                   model=config["model"])

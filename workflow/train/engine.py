@@ -19,6 +19,9 @@ the micro-batches r*A .. r*A+A-1 of micro_batch_size sequences (A = accumulation
 ranks continues on 1 or 4 with exactly the next sequences. The loss is normalised by global counts (masked tokens,
 sequences) summed over the whole step, so the gradient does not depend on how the global batch is split into ranks and micro-batches either: world size,
 micro-batch size, threads, cadence and max_steps may change between runs; a change of the math refuses to resume.
+With a batch-size warm-up (LoopSettings.batch_ramp, workflow/train/schedules.py) step k reads sequences
+[sequences_before(k), sequences_before(k) + batch_at(k)) instead: the same functions of the step on every rank and
+every resume, for tasks that split a step by rows (pretraining).
 
 Input pipeline: `loader_workers` processes (a torch DataLoader over the steps' positions) read each step's
 micro-batches `prefetch_steps` steps ahead of the training thread, into pinned memory on CUDA.
@@ -99,6 +102,7 @@ class LoopSettings:
     prefetch_steps: int = 2   # steps read ahead by the workers
     eval_every: int = 0       # steps between held-out evaluations (0: none in the loop)
     evaluate: Callable[[torch.nn.Module], dict] | None = None  # the held-out metrics of a model (all ranks call it)
+    batch_ramp: object | None = None  # schedules.BatchRamp: the global batch of each step (None: global_batch_size)
 
 
 class Task(Protocol):
@@ -318,17 +322,18 @@ def unstack_micro_batches(step: dict) -> list[dict]:
 
 
 class _Steps(torch.utils.data.Dataset):
-    """Item `start` = this rank's micro-batches of the step of sequences [start, start + count), stacked
-    (stack_micro_batches): what a DataLoader worker computes."""
+    """Item `start` (or `(start, count)`, a step of a batch ramp) = this rank's micro-batches of the step of sequences
+    [start, start + count), stacked (stack_micro_batches): what a DataLoader worker computes."""
 
     def __init__(self, task: Task, count: int, rank: int, world: int, size: int):
         self.task, self.count, self.rank, self.world, self.size = task, count, rank, world, size
 
-    def micro_batches(self, start: int) -> list[dict]:
+    def micro_batches(self, start) -> list[dict]:
+        start, count = start if isinstance(start, tuple) else (start, self.count)
         split = getattr(self.task, "micro_batches", None)
         if split is None:
-            return sequence_micro_batches(self.task, start, self.count, self.rank, self.world, self.size)
-        return split(start, self.count, self.rank, self.world, self.size)
+            return sequence_micro_batches(self.task, start, count, self.rank, self.world, self.size)
+        return split(start, count, self.rank, self.world, self.size)
 
     def __getitem__(self, start: int) -> dict:
         return stack_micro_batches(self.micro_batches(start))
@@ -341,7 +346,8 @@ def _ignore_stop_signals(_worker: int) -> None:
 
 
 def step_batches(task: Task, starts, s: LoopSettings, env):
-    """Iterator of this rank's micro-batches (a list per step) of the steps at `starts` (sequence positions), read by
+    """Iterator of this rank's micro-batches (a list per step) of the steps at `starts` (sequence positions of steps
+    of global_batch_size sequences, or (position, sequences) pairs: a batch ramp's), read by
     `s.loader_workers` processes `s.prefetch_steps` steps ahead, in pinned memory on CUDA (so copies to the GPU overlap
     compute); a step crosses from its worker as one tensor per field (stack_micro_batches). Reads are pure functions
     of the position, so reading ahead changes nothing: resume stays exact.
@@ -387,6 +393,8 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
     by_rows = hasattr(task, "micro_batches")  # else micro-batches of micro_batch_size sequences, which must divide
     accumulation = None if by_rows else accumulation_steps(s.global_batch_size, s.micro_batch_size, env.world_size,
                                                            s.config_key, s.global_batch_key)
+    if s.batch_ramp is not None and not by_rows:
+        raise UserError(f"config {s.config_key}: a batch-size warm-up needs a task that splits a step by rows")
     max_steps = s.max_steps or s.total_steps
     if max_steps > s.total_steps:
         raise UserError(f"config {s.config_key}.max_steps ({max_steps}) exceeds total_steps ({s.total_steps})")
@@ -442,9 +450,12 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
             }, s.keep_checkpoints)
         distributed.barrier()  # no rank leaves (or exits) before the checkpoint is on disk
 
-    window, window_steps, window_start = {}, 0, time.perf_counter()
+    window, window_steps, window_sequences, window_start = {}, 0, 0, time.perf_counter()
     vote = StopVote(env.device)
-    loader = step_batches(task, [consumed + k * s.global_batch_size for k in range(max_steps - step)], s, env)
+    ramp = s.batch_ramp
+    loader = step_batches(task, [consumed + k * s.global_batch_size for k in range(max_steps - step)] if ramp is None
+                          else [(consumed + ramp.sequences_before(k) - ramp.sequences_before(step), ramp.batch_at(k))
+                                for k in range(step, max_steps)], s, env)
     model.train()
     first_step, micro_batches, evaluation = step, 0, None
     with (contextlib.closing(loader), ckpt.StopSignals() as stop,
@@ -477,8 +488,9 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
             else:
                 skipped += 1
                 window["skipped_steps"] = window.get("skipped_steps", 0) + 1
+            window_sequences += s.global_batch_size if ramp is None else ramp.batch_at(step)
+            consumed += s.global_batch_size if ramp is None else ramp.batch_at(step)
             step += 1
-            consumed += s.global_batch_size
             window_steps += 1
             finite = torch.isfinite(grad_norm)  # an overflow's inf/nan norm stays out of the mean
             window["grad_norm"] = window.get("grad_norm", 0) + torch.where(finite, grad_norm, 0.0)
@@ -494,9 +506,9 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
                     log.info("step %d held-out %s", step, ", ".join(f"{k} {v:.4g}" for k, v in evaluation.items()))
             logged = step % s.log_every == 0 or step == max_steps or bool(line)
             if logged:
-                _log_metrics(task, window, window_steps, time.perf_counter() - window_start, step, max_steps,
-                             scheduler, scaler, s, env, metrics_path, scalars, line)
-                window, window_steps, window_start = {}, 0, time.perf_counter()
+                _log_metrics(task, window, window_steps, window_sequences, time.perf_counter() - window_start, step,
+                             max_steps, scheduler, scaler, s, env, metrics_path, scalars, line)
+                window, window_steps, window_sequences, window_start = {}, 0, 0, time.perf_counter()
             train_time += time.perf_counter() - started
             progress.update(1)
             vote.cast(stop.received)
@@ -582,13 +594,12 @@ def _eta(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
 
 
-def _log_metrics(task, window, steps, elapsed, step, max_steps, scheduler, scaler, s, env, path: Path, scalars,
-                 evaluation: dict) -> None:
+def _log_metrics(task, window, steps, sequences, elapsed, step, max_steps, scheduler, scaler, s, env, path: Path,
+                 scalars, evaluation: dict) -> None:
     skipped = window.pop("skipped_steps", 0)  # a host count, the same on every rank (the gradients are all-reduced)
     keys = sorted(window)
     values = distributed.all_reduce_(torch.stack([window[k].float() for k in keys]))
     sums = dict(zip(keys, values.tolist()))  # the window's one read of the device
-    sequences = steps * s.global_batch_size
     finite = sums.pop("finite_grad_norms")
     record = {"step": step, **task.metrics(sums, steps, sequences, elapsed, step), "lr": scheduler.get_last_lr()[0],
               "grad_norm": sums["grad_norm"] / finite if finite else None,  # None: every step skipped

@@ -26,9 +26,15 @@ that many rows, the last one filled up with empty rows, so every micro-batch has
 reused) and the number of micro-batches per step varies with the rows the step's sequences fill.
 Metrics: seq_per_s; tokens_per_s counts sequences x sequence length (padding included), as NVIDIA reports it;
 real_tokens_per_s counts the tokens that are not padding (what packing raises). Optimizer: `pretrain.optimizer`, LAMB
-(the default; gradient clipping is its global-norm pre-normalisation, max_grad_norm, as in NVIDIA's recipe) or AdamW
-(torch clipping to max_grad_norm; workflow/train/optimizers.py). Phase 2 starts from phase 1's weights and, unless
-`pretrain.carry_optimizer_state` is false, phase 1's optimizer moments with step and learning rate reset.
+(the default; gradient clipping is its global-norm pre-normalisation, max_grad_norm, as in NVIDIA's recipe), AdamW
+(torch clipping to max_grad_norm) or StableAdamW (torch-optimi's; clipping only where max_grad_norm is set;
+workflow/train/optimizers.py). Phase 2 starts from phase 1's weights and, unless `pretrain.carry_optimizer_state` is
+false, phase 1's optimizer moments with step and learning rate reset (a StableAdamW's step count continues:
+optimizers.carry_optimizer_state).
+Schedules (workflow/train/schedules.py): a phase's learning rate follows `schedule` (poly: NVIDIA's; wsd:
+warm-up-stable-decay), and with `batch_size_warmup` its global batch grows from start_size to global_batch_size over
+the first `sequences` sequences (step k then trains on sequences [sequences_before(k), sequences_before(k) +
+batch_at(k)) of the global order); both count optimizer steps, total_steps included.
 
 Held-out evaluation: `eval_max_sequences` sequences of the test shards chosen by `eval_seed` (the same set for any
 world size and any run on the same data); every `eval_every` steps the metrics line of that step adds test_mlm_accuracy
@@ -64,9 +70,9 @@ from workflow.data.vocab import Normalization, vocab_file_type
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.evaluation import EvaluationSet
 from workflow.train.family import ModelSettings, family
-from workflow.train.lamb import make_scheduler
 from workflow.train.optimizers import (HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer,
-                                       refuse_other_optimizer_keys)
+                                       refuse_other_optimizer_keys, state_to_carry)
+from workflow.train.schedules import WSD_KEYS, BatchRamp, make_scheduler, schedule_config_error
 from workflow.train.model import (VARLEN_DEVICE_TYPES, count_parameters, next_sentence_terms, pretraining_loss,
                                   unpadded_of)
 from workflow.train.precision import autocast, resolve_precision
@@ -78,7 +84,8 @@ FINISH_AFTER_TRAINING = "the last checkpoint is written; finishing the evaluatio
 log = logging.getLogger("pretrain")
 # Keys of a phase's config section; precision etc. come from the `pretrain` section itself.
 PHASE_KEYS = ("learning_rate", "warmup_proportion", "total_steps", "max_steps", "global_batch_size", "micro_batch_size")
-LAMB_KEYS = HYPER_PARAMETERS  # of pretrain.lamb and pretrain.adamw alike
+LAMB_KEYS = HYPER_PARAMETERS  # of pretrain.lamb, pretrain.adamw and pretrain.stable_adamw alike
+RECIPE_KEYS = ("schedule", *WSD_KEYS, "batch_size_warmup")  # a phase's optional keys (absent: NVIDIA's recipe)
 
 
 @dataclass
@@ -112,9 +119,16 @@ class TrainSettings:
     eps: float = 1e-6
     max_grad_norm: float = 1.0
     fused_lamb: bool = True             # apex FusedLAMB where it runs (config pretrain.lamb.fused)
-    optimizer: str = "lamb"             # lamb or adamw (config pretrain.optimizer); the hyper-parameters above
+    optimizer: str = "lamb"             # lamb, adamw or stable_adamw (config pretrain.optimizer); the above
                                         # are that optimizer's section's
     fused_adamw: bool = True            # torch's fused AdamW on CUDA (config pretrain.adamw.fused)
+    fused_stable_adamw: bool = True     # StableAdamW's Triton kernel / foreach path (config pretrain.stable_adamw.fused)
+    decouple_lr: bool = True            # config pretrain.stable_adamw.decouple_lr
+    schedule: str = "poly"              # config pretrain.<phase>.schedule: poly (NVIDIA's) or wsd
+    decay_proportion: float | None = None   # wsd (config pretrain.<phase>.decay_proportion etc.; None: the default)
+    decay_shape: str | None = None
+    final_lr_fraction: float | None = None
+    batch_size_warmup: dict | None = None   # config pretrain.<phase>.batch_size_warmup: {start_size, sequences}
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     log_every: int = 10
@@ -137,10 +151,16 @@ class TrainSettings:
             section = config["pretrain"]
             values = {key: section[phase].get(key) for key in PHASE_KEYS}
             refuse_other_optimizer_keys(section)
+            error = schedule_config_error(section[phase], f"pretrain.{phase}")
+            if error:
+                raise UserError(error)
+            values.update({key: section[phase][key] for key in RECIPE_KEYS if section[phase].get(key) is not None})
             values["optimizer"] = section.get("optimizer", cls.optimizer)
             values.update({key: section[values["optimizer"]][key] for key in LAMB_KEYS})
             values["fused_lamb"] = section["lamb"].get("fused", True) if "lamb" in section else True
             values["fused_adamw"] = section.get("adamw", {}).get("fused", True)
+            values["fused_stable_adamw"] = section.get("stable_adamw", {}).get("fused", True)
+            values["decouple_lr"] = section.get("stable_adamw", {}).get("decouple_lr", True)
             values.update({key: section[key] for key in ("precision", "checkpoint_every", "keep_checkpoints",
                                                          "log_every", "eval_max_sequences", "compile",
                                                          "loader_workers")})
@@ -152,7 +172,24 @@ class TrainSettings:
             raise UserError(f"config: missing key {error} for pretrain.{phase} (see config.schema.yaml)") from None
         settings = cls(phase=phase, **values, **paths)
         settings.model_settings  # a model key that does not apply to the family: refused here
+        settings.batch_ramp  # a start size above the global batch: refused here
         return settings
+
+    @property
+    def batch_ramp(self) -> BatchRamp | None:
+        """The phase's batch-size warm-up (None: every step global_batch_size sequences, NVIDIA's)."""
+        if not self.batch_size_warmup:
+            return None
+        start, sequences = self.batch_size_warmup["start_size"], self.batch_size_warmup["sequences"]
+        if start > self.global_batch_size:
+            raise UserError(f"config pretrain.{self.phase}.batch_size_warmup.start_size ({start}) exceeds "
+                            f"pretrain.{self.phase}.global_batch_size ({self.global_batch_size})")
+        return BatchRamp(self.global_batch_size, start, sequences)
+
+    @property
+    def wsd(self) -> dict:
+        """The wsd keys that are set (the others take schedules.WSD_DEFAULTS)."""
+        return {key: getattr(self, key) for key in WSD_KEYS if getattr(self, key) is not None}
 
     @property
     def model_settings(self) -> ModelSettings:
@@ -276,8 +313,16 @@ def _fingerprint(s: TrainSettings, config, data: dict, optimizer_name: str) -> d
     """What defines the run's math, by config key: a change refuses to resume (world size, micro-batch size,
     threads, cadence, precision and max_steps may change). `data`: pretraining_data.data_identity."""
     key = f"pretrain.{s.phase}"
+    # The recipe's newer keys only where they differ from NVIDIA's: a BERT run's fingerprint keeps its bytes.
+    recipe = {f"{key}.schedule": s.schedule, **{f"{key}.{k}": v for k, v in s.wsd.items()}} if s.schedule != "poly" \
+        else {}
+    if s.batch_size_warmup:
+        recipe[f"{key}.batch_size_warmup"] = dict(s.batch_size_warmup)
+    if s.optimizer == "stable_adamw":
+        recipe["pretrain.stable_adamw.decouple_lr"] = s.decouple_lr
     return {f"{key}.learning_rate": s.learning_rate, f"{key}.warmup_proportion": s.warmup_proportion,
-            f"{key}.total_steps": s.total_steps, f"{key}.global_batch_size": s.global_batch_size, "seed": s.seed,
+            f"{key}.total_steps": s.total_steps, f"{key}.global_batch_size": s.global_batch_size, **recipe,
+            "seed": s.seed,
             **{f"pretrain.{s.optimizer}.{k}": getattr(s, k) for k in LAMB_KEYS}, "optimizer": optimizer_name,
             **family(s.family).fingerprint(config), "init weights": _file_digest(s.init_from, ("model.safetensors",
                                                                                   "pytorch_model.bin", "")),
@@ -355,14 +400,16 @@ def train_phase(s: TrainSettings, env) -> dict:
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank (as NVIDIA seeds seed + rank); weights stay identical
         torch.manual_seed(s.seed + env.rank)
+    fused = {"lamb": s.fused_lamb, "adamw": s.fused_adamw, "stable_adamw": s.fused_stable_adamw}[s.optimizer]
     optimizer, optimizer_name = make_optimizer(
-        s.optimizer, model, s.learning_rate, s.weight_decay, s.max_grad_norm, (s.beta1, s.beta2), s.eps,
-        s.fused_lamb if s.optimizer == "lamb" else s.fused_adamw)
+        s.optimizer, model, s.learning_rate, s.weight_decay, s.max_grad_norm, (s.beta1, s.beta2), s.eps, fused,
+        s.decouple_lr)
     if s.init_optimizer:
         carry_optimizer_state(optimizer, s.init_optimizer)
-        log.info("%s moments carried over from %s (step and learning rate reset)",
-                 "LAMB" if s.optimizer == "lamb" else "AdamW", s.init_optimizer)
-    scheduler = make_scheduler(optimizer, s.total_steps, s.warmup_proportion)
+        log.info("%s moments carried over from %s (learning rate reset, step %s)",
+                 {"lamb": "LAMB", "adamw": "AdamW", "stable_adamw": "StableAdamW"}[s.optimizer], s.init_optimizer,
+                 "continued" if s.optimizer == "stable_adamw" else "reset")
+    scheduler = make_scheduler(optimizer, s.total_steps, s.warmup_proportion, s.schedule, **s.wsd)
     log.info("%s: %s, %d parameters, %s, %s, seq %d", s.phase, env.device, count_parameters(model), precision,
              optimizer_name, seq_length)
     sequences = PretrainingSequences(train_shards, s.seed)
@@ -375,7 +422,8 @@ def train_phase(s: TrainSettings, env) -> dict:
                         max_steps=s.max_steps, precision=precision, checkpoint_every=s.checkpoint_every,
                         clip_grad_norm=engine_clip(s.optimizer, s.max_grad_norm),
                         keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed, compile=s.compile,
-                        loader_workers=s.loader_workers, eval_every=s.eval_every, evaluate=held_out)
+                        loader_workers=s.loader_workers, eval_every=s.eval_every, evaluate=held_out,
+                        batch_ramp=s.batch_ramp)
     try:
         task = PretrainingTask(sequences, seq_length, train_shards[0].objective == "nsp", model_family.host_indices)
         outcome = train(env, model, optimizer, scheduler, task, loop,
@@ -398,12 +446,13 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
             evaluation_set: str, precision) -> dict:
     step, train_time = outcome.step, outcome.train_time_s
     seq_length = train_shards[0].seq_length
+    sequences = s.batch_ramp.sequences_before(step) if s.batch_ramp else step * s.global_batch_size
     real_tokens = _real_tokens(Path(s.run_dir) / "metrics.jsonl") if env.is_main else 0
     summary = {
         "phase": s.phase, "steps": step, "total_steps": s.total_steps, "train_time_s": round(train_time, 3),
-        "sequences": step * s.global_batch_size, "seq_length": seq_length,
-        "seq_per_s": step * s.global_batch_size / max(train_time, 1e-9),
-        "tokens_per_s": step * s.global_batch_size * seq_length / max(train_time, 1e-9),
+        "sequences": sequences, "seq_length": seq_length,
+        "seq_per_s": sequences / max(train_time, 1e-9),
+        "tokens_per_s": sequences * seq_length / max(train_time, 1e-9),
         "real_tokens_per_s": real_tokens / max(train_time, 1e-9), "packed": train_shards[0].packed,
         "world_size": env.world_size, "device": str(env.device.type), "precision": precision,
         "skipped_steps": outcome.skipped_steps,  # fp16 steps the loss scaler skipped (inf/nan gradients)
@@ -437,9 +486,8 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
             with atomic_path(s.out_telemetry) as temporary:
                 shutil.copyfile(run_dir / "gpu_telemetry.csv", temporary)
         if s.out_optimizer:
-            shapes = [list(p.shape) for group in optimizer.param_groups for p in group["params"]]
             with atomic_path(s.out_optimizer) as temporary:
-                torch.save({"state": optimizer.state_dict()["state"], "shapes": shapes}, temporary)
+                torch.save(state_to_carry(optimizer), temporary)
         write_json(s.out_summary, summary)
         log.info("%s done: %s", s.phase, {k: summary[k] for k in ("steps", "seq_per_s", "test_mlm_accuracy",
                                                                    "test_nsp_accuracy")})
