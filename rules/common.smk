@@ -13,7 +13,7 @@ sys.path.insert(0, REPO_ROOT)
 # command, so a conda env (which blocks an inherited PYTHONPATH) and a Slurm job (which re-reads this file) get it
 shell.prefix("set -euo pipefail; export PYTHONPATH={REPO_ROOT:q}${{PYTHONPATH:+:$PYTHONPATH}}; ")
 from workflow.cli import UserError
-from workflow.config import optimizer_config_error, validate_config
+from workflow.config import optimizer_config_error, schedule_config_error, validate_config
 from workflow.data.corpora import corpora_error
 from workflow.data.download import dump_parts, wikipedia_dump_url
 from workflow.data.vocab import vocab_config_error
@@ -51,7 +51,10 @@ def config_consistency_error(config):
         if batch % micro:
             return (f"config key 'glue.batch_size': {batch} is not a multiple of glue.micro_batch_size ({micro}) "
                     f"for task {task} (glue.overrides.{task} may set either)")
-    return (optimizer_config_error(config["pretrain"]) or task_config_error(config) or corpora_error(config)
+    return (optimizer_config_error(config["pretrain"])
+            or next(filter(None, (schedule_config_error(config["pretrain"][phase], f"pretrain.{phase}")
+                                  for phase in ("phase1", "phase2"))), None)
+            or task_config_error(config) or corpora_error(config)
             or vocab_config_error(config) or model_config_error(config))
 
 

@@ -6,6 +6,8 @@ API:
     load_config(path) -> config                             a YAML config file, validated
     optimizer_config_error(pretrain) -> one line or None    a key set in the section of the optimizer not chosen
                                                             (Snakefile at parse time, and the phase's own check)
+    schedule_config_error(phase, key) -> one line or None   pretrain.<phase>: a wsd key set under schedule poly, or
+                                                            warm-up and decay longer than the phase (the same)
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import yaml
 from workflow.cli import UserError
 
 SCHEMA = Path(__file__).resolve().parents[1] / "config.schema.yaml"
+WSD_KEYS = ("decay_proportion", "decay_shape", "final_lr_fraction")  # pretrain.<phase>'s keys of schedule wsd
 
 
 def _with_defaults(validator_class):
@@ -80,4 +83,20 @@ def optimizer_config_error(pretrain: dict) -> str | None:
                            f"{chosen} has no {key}")
                 return (f"config pretrain.{other}.{key}: {value} is set, but pretrain.optimizer is {chosen}, which "
                         f"reads pretrain.{chosen}; {instead}, or pretrain.optimizer: {other}")
+    return None
+
+
+def schedule_config_error(phase: dict, key: str) -> str | None:
+    """`phase`: the config's pretrain.<phase> section (key: its dotted name). A wsd key under schedule poly would do
+    nothing; warm-up plus decay longer than the phase has no stable stretch to stand on."""
+    if phase.get("schedule", "poly") == "poly":
+        for name in WSD_KEYS:
+            if phase.get(name) is not None:
+                return (f"config {key}.{name}: {phase[name]} is set, but {key}.schedule is poly (NVIDIA's), which "
+                        f"has no decay to shape; set {key}.schedule: wsd, or remove {key}.{name}")
+        return None
+    warmup, decay = phase.get("warmup_proportion", 0), phase.get("decay_proportion") or 0
+    if warmup + decay > 1:
+        return (f"config {key}: warmup_proportion {warmup} + decay_proportion {decay} exceed 1 (the whole phase); "
+                f"lower either")
     return None

@@ -64,7 +64,7 @@ from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, config_sections, run
-from workflow.config import load_config
+from workflow.config import load_config, schedule_config_error
 from workflow.data.tokenizer import Vocabulary
 from workflow.data.vocab import Normalization, vocab_file_type
 from workflow.train.engine import LoopSettings, set_threads, train
@@ -72,7 +72,7 @@ from workflow.train.evaluation import EvaluationSet
 from workflow.train.family import ModelSettings, family
 from workflow.train.optimizers import (HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer,
                                        refuse_other_optimizer_keys, state_to_carry)
-from workflow.train.schedules import WSD_KEYS, BatchRamp, make_scheduler, schedule_config_error
+from workflow.train.schedules import WSD_KEYS, BatchRamp, make_scheduler
 from workflow.train.model import (VARLEN_DEVICE_TYPES, count_parameters, next_sentence_terms, pretraining_loss,
                                   unpadded_of)
 from workflow.train.precision import autocast, resolve_precision

@@ -8,8 +8,8 @@ API:
         callable for LambdaLR: the multiplier of the peak rate at optimizer step `index + 1` (as lamb.PolyWarmup)
     make_scheduler(optimizer, total_steps, warmup_proportion, schedule="poly", **wsd) -> LambdaLR
         poly: lamb.make_scheduler (NVIDIA's, unchanged); wsd: WarmupStableDecay
-    schedule_config_error(phase_section, key) -> one line or None   a wsd key set with schedule poly (it would do
-        nothing), or warm-up and decay longer than the phase
+    (a wsd key under schedule poly, or warm-up plus decay longer than the phase: workflow/config.py's
+    schedule_config_error, at the Snakefile's parse time and the phase's start)
     BatchRamp(global_batch_size, start_size=None, sequences=0)   the global batch of each step:
         batch_at(step) sequences in step `step` (0-based), sequences_before(step) their offset in the global order
         (the sum of the earlier steps' batches); without a ramp batch_at is global_batch_size and sequences_before
@@ -34,12 +34,12 @@ import numpy as np
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from workflow.config import WSD_KEYS
 from workflow.train import lamb
 
 LR_SCHEDULES = ("poly", "wsd")
 DECAY_SHAPES = ("linear", "1-sqrt")
-WSD_KEYS = ("decay_proportion", "decay_shape", "final_lr_fraction")
-WSD_DEFAULTS = {"decay_proportion": 0.0, "decay_shape": "1-sqrt", "final_lr_fraction": 0.0}
+WSD_DEFAULTS = dict(zip(WSD_KEYS, (0.0, "1-sqrt", 0.0)))  # decay_proportion, decay_shape, final_lr_fraction
 
 
 class WarmupStableDecay:
@@ -71,22 +71,6 @@ def make_scheduler(optimizer: Optimizer, total_steps: int, warmup_proportion: fl
     if schedule == "poly":
         return lamb.make_scheduler(optimizer, total_steps, warmup_proportion)
     return LambdaLR(optimizer, WarmupStableDecay(total_steps, warmup_proportion, **{**WSD_DEFAULTS, **wsd}))
-
-
-def schedule_config_error(phase: dict, key: str) -> str | None:
-    """`phase`: the config's pretrain.<phase> section (key: its dotted name). A wsd key under schedule poly would do
-    nothing; warm-up plus decay longer than the phase has no stable stretch to stand on."""
-    if phase.get("schedule", "poly") == "poly":
-        for name in WSD_KEYS:
-            if phase.get(name) is not None:
-                return (f"config {key}.{name}: {phase[name]} is set, but {key}.schedule is poly (NVIDIA's), which "
-                        f"has no decay to shape; set {key}.schedule: wsd, or remove {key}.{name}")
-        return None
-    warmup, decay = phase.get("warmup_proportion", 0), phase.get("decay_proportion") or 0
-    if warmup + decay > 1:
-        return (f"config {key}: warmup_proportion {warmup} + decay_proportion {decay} exceed 1 (the whole phase); "
-                f"lower either")
-    return None
 
 
 class BatchRamp:
