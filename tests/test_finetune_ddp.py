@@ -2,7 +2,8 @@
 `profiles/local` starts one rank per GPU through torchrun), DDP with find_unused_parameters=False, two micro-batches
 per rank and step (no_sync on the first), three steps. A parameter that takes no part in the loss fails the second
 step ("Expected to have finished reduction in the prior iteration"). A question-answering task of the config's tasks
-section runs workflow.squad.finetune: the squad case."""
+section runs workflow.squad.finetune: the squad case. Each head of each model family: the init directory's model
+type picks BERT's heads or ModernBERT's (HF's ModernBertFor* layout, no pooler)."""
 import json
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import torch
 from workflow.data.features import save_features
 from workflow.tasks.tokens import IGNORE
 from workflow.train.finetune import FinetuneSettings
+from workflow.train import family
 from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+from workflow.train.modernbert import ModernBertConfig, ModernBertForMaskedLM
 
 ROWS, SEQ, VOCAB = 48, 16, 32  # 48 rows in batches of 16: 3 steps in one epoch
 RECIPE = {**vars(FinetuneSettings()), "learning_rate": 1e-3, "epochs": 1.0, "batch_size": 16, "micro_batch_size": 4,
@@ -22,20 +25,21 @@ RECIPE = {**vars(FinetuneSettings()), "learning_rate": 1e-3, "epochs": 1.0, "bat
 SEED = RECIPE.pop("seed")
 
 
-def features(head: str) -> dict:
-    rng = np.random.default_rng(0)
-    out = {"input_ids": rng.integers(5, VOCAB, (ROWS, SEQ)).astype(np.int32),
-           "token_type_ids": np.zeros((ROWS, SEQ), np.int8),
-           "attention_mask": (np.arange(SEQ) < rng.integers(SEQ // 2, SEQ + 1, (ROWS, 1))).astype(np.int8)}
+def features(head: str, rows: int = ROWS, seq: int = SEQ, vocab: int = VOCAB, seed: int = 0) -> dict:
+    """Random training features of the head: ids [5, vocab), rows half to fully real, 2 or 3 labels."""
+    rng = np.random.default_rng(seed)
+    out = {"input_ids": rng.integers(5, vocab, (rows, seq)).astype(np.int32),
+           "token_type_ids": np.zeros((rows, seq), np.int8),
+           "attention_mask": (np.arange(seq) < rng.integers(seq // 2, seq + 1, (rows, 1))).astype(np.int8)}
     if head == "squad":
-        out["start_positions"] = rng.integers(1, SEQ - 4, ROWS)
+        out["start_positions"] = rng.integers(1, seq - 4, rows)
         out["end_positions"] = out["start_positions"] + 2
     elif head == "classification":
-        out["labels"] = rng.integers(0, 2, ROWS)
+        out["labels"] = rng.integers(0, 2, rows)
     elif head == "regression":
-        out["labels"] = rng.uniform(0, 5, ROWS).astype(np.float32)
+        out["labels"] = rng.uniform(0, 5, rows).astype(np.float32)
     else:
-        out["labels"] = np.where(rng.random((ROWS, SEQ)) < 0.3, IGNORE, rng.integers(0, 3, (ROWS, SEQ)))
+        out["labels"] = np.where(rng.random((rows, seq)) < 0.3, IGNORE, rng.integers(0, 3, (rows, seq)))
     return out
 
 
@@ -56,22 +60,30 @@ def command(head: str, root) -> list[str]:
             str(root / "labels.json"), *common]
 
 
-def prepare(head: str, root) -> None:
-    """root/init: a tiny randomly initialised export; root/train.npz: the head's training features."""
+def prepare(head: str, root, model_family: str = "bert") -> None:
+    """root/init: a tiny randomly initialised export of the family; root/train.npz: the head's training features."""
     torch.manual_seed(0)
-    config = BertConfig.preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)
     (root / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
                                                *(f"w{i}" for i in range(VOCAB - 5))]) + "\n")
-    save_pretrained(BertForPreTraining(config), config, root / "vocab.txt", root / "init")
+    if model_family == "bert":
+        config = BertConfig.preset("tiny", vocab_size=VOCAB, max_position_embeddings=SEQ)
+        save_pretrained(BertForPreTraining(config), config, root / "vocab.txt", root / "init")
+    else:  # a local window of 8: the 16-token rows cross it
+        config = ModernBertConfig.preset("modernbert-tiny", vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                         local_attention=8, pad_token_id=0, cls_token_id=2, bos_token_id=2,
+                                         sep_token_id=3, eos_token_id=3)
+        family.save_pretrained(ModernBertForMaskedLM(config), config, root / "vocab.txt", root / "init")
     save_features(root / "train.npz", features(head))
 
 
 HEADS = ["squad", "classification", "regression", "token_classification"]
+FAMILIES = ["bert", "modernbert"]
 
 
+@pytest.mark.parametrize("model_family", FAMILIES)
 @pytest.mark.parametrize("head", HEADS)
-def test_every_finetuning_head_trains_three_steps_on_two_ranks_under_ddp(head, tmp_path, repo_env):
-    prepare(head, tmp_path)
+def test_every_finetuning_head_trains_three_steps_on_two_ranks_under_ddp(head, model_family, tmp_path, repo_env):
+    prepare(head, tmp_path, model_family)
     argv = [sys.executable, "-m", "workflow.slurm.launch", "--", sys.executable, "-m", *command(head, tmp_path),
             "--metrics", str(tmp_path / "metrics.jsonl")]
     result = subprocess.run(argv, env={**repo_env, "SNAKEBERT_LOCAL_RANKS": "2", "OMP_NUM_THREADS": "1"},
@@ -81,3 +93,5 @@ def test_every_finetuning_head_trains_three_steps_on_two_ranks_under_ddp(head, t
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
     assert (tmp_path / "model" / "model.safetensors").is_file()
+    exported = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert exported["model_type"] == model_family

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_finetune_ddp import HEADS, RECIPE, prepare
+from tests.test_finetune_ddp import FAMILIES, HEADS, RECIPE, prepare
 from tests.test_pretrain import data, read_metrics, settings  # noqa: F401  (the data fixture)
 from workflow.train import accelerator, engine
 from workflow.train.pretrain import pretrain
@@ -148,8 +148,9 @@ def test_the_stop_vote_is_read_one_step_late_between_boundaries_and_at_once_at_t
     assert calls == []
 
 
+@pytest.mark.parametrize("model_family", FAMILIES)
 @pytest.mark.parametrize("head", HEADS)
-def test_no_host_sync_in_a_finetuning_step_between_log_lines_and_checkpoints(head, tmp_path, monkeypatch):
+def test_no_host_sync_in_a_finetuning_step_between_log_lines_and_checkpoints(head, model_family, tmp_path):
     # Per micro-batch there was a pageable copy of the row count and a read of the attention mask (is there padding?).
     from workflow.classify.model import job_of
     from workflow.glue.data import TASKS
@@ -157,7 +158,7 @@ def test_no_host_sync_in_a_finetuning_step_between_log_lines_and_checkpoints(hea
     from workflow.tasks.run import token_job
     from workflow.train import finetune as finetuning
 
-    prepare(head, tmp_path)
+    prepare(head, tmp_path, model_family)
     job = {"squad": JOB, "classification": job_of(TASKS["SST-2"]), "regression": job_of(TASKS["STS-B"]),
            "token_classification": token_job("ner", ["O", "B-PER", "I-PER"])}[head]
     s = finetuning.FinetuneSettings(**{**RECIPE, "log_every": 3, "checkpoint_every": 3, "precision": "fp32"})

@@ -7,19 +7,22 @@ warmup then linear decay, gradient clipping. Defaults: seq 128, lr 2e-5, 3 epoch
 the training engine's (workflow/train/engine.py: DDP, accumulation, elastic resume from a run directory, refusal of
 changed settings, SIGTERM/SIGUSR1 checkpoint and exit); this module supplies the task. The result is an HF directory
 (BertForSequenceClassification names: `bert.*`, `classifier.*`), whose head token classification reuses
-(workflow.tasks.token_model).
+(workflow.tasks.token_model). A ModernBERT directory gets HF's ModernBertForSequenceClassification instead (`model.*`,
+`head.*`, `classifier.*`; pooling by its config's classifier_pooling): the directory's model type picks the head.
 """
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workflow.classify.task import SentenceTask
 from workflow.cli import UserError
 from workflow.train import finetune as finetuning
-from workflow.train.finetune import FeatureTask, FinetuneJob
-from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights
+from workflow.train.finetune import FeatureTask, FinetuneJob, load_head
+from workflow.train.model import BertConfig, BertModel, at_positions
+from workflow.train.modernbert import ModernBertWithClassifier
 
 
 @dataclass
@@ -34,6 +37,9 @@ class ClassifierSettings(finetuning.FinetuneSettings):
 class BertForSequenceClassification(nn.Module):
     """BERT encoder + dropout + a linear layer on the pooled [CLS] output: `num_labels` logits (1: a regression)."""
     reads_pooled_output = True  # a head on every token's output builds its encoder without the pooler
+    config_class = BertConfig
+    output_layer = "classifier."  # sized by the task (finetune.load_head)
+    fresh_prefixes = ("classifier.",)
 
     def __init__(self, config: BertConfig, num_labels: int):
         super().__init__()
@@ -44,9 +50,27 @@ class BertForSequenceClassification(nn.Module):
         nn.init.normal_(self.classifier.weight, std=config.initializer_range)
         nn.init.zeros_(self.classifier.bias)
 
-    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None):
+    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
         _, pooled = self.bert(input_ids, token_type_ids, attention_mask, mask_needed=mask_needed)
         return self.classifier(self.dropout(pooled))
+
+
+class ModernBertForSequenceClassification(ModernBertWithClassifier):
+    """HF's ModernBertForSequenceClassification: `head`, `drop` and `classifier` on the [CLS] token's output or the
+    mean over the real tokens (config.classifier_pooling: cls | mean): `num_labels` logits (1: a regression)."""
+
+    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
+        hidden, tokens = self.encode(input_ids, attention_mask, mask_needed, unpadded)
+        batch, length = input_ids.shape
+        starts = torch.arange(batch, device=input_ids.device) * length
+        if self.config.classifier_pooling == "cls":
+            return self.classify(at_positions(hidden, tokens, starts))
+        rows = at_positions(hidden, tokens, starts[:, None] + torch.arange(length, device=input_ids.device))
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return self.classify((rows * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True))
+
+
+SEQUENCE_CLASSIFIERS = (BertForSequenceClassification, ModernBertForSequenceClassification)  # one per model family
 
 
 def classification_loss(logits, labels, reduction="mean"):
@@ -56,24 +80,10 @@ def classification_loss(logits, labels, reduction="mean"):
     return F.cross_entropy(logits.float(), labels, reduction=reduction)
 
 
-def load_classifier(directory: str | Path, num_labels: int, require_head: bool = False,
-                    model_class=BertForSequenceClassification):
-    """A classifier (a `model_class`: sequence or token classification) from an HF BERT directory; the head is freshly
-    initialised unless present (require_head: must be)."""
-    config, state = load_pretrained(directory)
-    if "classifier.weight" in state and state["classifier.weight"].shape[0] != num_labels:
-        if require_head:
-            raise UserError(f"{directory}: its classifier has {state['classifier.weight'].shape[0]} outputs, "
-                            f"the task {num_labels}")
-        state = {k: v for k, v in state.items() if not k.startswith("classifier.")}  # another task's head
-    model = model_class(config, num_labels)
-    missing, _unexpected = load_weights(model, state)
-    encoder_missing = [k for k in missing if not k.startswith("classifier.")]
-    if encoder_missing:
-        raise UserError(f"{directory}: weights lack {len(encoder_missing)} encoder tensors, e.g. {encoder_missing[0]}")
-    if require_head and missing:
-        raise UserError(f"{directory}: no classification head (classifier.*): not a fine-tuned classifier")
-    return model, config
+def load_classifier(directory: str | Path, num_labels: int, require_head: bool = False, heads=SEQUENCE_CLASSIFIERS):
+    """A classifier (of `heads`: sequence or token classification, one class per model family) from an HF BERT or
+    ModernBERT directory; the head is freshly initialised unless present (require_head: must be)."""
+    return load_head(directory, heads, num_labels, require_head)
 
 
 class ClassificationTask(FeatureTask):
@@ -83,7 +93,7 @@ class ClassificationTask(FeatureTask):
         super().__init__(features, ("input_ids", "token_type_ids", "attention_mask"), ("labels",), batch_size, seed)
 
     def loss(self, model, batch: dict, totals: dict) -> dict:
-        logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["mask_needed"])
+        logits = model(*self.inputs(batch))
         share = classification_loss(logits, batch["labels"], "sum")
         out = {"loss": share / totals["sequences"]}
         if logits.shape[-1] > 1:
@@ -114,7 +124,7 @@ def job_of(task: SentenceTask, config_key: str | None = None, batch_key: str | N
         batch_key=batch_key or f"glue.overrides.{task.name}", unit="examples",
         make_task=make_task, load_model=lambda init: load_classifier(init, task.num_labels),
         fingerprint={"task": task.name}, config_json=dict(
-            architectures=["BertForSequenceClassification"], finetuning_task=task.name,
+            finetuning_task=task.name,
             id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
             problem_type="regression" if task.labels is None else "single_label_classification"))
 

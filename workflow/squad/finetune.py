@@ -5,7 +5,8 @@ biases and LayerNorm), linear warmup then linear decay, gradient clipping (squad
 The loop is the training engine's (workflow/train/engine.py: DDP, accumulation, elastic resume from `--run-dir`,
 refusal of changed settings, SIGTERM/SIGUSR1 checkpoint and exit), driven by workflow/train/finetune.py; this module
 supplies the task. The result is an
-HF directory (BertForQuestionAnswering names: `bert.*`, `qa_outputs.*`); the run directory is removed once it is
+HF directory (BertForQuestionAnswering names: `bert.*`, `qa_outputs.*`; from a ModernBERT directory HF's
+ModernBertForQuestionAnswering: `model.*`, `head.*`, `classifier.*`); the run directory is removed once it is
 written (the model supersedes its checkpoints).
 
     python -m workflow.squad.finetune --config '{"seed": 12345, "squad": {...}}' --init results/pretrain/phase2/model \
@@ -21,8 +22,9 @@ from torch import nn
 
 from workflow.cli import UserError, run
 from workflow.train import finetune as finetuning
-from workflow.train.finetune import FeatureTask, FinetuneJob, finetune_parser
-from workflow.train.model import BertConfig, BertModel, load_pretrained, load_weights
+from workflow.train.finetune import FeatureTask, FinetuneJob, finetune_parser, load_head
+from workflow.train.model import BertConfig, BertModel
+from workflow.train.modernbert import ModernBertWithClassifier
 
 
 @dataclass
@@ -37,20 +39,38 @@ class FinetuneSettings(finetuning.FinetuneSettings):
 
 class BertForQuestionAnswering(nn.Module):
     """BERT encoder + a linear layer giving start and end logits for every token."""
+    config_class = BertConfig
+    output_layer = "qa_outputs."
+    fresh_prefixes = ("qa_outputs.", "bert.pooler.")  # a masked-LM export has no pooler (unused here)
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, num_labels: int = 2):
         super().__init__()
         self.config = config
         self.bert = BertModel(config)
         self.bert.pooler.requires_grad_(False)  # unused by QA; frozen so DDP does not wait for its gradients
-        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.qa_outputs = nn.Linear(config.hidden_size, num_labels)
         nn.init.normal_(self.qa_outputs.weight, std=config.initializer_range)
         nn.init.zeros_(self.qa_outputs.bias)
 
-    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None):
+    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
         sequence_output, _ = self.bert(input_ids, token_type_ids, attention_mask, mask_needed=mask_needed)
         logits = self.qa_outputs(sequence_output)
         return logits[..., 0], logits[..., 1]
+
+
+class ModernBertForQuestionAnswering(ModernBertWithClassifier):
+    """HF's ModernBertForQuestionAnswering: `head`, `drop` and a 2-output `classifier` on every token: start and end
+    logits."""
+
+    def __init__(self, config, num_labels: int = 2):
+        super().__init__(config, num_labels)
+
+    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
+        logits = self.classify_tokens(input_ids, attention_mask, mask_needed, unpadded)
+        return logits[..., 0], logits[..., 1]
+
+
+QA_MODELS = (BertForQuestionAnswering, ModernBertForQuestionAnswering)  # one per model family
 
 
 def qa_loss(start_logits, end_logits, start_positions, end_positions, reduction="mean"):
@@ -62,17 +82,10 @@ def qa_loss(start_logits, end_logits, start_positions, end_positions, reduction=
     return (start + end) / 2
 
 
-def load_qa_model(directory: str | Path, require_head: bool = False) -> tuple[BertForQuestionAnswering, BertConfig]:
-    """A QA model from an HF BERT directory; the head is freshly initialised unless present (require_head: must be)."""
-    config, state = load_pretrained(directory)
-    model = BertForQuestionAnswering(config)
-    missing, _unexpected = load_weights(model, state)
-    encoder_missing = [k for k in missing if not k.startswith(("qa_outputs.", "bert.pooler."))]
-    if encoder_missing:
-        raise UserError(f"{directory}: weights lack {len(encoder_missing)} encoder tensors, e.g. {encoder_missing[0]}")
-    if require_head and any(k.startswith("qa_outputs.") for k in missing):
-        raise UserError(f"{directory}: no question-answering head (qa_outputs.*): not a fine-tuned SQuAD model")
-    return model, config
+def load_qa_model(directory: str | Path, require_head: bool = False):
+    """(model, config): a QA model from an HF BERT or ModernBERT directory; the head is freshly initialised unless
+    present (require_head: must be)."""
+    return load_head(directory, QA_MODELS, 2, require_head)
 
 
 class SquadTask(FeatureTask):
@@ -83,8 +96,7 @@ class SquadTask(FeatureTask):
                                     "end_positions"), (), batch_size, seed)
 
     def loss(self, model, batch: dict, totals: dict) -> dict:
-        start_logits, end_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
-                                         batch["mask_needed"])
+        start_logits, end_logits = model(*self.inputs(batch))
         share = qa_loss(start_logits, end_logits, batch["start_positions"], batch["end_positions"], "sum")
         return {"loss": share / totals["sequences"]}
 
@@ -99,7 +111,7 @@ def _squad_task(features: dict, features_path: Path, s: FinetuneSettings) -> Squ
 
 
 JOB = FinetuneJob(config_key="squad", section="squad", batch_key="squad", unit="features", make_task=_squad_task,
-                  load_model=load_qa_model, config_json={"architectures": ["BertForQuestionAnswering"]})
+                  load_model=load_qa_model)
 
 
 def finetune(init, features_path, output, run_dir, settings: FinetuneSettings | None = None, vocab=None,

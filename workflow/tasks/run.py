@@ -28,10 +28,10 @@ from workflow.atomic import write_json, write_text
 from workflow.cli import UserError, config_sections, run
 from workflow.data.features import load_features
 from workflow.classify import evaluate as classify_evaluate
-from workflow.classify.model import BertForSequenceClassification, ClassifierSettings, job_of, load_classifier
+from workflow.classify.model import SEQUENCE_CLASSIFIERS, ClassifierSettings, job_of, load_classifier
 from workflow.tasks.config import task_section
 from workflow.tasks.data import sentence_task
-from workflow.tasks.token_model import BertForTokenClassification, TokenTask
+from workflow.tasks.token_model import TOKEN_CLASSIFIERS, TokenTask
 from workflow.tasks.tokens import IGNORE, entity_scores, word_tags
 from workflow.train import finetune as finetuning
 from workflow.train.finetune import FinetuneJob, finetune_parser
@@ -49,9 +49,9 @@ def token_job(name: str, labels: list[str]) -> FinetuneJob:
 
     return FinetuneJob(
         config_key=f"tasks.{name}", section="glue", batch_key=f"tasks.{name}", unit="sentences", make_task=make_task,
-        load_model=lambda init: load_classifier(init, len(labels), model_class=BertForTokenClassification),
+        load_model=lambda init: load_classifier(init, len(labels), heads=TOKEN_CLASSIFIERS),
         fingerprint={"task": name, "labels": labels}, config_json=dict(
-            architectures=["BertForTokenClassification"], finetuning_task=name,
+            finetuning_task=name,
             id2label=dict(enumerate(labels)), label2id={label: i for i, label in enumerate(labels)}))
 
 
@@ -67,9 +67,8 @@ def finetune(config: dict, name: str, labels, init, features, output, run_dir, v
 def _model(task: dict, labels, model_dir, device: str):
     import torch
 
-    model_class = (BertForTokenClassification if task["type"] == "token_classification" else
-                   BertForSequenceClassification)
-    model, _ = load_classifier(model_dir, len(labels) if labels else 1, require_head=True, model_class=model_class)
+    heads = TOKEN_CLASSIFIERS if task["type"] == "token_classification" else SEQUENCE_CLASSIFIERS
+    model, _ = load_classifier(model_dir, len(labels) if labels else 1, require_head=True, heads=heads)
     device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                           "cpu" if device == "auto" else device)
     return model.to(device), device

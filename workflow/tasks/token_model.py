@@ -1,11 +1,13 @@
 """Token classification's model and training task: a token-classification head (HF BertForTokenClassification's
-names: `bert.*`, `classifier.*`) and cross-entropy over each word's first sub-word (workflow.tasks.tokens' features).
+names: `bert.*`, `classifier.*`; from a ModernBERT directory HF's ModernBertForTokenClassification: `model.*`, `head.*`,
+`classifier.*`) and cross-entropy over each word's first sub-word (workflow.tasks.tokens' features).
 """
 import torch.nn.functional as F
 
 from workflow.classify.model import BertForSequenceClassification
 from workflow.tasks.tokens import IGNORE
 from workflow.train.finetune import FeatureTask
+from workflow.train.modernbert import ModernBertWithClassifier
 
 
 class BertForTokenClassification(BertForSequenceClassification):
@@ -14,9 +16,20 @@ class BertForTokenClassification(BertForSequenceClassification):
     loss and fail the second step."""
     reads_pooled_output = False
 
-    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None):
+    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
         sequence, _ = self.bert(input_ids, token_type_ids, attention_mask, mask_needed=mask_needed)
         return self.classifier(self.dropout(sequence))
+
+
+class ModernBertForTokenClassification(ModernBertWithClassifier):
+    """HF's ModernBertForTokenClassification: `head`, `drop` and `classifier` on every token: `num_labels` logits per
+    token."""
+
+    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
+        return self.classify_tokens(input_ids, attention_mask, mask_needed, unpadded)
+
+
+TOKEN_CLASSIFIERS = (BertForTokenClassification, ModernBertForTokenClassification)  # one per model family
 
 
 class TokenTask(FeatureTask):
@@ -29,7 +42,7 @@ class TokenTask(FeatureTask):
         return {**super().count(batch), "words": (batch["labels"] != IGNORE).sum()}
 
     def loss(self, model, batch: dict, totals: dict) -> dict:
-        logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["mask_needed"])
+        logits = model(*self.inputs(batch))
         labels = batch["labels"]
         share = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         correct = ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum().float()

@@ -15,6 +15,12 @@ API:
     Family.check_objective(objective)    the data's objective (encode.objective), refused where the family lacks it
     Family.fingerprint(config), .flops_per_sequence(config, seq_length, max_predictions), .host_indices(batch)
     Family.export(model, config, vocab, directory, normalization, next_sentence_prediction, dle_gelu)
+Fine-tuning (any HF directory; its model type picks the family, whatever model.family says):
+    directory_family(directory) -> Family    by config.json's model_type (modernbert: ModernBERT, Ettin, mmBERT)
+    Family.load_directory(directory) -> (config, state)   Family.config_class: the config a head is built for
+    Family.save_directory(model, config, vocab, directory, normalization)   a fine-tuned head's HF directory
+    Family.rows_host_indices(batch) -> batch   a fine-tuning batch's indices (ModernBERT: its real tokens)
+    own_vocab(directory) -> its vocab.txt or tokenizer.json (None: neither)
 """
 from __future__ import annotations
 
@@ -83,12 +89,18 @@ def check_same_vocab(init_from: str, rows: int, vocab_size: int, vocab: str | No
                         "tokenize the data with the model's own vocab (vocab.file) or start from random weights "
                         "(model.init_from: null)")
     from workflow.data.tokenizer import vocab_tokens
-    from workflow.data.vocab import VOCAB_FILES
 
-    own = next((Path(init_from) / name for name in VOCAB_FILES.values() if (Path(init_from) / name).is_file()), None)
+    own = own_vocab(init_from)
     if vocab and own and vocab_tokens(own) != vocab_tokens(vocab):
         raise UserError(f"model.init_from {init_from}: its {own.name} differs from the data's {vocab}: tokenize the "
                         f"data with it (vocab.file: {own}) or start from random weights (model.init_from: null)")
+
+
+def own_vocab(directory: str | Path) -> Path | None:
+    """An HF directory's vocab file (vocab.txt or tokenizer.json), None when it has neither."""
+    from workflow.data.vocab import VOCAB_FILES
+
+    return next((Path(directory) / name for name in VOCAB_FILES.values() if (Path(directory) / name).is_file()), None)
 
 
 def _check_sizes(config, source: str, vocab_size: int, seq_length: int) -> None:
@@ -123,7 +135,30 @@ class BertFamily:
     """NVIDIA's BERT (workflow/train/model.py): NSP or not, DLE checkpoints in and out."""
 
     name = "bert"
+    model_type = "bert"
     objectives = ("nsp", "full_sentences")
+
+    @property
+    def config_class(self):
+        from workflow.train.model import BertConfig
+
+        return BertConfig
+
+    @staticmethod
+    def load_directory(directory):
+        from workflow.train.model import load_pretrained
+
+        return load_pretrained(directory)
+
+    @staticmethod
+    def save_directory(model, config, vocab, directory, normalization) -> None:
+        from workflow.train.model import save_pretrained
+
+        save_pretrained(model, config, vocab, directory, normalization)
+
+    @staticmethod
+    def rows_host_indices(batch: dict) -> dict:
+        return batch
 
     @staticmethod
     def host_indices(batch: dict) -> dict:
@@ -184,7 +219,30 @@ class ModernBertFamily:
     """ModernBERT (workflow/train/modernbert.py): masked LM only, HF directories in and out."""
 
     name = "modernbert"
+    model_type = "modernbert"
     objectives = ("full_sentences",)
+
+    @property
+    def config_class(self):
+        from workflow.train.modernbert import ModernBertConfig
+
+        return ModernBertConfig
+
+    @staticmethod
+    def load_directory(directory):
+        return load_pretrained(directory, key=None)
+
+    @staticmethod
+    def save_directory(model, config, vocab, directory, normalization) -> None:
+        save_pretrained(model, config, vocab, directory)  # a BPE tokenizer.json: no normalisation to write
+
+    @staticmethod
+    def rows_host_indices(batch: dict) -> dict:
+        """The real tokens of a fine-tuning batch's rows (model.UNPADDED_KEYS), found on the host: this family runs
+        every batch unpadded on the devices of model.VARLEN_DEVICE_TYPES."""
+        from workflow.train.model import UNPADDED_KEYS, unpad
+
+        return {**batch, **dict(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))}
 
     @staticmethod
     def host_indices(batch: dict) -> dict:
@@ -250,23 +308,24 @@ class ModernBertFamily:
         save_pretrained(model, config, vocab, directory)
 
 
-def load_pretrained(directory: str | Path):
+def load_pretrained(directory: str | Path, key: str | None = "model.init_from"):
     """(ModernBertConfig, state dict) of an HF ModernBERT directory (HF's own save or ours); another model type is
-    refused in one line."""
+    refused in one line (naming the config `key` that gave the directory, if any)."""
     directory = Path(directory)
     config_path = directory / "config.json"
+    where = f"{key} {directory}" if key else str(directory)
     if not config_path.is_file():
-        raise UserError(f"model.init_from {directory}: not a Hugging Face model directory (no config.json)")
+        raise UserError(f"{where}: not a Hugging Face model directory (no config.json)")
     from workflow.train import modernbert
     from workflow.train.model import read_config_json
 
     fields = read_config_json(config_path)
     if fields.get("model_type") != "modernbert":
-        raise UserError(f"model.init_from {directory}: a {fields.get('model_type')!r} model, not a ModernBERT one "
+        raise UserError(f"{where}: a {fields.get('model_type')!r} model, not a ModernBERT one "
                         "(model.family: modernbert); start a BERT with model.family: bert")
     weights = directory / "model.safetensors"
     if not weights.is_file():
-        raise UserError(f"model.init_from {directory}: no model.safetensors")
+        raise UserError(f"{where}: no model.safetensors")
     from safetensors.torch import load_file
 
     state = load_file(str(weights))
@@ -301,3 +360,13 @@ def family(name: str):
     if name not in FAMILIES:
         raise UserError(f"config model.family: {name!r} is not one of {', '.join(FAMILIES)}")
     return FAMILIES[name]
+
+
+def directory_family(directory: str | Path):
+    """The family of the model an HF directory holds, by its config.json's model_type: ModernBERT's for modernbert
+    (ModernBERT's, Ettin's, mmBERT's), else BERT's (whose loader reads BERT configs and judges the rest)."""
+    from workflow.train.model import read_config_json
+
+    config_path = Path(directory) / "config.json"
+    model_type = read_config_json(config_path).get("model_type") if config_path.is_file() else None
+    return next((each for each in FAMILIES.values() if each.model_type == model_type), FAMILIES["bert"])

@@ -5,8 +5,11 @@ API:
     FinetuneSettings                    BERT fine-tuning's keys and defaults; from_section(config, section, overrides)
     finetune_parser(...)                the command line both stages share; each adds its own arguments
     check_features_fit(features, path, config)   ids within the model's vocab, rows within its positions
+    load_head(directory, heads, num_labels, require_head) -> (model, config)   the task's head for the directory's
+                                        family (heads: one class per family, HF's ...For<Task> of each)
     adamw_with_warmup(model, settings, total_steps) -> (optimizer, scheduler)
-    FeatureTask                         an engine Task over feature arrays: a permutation per epoch
+    FeatureTask                         an engine Task over feature arrays: a permutation per epoch; inputs(batch):
+                                        what a head's forward takes
     FinetuneJob                         what a task hands the driver (its data, model, names)
     finetune(job, init, features, output, run_dir, settings, ...) -> exit code (0, or 128+signal)
 """
@@ -31,7 +34,8 @@ from workflow.data.vocab import Normalization
 from workflow.train import checkpoint, distributed
 from workflow.train.engine import LoopSettings, accumulation_steps, set_threads, train
 from workflow.train.lamb import param_groups
-from workflow.train.model import BertConfig, save_pretrained
+from workflow.train.family import directory_family, own_vocab
+from workflow.train.model import load_weights, unpadded_of
 from workflow.train.precision import resolve_precision
 
 log = logging.getLogger(__name__)
@@ -70,25 +74,51 @@ def finetune_parser(description: str, sections: str, features: str, metrics: str
     """The command line every fine-tuning stage shares (SQuAD, GLUE); each adds its own arguments."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, type=config_sections, help=f"JSON of the config sections {sections}")
-    parser.add_argument("--init", required=True, help="HF BERT directory to start from (phase-2 export)")
+    parser.add_argument("--init", required=True, help="HF BERT or ModernBERT directory to start from (phase-2 export)")
     parser.add_argument("--features", required=True, help=f"training features .npz ({features})")
     parser.add_argument("--output", required=True, help="fine-tuned HF model directory")
     parser.add_argument("--run-dir", required=True, help="checkpoints (resumed automatically)")
-    parser.add_argument("--vocab", default=None, help="vocab.txt copied into the output (default: the init's)")
+    parser.add_argument("--vocab", default=None, help="vocab.txt or tokenizer.json copied into the output (default: "
+                        "the init's)")
     parser.add_argument("--metrics", default=None, help=f"JSONL of {metrics}")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
     return parser
 
 
-def check_features_fit(features: dict, features_path, config: BertConfig) -> None:
-    """Features a fine-tune can feed this model: ids within its vocab, rows within its position embeddings."""
+def check_features_fit(features: dict, features_path, config) -> None:
+    """Features a fine-tune can feed this model (either family's config): ids within its vocab, rows within its
+    position embeddings (BERT's 512, ModernBERT's 8,192: the only limit on max_seq_length)."""
     if int(features["input_ids"].max()) >= config.vocab_size:
         raise UserError(f"{features_path}: token ids reach {int(features['input_ids'].max())}, beyond the model's "
                         f"vocab_size {config.vocab_size} (features made with another vocab?)")
     if features["input_ids"].shape[1] > config.max_position_embeddings:
         raise UserError(f"{features_path}: max_seq_length {features['input_ids'].shape[1]} exceeds the model's "
                         f"max_position_embeddings {config.max_position_embeddings}")
+
+
+def load_head(directory, heads: tuple, num_labels: int, require_head: bool = False):
+    """(model, config): the head among `heads` (one class per family, told apart by its config_class) for the HF
+    directory's model type, with the directory's weights. The task's output layer (the class's output_layer) is
+    freshly initialised where absent or sized for another task, as are the other fresh_prefixes where absent;
+    require_head: the output layer must be there, with `num_labels` outputs."""
+    config, state = directory_family(directory).load_directory(directory)
+    model_class = next(head for head in heads if isinstance(config, head.config_class))
+    model = model_class(config, num_labels)
+    output, own = model_class.output_layer, model.state_dict()
+    weight = state.get(output + "weight")
+    if weight is not None and weight.shape != own[output + "weight"].shape:
+        if require_head:
+            raise UserError(f"{directory}: its {output.rstrip('.')} has {weight.shape[0]} outputs, the task "
+                            f"{num_labels}")
+        state = {k: v for k, v in state.items() if not k.startswith(output)}  # another task's head
+    missing, _unexpected = load_weights(model, state)
+    encoder_missing = [k for k in missing if not k.startswith(model_class.fresh_prefixes)]
+    if encoder_missing:
+        raise UserError(f"{directory}: weights lack {len(encoder_missing)} encoder tensors, e.g. {encoder_missing[0]}")
+    if require_head and any(k.startswith(output) for k in missing):
+        raise UserError(f"{directory}: no {output}* weights: not a fine-tuned {model_class.__name__}")
+    return model, config
 
 
 def linear_warmup_decay(step: int, total_steps: int, warmup_proportion: float) -> float:
@@ -116,7 +146,10 @@ class FeatureTask:
     Subclasses give the loss and metrics. `token_keys` are widened to int64 per batch (kept compact: SQuAD train in
     int64 would take ~1 GB per rank), `other_keys` are passed as stored. A batch says whether its rows hold padding
     (`mask_needed`, read here on the host, by a loader worker), so the attention never reads the mask on the device;
-    its row count is made on the device: no step waits for a host copy or a device read."""
+    its row count is made on the device: no step waits for a host copy or a device read. `rows_host_indices`: the
+    model family's (family.Family.rows_host_indices: what else its forward would read back), set by the driver."""
+
+    rows_host_indices: Callable[[dict], dict] | None = None
 
     def __init__(self, features: dict, token_keys: tuple, other_keys: tuple, batch_size: int, seed: int):
         self.tensors = {k: torch.from_numpy(features[k]) for k in token_keys}
@@ -139,7 +172,15 @@ class FeatureTask:
         rows = torch.from_numpy(self.order_of(np.arange(start, start + count), self.n, self.batch_size,
                                               self.steps_per_epoch, self.seed))
         batch = {**{k: v[rows].long() for k, v in self.tensors.items()}, **{k: v[rows] for k, v in self.others.items()}}
-        return {**batch, "mask_needed": not bool(batch["attention_mask"].all())}
+        batch = {**batch, "mask_needed": not bool(batch["attention_mask"].all())}
+        return self.rows_host_indices(batch) if self.rows_host_indices else batch
+
+    @staticmethod
+    def inputs(batch: dict) -> tuple:
+        """A head's forward arguments (either family): input_ids, token_type_ids, attention_mask, mask_needed and
+        the real tokens rows_host_indices found (None: not computed)."""
+        return (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["mask_needed"],
+                unpadded_of(batch))
 
     def count(self, batch: dict) -> dict:
         return {"sequences": batch["input_ids"].new_full((), batch["input_ids"].shape[0])}  # a fill, not a copy
@@ -153,9 +194,10 @@ class FinetuneJob:
     batch_key: str        # where a batch-size fix goes: "squad", "glue.overrides.MRPC"
     unit: str             # what a training row is called in logs: "features", "examples"
     make_task: Callable[[dict, Path, FinetuneSettings], FeatureTask]   # checks the features are the task's
-    load_model: Callable[[Path], tuple]                               # init directory -> (model, BertConfig)
+    load_model: Callable[[Path], tuple]                               # init directory -> (model, config)
     fingerprint: dict = field(default_factory=dict)   # the task's own entries (besides the recipe keys)
-    config_json: dict = field(default_factory=dict)   # the exported config.json's task entries
+    config_json: dict = field(default_factory=dict)   # the exported config.json's task entries (architectures:
+    #                                                   the head's class name, HF's)
 
 
 def _digest(path: Path) -> str:
@@ -184,6 +226,7 @@ def _finetune(env, job: FinetuneJob, init: Path, features_path: Path, output: Pa
     torch.manual_seed(s.seed)
     model, config = job.load_model(init)
     check_features_fit(features, features_path, config)
+    task.rows_host_indices = directory_family(init).rows_host_indices
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank; weights stay identical
         torch.manual_seed(s.seed + env.rank)
@@ -221,12 +264,14 @@ def export_finetuned(env, model, config, init: Path, vocab, output, metrics_path
 def _export(env, model, config, init: Path, vocab, output, metrics_path, run_dir: Path, config_json_updates: dict):
     if env.is_main:
         with atomic_path(output) as temporary:
-            vocab_path = Path(vocab) if vocab else Path(init) / "vocab.txt"
+            vocab_path = Path(vocab) if vocab else own_vocab(init)
             tokenizer = Path(init) / "tokenizer_config.json"  # the normalisation of the model it started from
             normalization = Normalization(**tokenizer_settings(tokenizer)) if tokenizer.is_file() else None
-            save_pretrained(model, config, vocab_path if vocab_path.is_file() else None, temporary, normalization)
+            vocab_path = vocab_path if vocab_path is not None and vocab_path.is_file() else None
+            directory_family(init).save_directory(model, config, vocab_path, temporary, normalization)
             config_json = json.loads((temporary / "config.json").read_text())
-            config_json.update(config_json_updates)
+            config_json.update({"architectures": [type(getattr(model, "module", model)).__name__],
+                                **config_json_updates})
             write_text(temporary / "config.json", json.dumps(config_json, indent=2, sort_keys=True) + "\n")
         if metrics_path is not None:
             with atomic_path(metrics_path) as temporary:

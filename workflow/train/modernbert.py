@@ -16,6 +16,9 @@ API (the BERT family's shape, workflow/train/model.py; the engine and the pretra
                                     the real slots), and no NSP logits (this family has no NSP head). Without
                                     masked_lm_positions, logits at every position [B, L, V] (HF's output).
                                     token_type_ids are accepted and ignored (no segment embeddings).
+    ModernBertWithClassifier(config, num_labels)   the fine-tuning heads' common part (HF's `model`, `head`, `drop`,
+                                    `classifier`); classify_tokens(input_ids, attention_mask, mask_needed,
+                                    unpadded) -> [B, L, num_labels]; the heads sit beside their tasks
     host_indices(batch) -> batch    model.host_indices, plus the real tokens of unpacked rows too (this family runs
                                     every batch unpadded on the devices of model.VARLEN_DEVICE_TYPES)
     flops_per_sequence(config, seq_length, max_predictions)   training FLOPs, counting the GLU and the local window
@@ -433,6 +436,48 @@ class ModernBertForMaskedLM(nn.Module):
         return self.decoder(self.head(hidden), self.model.embeddings.tok_embeddings.weight)
 
 
+class ModernBertWithClassifier(nn.Module):
+    """What HF's ModernBertForSequenceClassification, ...ForTokenClassification and ...ForQuestionAnswering share,
+    under their names: the encoder `model`, `head` (dense + act + norm), `drop` (classifier_dropout) and `classifier`
+    (`num_labels` outputs), initialised as HF does. The fine-tuning heads beside their tasks (workflow/classify,
+    workflow/squad, workflow/tasks) add their forward; token_type_ids are accepted there and ignored."""
+
+    config_class = ModernBertConfig
+    output_layer = "classifier."             # sized by the task: another task's is dropped when loading
+    fresh_prefixes = ("head.", "classifier.")  # initialised here where a directory lacks them (a bare encoder)
+
+    def __init__(self, config: ModernBertConfig, num_labels: int):
+        super().__init__()
+        self.config, self.num_labels = config, num_labels
+        self.model = ModernBertModel(config)
+        self.head = ModernBertPredictionHead(config)
+        self.drop = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, num_labels)
+        self.head.apply(lambda m: _init_weights(m, config))
+        std = config.hidden_size ** -0.5  # HF's "final_out"
+        cutoff = config.initializer_cutoff_factor * std
+        nn.init.trunc_normal_(self.classifier.weight, mean=0.0, std=std, a=-cutoff, b=cutoff)
+        nn.init.zeros_(self.classifier.bias)
+
+    def encode(self, input_ids, attention_mask, mask_needed: bool | None = None, unpadded: Unpadded | None = None):
+        """ModernBertModel.encode of unpacked rows: (hidden, tokens)."""
+        return self.model.encode(input_ids, attention_mask, None, False, unpadded, mask_needed)
+
+    def classify(self, hidden):
+        return self.classifier(self.drop(self.head(hidden)))
+
+    def classify_tokens(self, input_ids, attention_mask, mask_needed: bool | None = None,
+                        unpadded: Unpadded | None = None):
+        """Logits of every token [B, L, num_labels] (on the unpadded path: zeros at padding)."""
+        hidden, tokens = self.encode(input_ids, attention_mask, mask_needed, unpadded)
+        logits = self.classify(hidden)
+        if tokens is None:
+            return logits
+        batch, length = input_ids.shape
+        every = torch.arange(batch * length, device=input_ids.device)
+        return at_positions(logits, tokens, every).view(batch, length, -1)
+
+
 def host_indices(batch: dict) -> dict:
     """model.host_indices, with the real tokens (model.UNPADDED_KEYS) of unpacked rows too."""
     batch = bert.host_indices(batch)
@@ -463,5 +508,5 @@ def flops_per_sequence(config: ModernBertConfig, seq_length: int, max_prediction
     return 3.0 * forward
 
 
-__all__ = ["ModernBertConfig", "ModernBertModel", "ModernBertForMaskedLM", "host_indices", "flops_per_sequence",
-           "attended_pairs", "WindowedVarlenAttention"]
+__all__ = ["ModernBertConfig", "ModernBertModel", "ModernBertForMaskedLM", "ModernBertWithClassifier", "host_indices",
+           "flops_per_sequence", "attended_pairs", "WindowedVarlenAttention"]

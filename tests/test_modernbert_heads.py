@@ -1,0 +1,187 @@
+"""ModernBERT fine-tuning through the shared fine-tuning code: every head (sequence classification pooled by [CLS]
+or by the mean, regression, token classification, question answering) fine-tunes from a directory Hugging Face saved
+from a random small config, at sequences longer than BERT's 512 positions, and exports HF's layout: HF's Auto classes
+(eager) compute our logits and pipeline() predicts what we do. The unpadded path takes its real tokens from the
+host; a DLE checkpoint is BERT's."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_finetune_ddp import features as ddp_features
+from tests.test_modernbert import varlen_attn_standin
+from workflow.classify.model import job_of, load_classifier
+from workflow.classify.task import SentenceTask
+from workflow.data.features import save_features
+from workflow.data.vocab import train_bpe
+from workflow.squad.finetune import JOB as SQUAD_JOB
+from workflow.squad.finetune import load_qa_model
+from workflow.tasks.run import token_job
+from workflow.tasks.token_model import TOKEN_CLASSIFIERS
+from workflow.train import finetune as finetuning
+from workflow.train.family import directory_family
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = ("The river flows north through the valley. Its water feeds the old mill, which ground wheat for the town. "
+        "In winter the river freezes and the children skate on it. ") * 40
+SEQ, ROWS = 600, 8  # longer than BERT's 512 positions; the tiny config below has 1,024
+LABELS = ["calm", "flood", "ice"]  # pipeline("token-classification") leaves out a label named "O": none here
+RECIPE = {**vars(finetuning.FinetuneSettings()), "learning_rate": 1e-3, "epochs": 1.0, "batch_size": 4,
+          "micro_batch_size": 2, "log_every": 1, "precision": "fp32"}
+HEADS = {  # name: (job, our loader, HF's Auto class, the class our export names)
+    "classification": (job_of(SentenceTask("mood", tuple(LABELS), ("accuracy",)), "tasks.mood", "tasks.mood"),
+                       lambda d: load_classifier(d, 3, require_head=True), "AutoModelForSequenceClassification",
+                       "ModernBertForSequenceClassification"),
+    "regression": (job_of(SentenceTask("level", None, ("pearson",)), "tasks.level", "tasks.level"),
+                   lambda d: load_classifier(d, 1, require_head=True), "AutoModelForSequenceClassification",
+                   "ModernBertForSequenceClassification"),
+    "token_classification": (token_job("tags", LABELS),
+                             lambda d: load_classifier(d, 3, require_head=True, heads=TOKEN_CLASSIFIERS),
+                             "AutoModelForTokenClassification", "ModernBertForTokenClassification"),
+    "squad": (SQUAD_JOB, lambda d: load_qa_model(d, require_head=True), "AutoModelForQuestionAnswering",
+              "ModernBertForQuestionAnswering"),
+}
+
+
+@pytest.fixture(scope="module")
+def inits(tmp_path_factory):
+    """{pooling: an HF directory transformers itself saved from a random small ModernBERT config (window 8, 1,024
+    positions) with a BPE tokenizer.json}."""
+    from workflow.data.tokenizer import Vocabulary, save_tokenizer
+
+    root = tmp_path_factory.mktemp("modernbert_heads")
+    (root / "shard_0.txt").write_text(TEXT.replace(". ", ".\n"), encoding="utf-8")
+    train_bpe([root / "shard_0.txt"], root / "tokenizer.json", size=400)
+    vocab = Vocabulary.load(root / "tokenizer.json")
+    out = {}
+    for pooling in ("cls", "mean"):
+        torch.manual_seed(0)
+        config = transformers.ModernBertConfig(
+            vocab_size=(vocab.size + 7) // 8 * 8, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+            num_attention_heads=2, local_attention=8, max_position_embeddings=1024, pad_token_id=vocab.pad,
+            cls_token_id=vocab.cls, bos_token_id=vocab.cls, sep_token_id=vocab.sep, eos_token_id=vocab.sep,
+            classifier_pooling=pooling)
+        transformers.ModernBertForMaskedLM(config).save_pretrained(root / pooling)
+        save_tokenizer(root / "tokenizer.json", root / pooling, None, config.max_position_embeddings)
+    return {**out, "cls": root / "cls", "mean": root / "mean", "vocab": vocab}
+
+
+def features(head: str, vocab, rows: int = ROWS, seed: int = 0) -> dict:
+    """The head's random features of SEQ tokens (rows half to fully real) within the vocab."""
+    return ddp_features(head, rows, SEQ, vocab.size, seed)
+
+
+def finetuned(head: str, init, vocab, root):
+    job = HEADS[head][0]
+    save_features(root / "train.npz", features(head, vocab))
+    settings = finetuning.FinetuneSettings(**{**RECIPE, "seed": 7})
+    assert finetuning.finetune(job, init, root / "train.npz", root / "model", root / "run", settings,
+                               metrics_path=root / "metrics.jsonl", device="cpu") == 0
+    steps = [json.loads(line)["step"] for line in (root / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    return root / "model"
+
+
+@pytest.fixture(scope="module")
+def exports(inits, tmp_path_factory):
+    """exports(head, pooling): the fine-tuned model directory (made once per module)."""
+    made = {}
+
+    def export(head: str, pooling: str):
+        if (head, pooling) not in made:
+            root = tmp_path_factory.mktemp(f"{head}_{pooling}")
+            made[head, pooling] = finetuned(head, inits[pooling], inits["vocab"], root)
+        return made[head, pooling]
+
+    return export
+
+
+def outputs(model, inputs: dict) -> torch.Tensor:
+    """The logits of ours or HF's model, stacked (QA: start and end on the last axis)."""
+    if not isinstance(model, transformers.PreTrainedModel):  # ours
+        out = model(inputs["input_ids"], None, inputs["attention_mask"])
+    else:
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        out = (out.start_logits, out.end_logits) if hasattr(out, "start_logits") else out.logits
+    return torch.stack(out, -1) if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("head, pooling", [("classification", "cls"), ("classification", "mean"),
+                                           ("regression", "mean"), ("token_classification", "cls"), ("squad", "cls")])
+def test_a_finetuned_head_exports_hfs_layout_and_hf_computes_our_logits(inits, exports, head, pooling):
+    model_dir = exports(head, pooling)
+    _, load, auto, architecture = HEADS[head]
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["model_type"], config["architectures"], config["classifier_pooling"]) == (
+        "modernbert", [architecture], pooling)
+    if head in ("classification", "token_classification"):
+        assert config["id2label"] == {str(i): label for i, label in enumerate(LABELS)}
+    assert (model_dir / "tokenizer.json").is_file()
+
+    ours, _ = load(model_dir)
+    theirs, info = getattr(transformers, auto).from_pretrained(model_dir, attn_implementation="eager",
+                                                                output_loading_info=True)
+    assert type(theirs).__name__ == architecture and not info["missing_keys"] and not info["unexpected_keys"]
+    dev = {k: torch.from_numpy(v.astype(np.int64)) for k, v in features(head, inits["vocab"], 4, seed=1).items()}
+    with torch.no_grad():
+        mine, hf = outputs(ours.eval(), dev), outputs(theirs.eval(), dev)
+    if mine.dim() > 2:  # per token: padding's logits are no one's
+        mine, hf = mine[dev["attention_mask"].bool()], hf[dev["attention_mask"].bool()]
+    difference = float((mine - hf).abs().max())
+    print(f"{head} ({pooling}): max |logit difference| to HF {difference:.2e} (logits up to "
+          f"{float(mine.abs().max()):.2f})")
+    assert difference < 1e-5
+
+
+def test_pipelines_predict_what_our_logits_say_beyond_512_tokens(exports):
+    classifier_dir, tagger_dir = exports("classification", "mean"), exports("token_classification", "cls")
+    text = TEXT[:3000]  # ~700 tokens: past BERT's positions, within the model's 1,024
+    tokenizer = transformers.AutoTokenizer.from_pretrained(classifier_dir)
+    encoded = tokenizer(text, return_tensors="pt")
+    assert 512 < encoded["input_ids"].shape[1] <= 1024
+
+    ours, _ = load_classifier(classifier_dir, 3, require_head=True)
+    with torch.no_grad():
+        probabilities = ours.eval()(encoded["input_ids"], None, encoded["attention_mask"]).softmax(-1)[0]
+    answer = transformers.pipeline("text-classification", model=str(classifier_dir), device="cpu")(text)[0]
+    assert answer["label"] == LABELS[int(probabilities.argmax())]
+    assert answer["score"] == pytest.approx(float(probabilities.max()), abs=1e-5)
+
+    ours, _ = load_classifier(tagger_dir, 3, require_head=True, heads=TOKEN_CLASSIFIERS)
+    with torch.no_grad():
+        probabilities = ours.eval()(encoded["input_ids"], None, encoded["attention_mask"]).softmax(-1)[0]
+    tags = transformers.pipeline("token-classification", model=str(tagger_dir), device="cpu")(text)
+    assert len(tags) == encoded["input_ids"].shape[1] - 2  # every token but [CLS] and [SEP]
+    for tag in tags:
+        assert tag["entity"] == LABELS[int(probabilities[tag["index"]].argmax())]
+        assert tag["score"] == pytest.approx(float(probabilities[tag["index"]].max()), abs=1e-5)
+
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_the_unpadded_path_takes_its_tokens_from_the_host_and_gives_the_rows_logits(inits, head, monkeypatch):
+    import workflow.train.model as model_module
+    import workflow.train.modernbert as modernbert
+
+    model, _ = {"squad": lambda d: load_qa_model(d),
+                "token_classification": lambda d: load_classifier(d, 3, heads=TOKEN_CLASSIFIERS),
+                "regression": lambda d: load_classifier(d, 1)}.get(head, lambda d: load_classifier(d, 3))(inits["mean"])
+    model.eval()
+    task = finetuning.FeatureTask(features(head, inits["vocab"], 4), ("input_ids", "token_type_ids", "attention_mask"),
+                                  (), 4, 0)
+    task.rows_host_indices = directory_family(inits["mean"]).rows_host_indices
+    batch = task.read(0, 4)
+    with torch.no_grad():
+        rows = outputs(model, batch)
+        # The unpadded (CUDA) path on CPU in fp32 through the varlen stand-in; unpad on the device would fail.
+        monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(modernbert, "VARLEN_DTYPES", (torch.float32,))
+        monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
+        monkeypatch.setattr(modernbert, "unpad", lambda *_: pytest.fail("unpadded on the device"))
+        unpadded = model(*task.inputs(batch))
+    unpadded = torch.stack(unpadded, -1) if isinstance(unpadded, tuple) else unpadded
+    if rows.dim() > 2:  # padding's logits are no one's
+        rows, unpadded = rows[batch["attention_mask"].bool()], unpadded[batch["attention_mask"].bool()]
+    assert (rows - unpadded).abs().max() < 1e-5
