@@ -159,3 +159,18 @@ def test_without_torch_optimi_stable_adamw_is_one_error_naming_the_package(monke
     monkeypatch.setitem(sys.modules, "optimi", None)
     with pytest.raises(UserError, match=r"stable_adamw needs torch-optimi \(pip install torch-optimi==0\.3\.3\)"):
         make_optimizer("stable_adamw", tiny_bert(), 1e-3)
+
+
+def test_a_modernbert_trains_with_no_decay_on_its_norms_and_biases():
+    from workflow.train.modernbert import ModernBertConfig, ModernBertForMaskedLM
+
+    model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
+                                                   num_hidden_layers=3, num_attention_heads=2, local_attention=8,
+                                                   max_position_embeddings=64, norm_bias=True, pad_token_id=0,
+                                                   eos_token_id=2, bos_token_id=1, cls_token_id=1, sep_token_id=2))
+    optimizer, _ = make_optimizer("stable_adamw", model, lr=8e-4, weight_decay=1e-5)
+    names = {id(p): name for name, p in model.named_parameters()}
+    decayed, exempt = ({names[id(p)] for p in group["params"]} for group in optimizer.param_groups)
+    assert exempt == {n for n in names.values() if "norm" in n or n.endswith("bias")} and exempt
+    assert "model.embeddings.tok_embeddings.weight" in decayed
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [1e-5, 0.0]
