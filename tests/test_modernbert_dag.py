@@ -1,14 +1,19 @@
 """model.family: modernbert through the real DAG on the sample: a byte-level BPE vocab, full-sentences packed data,
 both phases (128 then 512 tokens, AdamW moments carried), and phase exports that Hugging Face's classes load and
-that compute what ours compute."""
+that compute what ours compute; an own classification task fine-tuned from the phase-2 export exports HF's
+ModernBertForSequenceClassification, which AutoModelForSequenceClassification and pipeline() load and which predicts
+what our evaluation scored."""
 import json
+import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from tests.conftest import copy_workflow, snakemake_env
+from tests.test_tasks import sentiment_csv
 
 OVERLAY = {
     "vocab": {"type": "bpe", "size": 1000},
@@ -88,3 +93,52 @@ def test_the_projections_memory_fit_finds_the_bf16_weight_copy_and_a_flat_per_to
     assert abs(constant - 2 * matrices) / (2 * matrices) < 0.05
     predicted = constant + per_token * rows * 256 + quadratic * rows * 256 * 256
     assert abs(saved_bytes(model, rows, 256) - predicted) / predicted < 0.02
+
+
+TASK = {"sentiment": {"type": "classification", "train": "own/train.csv", "dev": "own/dev.csv", "test": "own/test.csv",
+                      "format": "csv", "text_fields": ["text"], "label_field": "label"}}
+
+
+@pytest.fixture(scope="module")
+def task_run(run):
+    """`snakemake tasks` on one own classification task, fine-tuned from the pretrained phase-2 export."""
+    rng = random.Random(0)
+    (run / "own").mkdir()
+    sentiment_csv(run / "own/train.csv", 64, rng)
+    sentiment_csv(run / "own/dev.csv", 24, rng)
+    sentiment_csv(run / "own/test.csv", 8, rng, labelled=False)
+    (run / "own.yaml").write_text(json.dumps({
+        "squad": {"enabled": False}, "tasks": TASK,
+        "glue": {"tasks": [], "learning_rate": 1e-3, "epochs": 1, "max_seq_length": 32, "batch_size": 16,
+                 "micro_batch_size": 16}}))
+    result = subprocess.run([sys.executable, "-m", "snakemake", "tasks", "--profile", "profiles/local",
+                             "--configfile", "sample/config.yaml", "modernbert.yaml", "own.yaml"], cwd=run, text=True,
+                            capture_output=True, env=snakemake_env(), timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "rule pretrain" not in result.stderr  # the task starts from the phase-2 export as it is
+    return run
+
+
+def test_an_own_classification_task_finetunes_modernbert_and_hf_predicts_what_we_scored(task_run):
+    from transformers import AutoModelForSequenceClassification, pipeline
+
+    from workflow.data.features import load_features
+
+    model_dir = task_run / "results/tasks/sentiment/model"
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("modernbert", ["ModernBertForSequenceClassification"])
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    assert model.config.id2label == {0: "neg", 1: "pos"}
+    features = load_features(task_run / "data/tasks/sentiment/dev_features.npz")
+    with torch.no_grad():
+        logits = model(**{k: torch.from_numpy(features[k].astype(np.int64))
+                          for k in ("input_ids", "attention_mask")}).logits
+    evaluation = json.loads((task_run / "results/tasks/sentiment/eval.json").read_text())["splits"]["dev"]
+    accuracy = float((logits.argmax(-1).numpy() == features["labels"]).mean())
+    assert evaluation["examples"] == 24 and evaluation["accuracy"] == pytest.approx(accuracy, abs=1e-9)
+
+    texts = [line.strip('"') for line in (task_run / "own/test.csv").read_text().splitlines()[1:]]
+    ours = [json.loads(line)["label"] for line in
+            (task_run / "results/tasks/sentiment/predictions.jsonl").read_text().splitlines()]
+    theirs = pipeline("text-classification", model=str(model_dir), device="cpu")(texts)
+    assert ours == [answer["label"] for answer in theirs]

@@ -2,13 +2,17 @@
 or by the mean, regression, token classification, question answering) fine-tunes from a directory Hugging Face saved
 from a random small config, at sequences longer than BERT's 512 positions, and exports HF's layout: HF's Auto classes
 (eager) compute our logits and pipeline() predicts what we do. The unpadded path takes its real tokens from the
-host; a DLE checkpoint is BERT's."""
+host. The rules fine-tune from a ModernBERT directory with its own tokenizer.json; a DLE checkpoint is BERT's.
+"""
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import snakemake_env
 from tests.test_finetune_ddp import features as ddp_features
 from tests.test_modernbert import varlen_attn_standin
 from workflow.classify.model import job_of, load_classifier
@@ -185,3 +189,26 @@ def test_the_unpadded_path_takes_its_tokens_from_the_host_and_gives_the_rows_log
     if rows.dim() > 2:  # padding's logits are no one's
         rows, unpadded = rows[batch["attention_mask"].bool()], unpadded[batch["attention_mask"].bool()]
     assert (rows - unpadded).abs().max() < 1e-5
+
+
+def snakemake_dry_run(root, target: str, overlay: dict) -> subprocess.CompletedProcess:
+    (root / "overlay.yaml").write_text(json.dumps(overlay))
+    return subprocess.run([sys.executable, "-m", "snakemake", target, "-n", "-p", "--configfile", "sample/config.yaml",
+                           "overlay.yaml"], cwd=root, env=snakemake_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_glue_from_a_modernbert_directory_plans_its_tokenizer_json_and_a_dle_checkpoint_is_refused(inits,
+                                                                                                 workflow_copy):
+    # vocab.type left at wordpiece: the directory's own tokenizer.json makes the features
+    result = snakemake_dry_run(workflow_copy, "glue", {"glue": {"init_from": str(inits["cls"]), "tasks": ["SST-2"]}})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"--vocab {inits['cls'] / 'tokenizer.json'}" in result.stdout and "rule pretrain" not in result.stdout
+
+    (workflow_copy / "ckpt.pt").write_bytes(b"")
+    result = snakemake_dry_run(workflow_copy, "squad", {
+        "squad": {"init_from": "ckpt.pt"}, "vocab": {"type": "bpe"}, "encode": {"objective": "full_sentences"},
+        "model": {"family": "modernbert", "preset": "modernbert-tiny"}})
+    assert result.returncode != 0
+    assert ("config key 'squad.init_from': ckpt.pt is a file, read as an NVIDIA DLE checkpoint, which is BERT's; "
+            "model.family modernbert fine-tunes from a Hugging Face directory (config.json, model.safetensors)"
+            ) in result.stdout + result.stderr

@@ -50,6 +50,10 @@ def finetune_init(section):
         return "results/pretrain/phase2/model"
     if not os.path.isfile(init):
         return init
+    if (config["model"].get("family") or "bert") != "bert":
+        raise ValueError(f"config key '{section}.init_from': {init} is a file, read as an NVIDIA DLE checkpoint, which "
+                         f"is BERT's; model.family {config['model']['family']} fine-tunes from a Hugging Face "
+                         "directory (config.json, model.safetensors)")
     if not (config["model"]["bert_config"] and config["vocab"]["file"]):
         raise ValueError(f"config key '{section}.init_from': {init} is a file, read as an NVIDIA DLE checkpoint: set "
                          "model.bert_config to its bert_config.json and vocab.file to its vocab.txt (vocab.lowercase: "
@@ -58,11 +62,15 @@ def finetune_init(section):
 
 
 def finetune_vocab(section):
-    """The vocab `section`'s features are made with: the fine-tuned model's own."""
+    """The vocab `section`'s features are made with: the fine-tuned model's own (an HF directory's vocab.txt or
+    tokenizer.json, whichever it has: a ModernBERT's is a tokenizer.json whatever vocab.type says)."""
     init = config[section]["init_from"]
     if not init:
         return VOCAB
-    return config["vocab"]["file"] if os.path.isfile(init) else f"{init}/{VOCAB_FILES[config['vocab']['type']]}"
+    if os.path.isfile(init):
+        return config["vocab"]["file"]
+    own = [name for name in VOCAB_FILES.values() if os.path.isfile(os.path.join(init, name))]
+    return f"{init}/{own[0] if own else VOCAB_FILES[config['vocab']['type']]}"
 
 
 def finetune_tokenizer(section):
