@@ -283,8 +283,9 @@ def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, al
             raise failure
         # steps of about one micro-batch (micro_batch_size rows) per rank: the phase's shapes, not its accumulation
         per_row = sum(shard.n for shard in shards) / sum(shard.rows for shard in shards)
+        # (no batch-size warm-up: every step the same shapes)
         s = dataclasses.replace(s, global_batch_size=max(1, int(s.micro_batch_size * per_row)) * env.world_size,
-                                max_steps=min(steps, s.total_steps), checkpoint_every=steps,
+                                batch_size_warmup=None, max_steps=min(steps, s.total_steps), checkpoint_every=steps,
                                 log_every=max(2, steps // 4))  # a step between log lines: its syncs are counted
         with engine.measured_host_syncs() as syncs:
             summary = train_phase(s, env)

@@ -87,9 +87,10 @@ def benchmark(config: dict, phase: str, layout: str, data_dir: str, vocab: str, 
     steps = warmup + timed
     # Weak scaling: each rank's work per step is fixed; log every step so that each step is timed on its own.
     global_batch = settings.micro_batch_size * study["accumulation_steps"] * world
+    # (no batch-size warm-up: every timed step has the layout's full batch)
     settings = dataclasses.replace(settings, total_steps=steps, max_steps=steps, global_batch_size=global_batch,
-                                   log_every=1, checkpoint_every=steps, keep_checkpoints=1, eval_max_sequences=world,
-                                   out_optimizer=None, out_telemetry=None)
+                                   batch_size_warmup=None, log_every=1, checkpoint_every=steps, keep_checkpoints=1,
+                                   eval_max_sequences=world, out_optimizer=None, out_telemetry=None)
     if distributed.read_environment()[0] == 0 and scratch.exists():
         shutil.rmtree(scratch)  # a crashed earlier benchmark must not be resumed: its timing would be partial
     summary = pretrain(settings)
