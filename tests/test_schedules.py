@@ -147,3 +147,22 @@ def test_a_run_with_a_batch_ramp_stopped_mid_ramp_resumes_on_other_ranks_like_an
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert summary["sequences"] == 78 and summary["optimizer"].startswith("optimi.StableAdamW")
     assert summary["final_learning_rate"] == pytest.approx(1e-2 * 0.1)
+
+
+def test_an_all_stable_phase_1_hands_phase_2_its_peak_and_stable_adamw_state_without_a_second_warm_up(data, tmp_path):
+    config_path = bert_config(tmp_path / "config.json")
+    recipe = dict(optimizer="stable_adamw", weight_decay=1e-5, beta2=0.98, max_grad_norm=None, learning_rate=1e-2,
+                  schedule="wsd", global_batch_size=16, micro_batch_size=8, log_every=1, eval_max_sequences=16,
+                  bert_config=config_path)
+    phase1 = settings(data, tmp_path / "phase1", total_steps=6, warmup_proportion=0.5, decay_proportion=0.0,
+                      out_optimizer=str(tmp_path / "phase1" / "optimizer_state.pt"), **recipe)
+    pretrain(phase1)
+    assert [m["lr"] for m in read_metrics(phase1.out_metrics)][2:] == [1e-2] * 4  # the peak from the warm-up's end
+    phase2 = settings(data, tmp_path / "phase2", phase="phase2", total_steps=4, warmup_proportion=0.0,
+                      decay_proportion=0.5, decay_shape="linear", init_from=phase1.out_model,
+                      init_optimizer=phase1.out_optimizer, **recipe)
+    pretrain(phase2)
+    # A metrics line's lr is the next step's: step 2 at the peak (as step 1), steps 3 and 4 decay to 0
+    assert [m["lr"] for m in read_metrics(phase2.out_metrics)] == pytest.approx([1e-2, 5e-3, 0.0, 0.0])
+    state, _ = ckpt.load_latest_checkpoint(tmp_path / "phase2" / "run" / "checkpoints")
+    assert [int(group["step"]) for group in state["optimizer"]["param_groups"]] == [6 + 4, 6 + 4]
