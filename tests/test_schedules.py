@@ -5,12 +5,14 @@ import io
 import json
 import math
 
+import pandas as pd
 import pytest
 import torch
 
 from tests.test_pretrain import _free_port, _rank_worker, bert_config, data, read_metrics, settings  # noqa: F401
 from workflow.cli import UserError
 from workflow.config import schedule_config_error, validate_config
+from workflow.report.report import training_time
 from workflow.train import checkpoint as ckpt
 from workflow.train.lamb import PolyWarmup
 from workflow.train.model import load_pretrained
@@ -144,6 +146,10 @@ def test_a_run_with_a_batch_ramp_stopped_mid_ramp_resumes_on_other_ranks_like_an
     sequences = PretrainingSequences(list_shards(straight.data_dir, "training"), straight.seed)
     real = int(sequences.read(0, 78)["attention_mask"].sum())
     assert sum(m["real_tokens"] for m in read_metrics(elastic / "metrics.jsonl")) == real
+    lines = read_metrics(straight.out_metrics)
+    assert [m["window_sequences"] for m in lines] == [ramp.batch_at(k) for k in range(8)]
+    seconds = training_time(pd.DataFrame(lines), straight.global_batch_size)  # the report's time axis
+    assert seconds.iloc[-1] == pytest.approx(sum(m["window_sequences"] / m["seq_per_s"] for m in lines))
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert summary["sequences"] == 78 and summary["optimizer"].startswith("optimi.StableAdamW")
     assert summary["final_learning_rate"] == pytest.approx(1e-2 * 0.1)

@@ -50,9 +50,11 @@ def read_metrics(path: str | Path) -> pd.DataFrame:
 
 
 def training_time(frame: pd.DataFrame, global_batch_size: int) -> pd.Series:
-    """Seconds of training at each logged step, from the steps and the throughput of each logging window."""
+    """Seconds of training at each logged step, from the sequences and the throughput of each logging window (its
+    steps x global_batch_size, or a batch-size warm-up's window_sequences)."""
     steps = frame["step"].diff().fillna(frame["step"].iloc[0])
-    return (steps * global_batch_size / frame["seq_per_s"].clip(lower=1e-9)).cumsum()
+    sequences = frame["window_sequences"] if "window_sequences" in frame else steps * global_batch_size
+    return (sequences / frame["seq_per_s"].clip(lower=1e-9)).cumsum()
 
 
 def _save(figure, output: str | Path) -> None:

@@ -21,7 +21,8 @@ sequences) summed over the whole step, so the gradient does not depend on how th
 micro-batch size, threads, cadence and max_steps may change between runs; a change of the math refuses to resume.
 With a batch-size warm-up (LoopSettings.batch_ramp, workflow/train/schedules.py) step k reads sequences
 [sequences_before(k), sequences_before(k) + batch_at(k)) instead: the same functions of the step on every rank and
-every resume, for tasks that split a step by rows (pretraining).
+every resume, for tasks that split a step by rows (pretraining); its metrics lines add window_sequences, the
+sequences of the steps since the line before.
 
 Input pipeline: `loader_workers` processes (a torch DataLoader over the steps' positions) read each step's
 micro-batches `prefetch_steps` steps ahead of the training thread, into pinned memory on CUDA.
@@ -604,7 +605,9 @@ def _log_metrics(task, window, steps, sequences, elapsed, step, max_steps, sched
     record = {"step": step, **task.metrics(sums, steps, sequences, elapsed, step), "lr": scheduler.get_last_lr()[0],
               "grad_norm": sums["grad_norm"] / finite if finite else None,  # None: every step skipped
               **({"skipped_steps": skipped} if scaler is not None else {}),
-              "seq_per_s": sequences / max(elapsed, 1e-9), **evaluation}
+              "seq_per_s": sequences / max(elapsed, 1e-9),
+              **({"window_sequences": sequences} if s.batch_ramp is not None else {}),  # a ramp's steps differ
+              **evaluation}
     if env.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as handle:
