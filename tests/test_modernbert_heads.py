@@ -164,6 +164,21 @@ def test_pipelines_predict_what_our_logits_say_beyond_512_tokens(exports):
 
 
 
+def test_a_directory_without_the_tasks_head_gets_a_fresh_one_or_is_refused_where_one_is_required(inits, exports):
+    from safetensors.torch import load_file
+
+    from workflow.cli import UserError
+
+    with pytest.raises(UserError, match=r"no classifier\.\* weights: not a fine-tuned ModernBertForSequenceClass"):
+        load_classifier(inits["cls"], 3, require_head=True)  # a masked-LM directory
+    other_task = exports("classification", "mean")
+    with pytest.raises(UserError, match="its classifier has 3 outputs, the task 1"):
+        load_classifier(other_task, 1, require_head=True)
+    model, _ = load_classifier(other_task, 1)  # its classifier dropped, the rest of its head kept
+    state = load_file(str(other_task / "model.safetensors"))
+    assert torch.equal(model.head.dense.weight, state["head.dense.weight"]) and model.classifier.out_features == 1
+
+
 @pytest.mark.parametrize("head", HEADS)
 def test_the_unpadded_path_takes_its_tokens_from_the_host_and_gives_the_rows_logits(inits, head, monkeypatch):
     import workflow.train.model as model_module
