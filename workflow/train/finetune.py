@@ -196,8 +196,7 @@ class FinetuneJob:
     make_task: Callable[[dict, Path, FinetuneSettings], FeatureTask]   # checks the features are the task's
     load_model: Callable[[Path], tuple]                               # init directory -> (model, config)
     fingerprint: dict = field(default_factory=dict)   # the task's own entries (besides the recipe keys)
-    config_json: dict = field(default_factory=dict)   # the exported config.json's task entries (architectures:
-    #                                                   the head's class name, HF's)
+    config_json: dict = field(default_factory=dict)   # the export's config.json entries (architectures: the head's)
 
 
 def _digest(path: Path) -> str:
