@@ -15,7 +15,7 @@ from workflow.train.lamb import param_groups
 from workflow.train.model import BertConfig, BertForPreTraining
 from workflow.train.modernbert import (ModernBertConfig, ModernBertForMaskedLM, ModernBertModel, attended_pairs,
                                        flops_per_sequence, host_indices)
-from workflow.train.optimizers import make_optimizer, weight_decay_groups
+from workflow.train.optimizers import make_optimizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -297,14 +297,17 @@ def test_flops_count_the_glu_and_the_local_window_by_hand():
         assert attended_pairs(length, reach) == int(((index[:, None] - index).abs() <= reach).sum())
 
 
-def test_weight_decay_groups_keep_berts_split_and_exempt_modernberts_norms_and_biases():
+def test_weight_decay_groups_are_nvidias_split_for_bert_and_exempt_modernberts_norms_and_biases():
     bert = BertForPreTraining(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                          intermediate_size=64, max_position_embeddings=64))
-    expected, got = param_groups(bert, 0.01), weight_decay_groups(bert, 0.01)
-    assert [g["weight_decay"] for g in got] == [g["weight_decay"] for g in expected]
-    assert all([id(p) for p in g["params"]] == [id(p) for p in e["params"]] for g, e in zip(got, expected))
+    nvidia = [n for n, _ in bert.named_parameters() if n.rsplit(".", 1)[-1] == "bias" or "LayerNorm" in n]  # NVIDIA's
+    names = {id(p): name for name, p in bert.named_parameters()}
+    decayed, exempt = param_groups(bert, 0.01)
+    assert (decayed["weight_decay"], exempt["weight_decay"]) == (0.01, 0.0)
+    assert [names[id(p)] for p in exempt["params"]] == nvidia
+    assert [names[id(p)] for p in decayed["params"]] == [n for n in names.values() if n not in nvidia]
     model = ModernBertForMaskedLM(small_config(norm_bias=True))
-    decayed, exempt = (set(map(id, g["params"])) for g in weight_decay_groups(model, 1e-5))
+    decayed, exempt = (set(map(id, g["params"])) for g in param_groups(model, 1e-5))
     names = {id(p): name for name, p in model.named_parameters()}
     assert sorted(names[i] for i in exempt) == sorted(n for n in names.values() if "norm" in n or n.endswith("bias"))
     assert "model.embeddings.tok_embeddings.weight" in {names[i] for i in decayed}  # ModernBERT's recipe decays them

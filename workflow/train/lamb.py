@@ -4,7 +4,7 @@ API:
     Lamb(params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
         torch optimizer (multi-tensor `torch._foreach_*` ops), same arithmetic as apex FusedLAMB
         (adam_w_mode, bias_correction, grad_averaging, use_nvlamb=False). `.last_grad_norm` = pre-clip global norm.
-    param_groups(model, weight_decay=0.01)   no decay on biases and LayerNorm (NVIDIA's split)
+    param_groups(model, weight_decay=0.01)   no decay on biases and normalisation layers (NVIDIA's split)
     make_optimizer(model, lr, weight_decay=0.01, max_grad_norm=1.0, betas=(0.9, 0.999), eps=1e-6, fused=True)
         -> (optimizer, name): apex FusedLAMB where it runs (accelerator.fused_lamb: CUDA, apex importable, its
         constructor finds apex's CUDA extensions) unless `fused` is False (config pretrain.lamb.fused), else Lamb; the
@@ -108,14 +108,20 @@ def lamb_update(optimizer: Optimizer, max_grad_norm: float) -> torch.Tensor | No
     return global_norm
 
 
+NORMALISATIONS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+
+
 def param_groups(model: nn.Module, weight_decay: float = 0.01) -> list[dict]:
-    """Two groups: decayed weights, and biases/LayerNorm without weight decay (NVIDIA's split; every stage's)."""
+    """[decayed, exempt]: every optimizer's and every stage's weight-decay groups, by what a parameter is. Exempt are
+    the parameters of normalisation layers and every bias (for BERT exactly NVIDIA's split, biases and LayerNorm; for
+    ModernBERT its recipe's, norms and biases); decayed are the rest (matrices, embeddings). Frozen parameters are
+    left out."""
+    exempt = {id(parameter) for module in model.modules() for name, parameter in module.named_parameters(recurse=False)
+              if isinstance(module, NORMALISATIONS) or name == "bias"}
     decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
-            continue
-        exempt = name.rsplit(".", 1)[-1] in ("bias", "gamma", "beta") or "LayerNorm" in name
-        (no_decay if exempt else decay).append(parameter)
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            (no_decay if id(parameter) in exempt else decay).append(parameter)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -7,15 +7,14 @@ API:
                                       `fused` (stable_adamw: and decouple_lr)
     make_optimizer(kind, model, lr, weight_decay, max_grad_norm, betas, eps, fused, decouple_lr) -> (optimizer, name)
         lamb: workflow.train.lamb.make_optimizer (apex FusedLAMB or the torch Lamb, clipping inside its step).
-        adamw: torch.optim.AdamW (decoupled weight decay, bias correction) on weight_decay_groups (no decay on
+        adamw: torch.optim.AdamW (decoupled weight decay, bias correction) on lamb.param_groups (no decay on
         biases and normalisation layers, either family), fused on CUDA where torch has it and `fused`.
         stable_adamw: torch-optimi's StableAdamW (the library, not a copy: AdamW with per-tensor update clipping,
         decoupled weight decay, with decouple_lr fully decoupled: p <- p (1 - wd lr / peak lr)) on
-        weight_decay_groups; `fused`: its Triton kernel on CUDA where Triton imports, else its foreach path;
+        lamb.param_groups; `fused`: its Triton kernel on CUDA where Triton imports, else its foreach path;
         not `fused`: its for-loop. Clipping by the engine only where max_grad_norm is set (ModernBERT's: none).
-    weight_decay_groups(model, weight_decay)   two groups by what a parameter is: decayed (matrices, embeddings),
-        and without decay the parameters of normalisation layers and every bias; for BERT exactly lamb.param_groups
-        (the same parameters in the same order), for ModernBERT its recipe's split (norms and biases exempt)
+    lamb.param_groups(model, weight_decay)   every optimizer's two groups, by what a parameter is: decayed
+        (matrices, embeddings), and without decay the parameters of normalisation layers and every bias
     engine_clip(kind, max_grad_norm)   the engine's torch clipping norm before the step: AdamW's and StableAdamW's
         max_grad_norm (as Hugging Face's Trainer clips), None for LAMB (its step clips) and for 0 or null
     refuse_other_optimizer_keys(section)   config pretrain: a key of the section of the optimizer not chosen, set to
@@ -63,14 +62,14 @@ def make_optimizer(kind: str, model: nn.Module, lr: float, weight_decay: float =
     device = next(model.parameters()).device
     # torch's fused AdamW: one kernel for all parameters, and fp16 overflow steps skipped on the device itself.
     use_fused = fused and device.type == "cuda"
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
+    optimizer = torch.optim.AdamW(lamb.param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
                                   weight_decay=weight_decay, fused=True if use_fused else None)
     return optimizer, "torch.AdamW (fused)" if use_fused else "torch.AdamW"
 
 
 def make_stable_adamw(model: nn.Module, lr: float, weight_decay: float, betas, eps: float, fused: bool,
                       decouple_lr: bool):
-    """(torch-optimi's StableAdamW on weight_decay_groups, name); its path chosen here, never left to the library's
+    """(torch-optimi's StableAdamW on lamb.param_groups, name); its path chosen here, never left to the library's
     own choice at the first step, so that a carried state is made for the path that steps."""
     try:
         import optimi
@@ -81,7 +80,7 @@ def make_stable_adamw(model: nn.Module, lr: float, weight_decay: float, betas, e
     triton = fused and HAS_TRITON and device.type == "cuda"
     with warnings.catch_warnings():  # optimi deprecates foreach for its Triton kernel, which the CPU lacks
         warnings.simplefilter("ignore", DeprecationWarning)
-        optimizer = optimi.StableAdamW(weight_decay_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
+        optimizer = optimi.StableAdamW(lamb.param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
                                        weight_decay=weight_decay, decouple_lr=decouple_lr, triton=triton,
                                        foreach=fused and not triton)
     path = "triton" if triton else "foreach" if fused else "for-loop"
@@ -90,20 +89,6 @@ def make_stable_adamw(model: nn.Module, lr: float, weight_decay: float, betas, e
 
 def is_stable_adamw(optimizer) -> bool:
     return type(optimizer).__name__ == "StableAdamW" and type(optimizer).__module__.startswith("optimi")
-
-
-NORMALISATIONS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
-
-
-def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """[decayed, exempt] parameter groups (see the module docstring); frozen parameters are left out."""
-    exempt = {id(parameter) for module in model.modules() for name, parameter in module.named_parameters(recurse=False)
-              if isinstance(module, NORMALISATIONS) or name == "bias"}
-    decay, no_decay = [], []
-    for parameter in model.parameters():
-        if parameter.requires_grad:
-            (no_decay if id(parameter) in exempt else decay).append(parameter)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def engine_clip(kind: str, max_grad_norm: float | None) -> float | None:
