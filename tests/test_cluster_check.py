@@ -88,7 +88,7 @@ def test_every_fast_path_agrees_with_its_reference_and_each_rank_says_what_it_us
                                                                                   gpu_paths_on_cpu, capsys):
     result = fast_paths(CONFIG, packed_batch, CPU, "bf16", True, tmp_path / "scratch")
     assert (result["optimizer"], result["attention"], result["precision"]) == ("apex.FusedLAMB", "math", "bf16")
-    assert set(result["paths"]) == set(FAST_PATHS)
+    assert set(result["paths"]) == set(FAST_PATHS) - {"unpadded attention (16-bit)"}  # ModernBERT's (below)
     assert result["paths"]["unpadded attention"] <= 1e-5 and result["paths"]["apex FusedLAMB"] == 0.0
     assert 0 < result["paths"]["precision"] <= 2e-2  # bf16 rounds; its tolerance holds
     assert result["paths"]["checkpoint"] == result["paths"]["rng restore"] == 0.0
@@ -254,3 +254,33 @@ def test_synthetic_check_data_name_a_vocab_they_cannot_make_or_read(tmp_path):
     with pytest.raises(UserError, match=r"^\S+/missing.txt: vocab file not found$"):
         write_check_data(config, tmp_path / "hdf5", tmp_path / "vocab.txt")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_a_modernbert_rank_checks_its_16_bit_unpadded_attention_against_dense_masks(packed_batch, tmp_path,
+                                                                                    monkeypatch):
+    """ModernBERT unpads every batch on a GPU in 16-bit (flash kernels): on CPU through the varlen stand-in, its
+    path is held against the dense-mask rows in the same precision, and a wrong window stops the check."""
+    from tests.fixtures.gpu_standins import varlen_attn_standin
+    from workflow.train import modernbert
+    from workflow.train.family import family
+    from workflow.train.modernbert import ModernBertConfig
+
+    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
+    config = ModernBertConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                              num_attention_heads=2, local_attention=8, max_position_embeddings=64, pad_token_id=0,
+                              cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3)
+    result = fast_paths(config, packed_batch, CPU, "bf16", True, tmp_path / "scratch", family("modernbert"))
+    assert set(result["paths"]) == {"unpadded attention (16-bit)", "precision", "checkpoint", "rng restore"}
+    assert 0 < result["paths"]["unpadded attention (16-bit)"] <= FAST_PATHS["unpadded attention (16-bit)"][1]
+    assert disagreement([result]) is None
+    assert set(fast_paths(config, packed_batch, CPU, "fp32", True, tmp_path / "s2", family("modernbert"))["paths"]) \
+        == {"checkpoint", "rng restore"}  # fp32 runs rows: nothing unpadded to check
+
+    def no_window(query, key, value, *args, window_size=(-1, -1), **kwargs):
+        return varlen_attn_standin(query, key, value, *args, window_size=(-1, -1), **kwargs)
+
+    monkeypatch.setattr(modernbert, "varlen_attn", no_window)
+    error = disagreement([fast_paths(config, packed_batch, CPU, "bf16", True, tmp_path / "s3", family("modernbert"))])
+    assert str(error).startswith("rank 0: unpadded attention (16-bit) differs from the same rows with dense masks")
+    assert "set pretrain.precision: fp32 until it is fixed" in str(error)

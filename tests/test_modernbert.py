@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import workflow.train.model as model_module
 import workflow.train.modernbert as modernbert
 from workflow.cli import UserError
+from tests.fixtures.gpu_standins import varlen_attn_standin
 from workflow.train.lamb import param_groups
 from workflow.train.model import BertConfig, BertForPreTraining
 from workflow.train.modernbert import (ModernBertConfig, ModernBertForMaskedLM, ModernBertModel, attended_pairs,
@@ -105,23 +106,6 @@ def test_parameter_names_are_hfs_and_hf_loads_our_export_with_from_pretrained(tm
 
 
 # ---------------------------------------------------------------- packed rows, unpadded path
-
-
-def varlen_attn_standin(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                        window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
-    """torch.nn.attention.varlen.varlen_attn's signature and limits (int32 offsets, no aux, no paging) on CPU:
-    each sequence alone, keys within window_size = (left, right) of the query (-1: unbounded)."""
-    assert cu_seq_q.dtype == cu_seq_k.dtype == torch.int32 and return_aux is None and block_table is None
-    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
-    left, right = window_size
-    out = []
-    for start, end in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
-        index = torch.arange(end - start)
-        offset = index[None, :] - index[:, None]  # key - query
-        allowed = ((offset >= -left) | (left < 0)) & ((offset <= right) | (right < 0))
-        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
-        out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale).transpose(0, 1))
-    return torch.cat(out)
 
 
 @pytest.fixture

@@ -44,7 +44,6 @@ from workflow.train import distributed
 from workflow.train import engine
 from workflow.train import model as model_module
 from workflow.train.lamb import Lamb, make_optimizer, param_groups
-from workflow.train.model import BertConfig, BertForPreTraining, host_indices
 from workflow.train.precision import autocast, autocast_dtype, matmul_math, resolve_precision
 from workflow.train.family import family
 from workflow.train.pretrain import PretrainingTask, TrainSettings, forward, read_vocab_size, train_phase
@@ -56,6 +55,9 @@ AGREEMENT = 1e-4  # relative difference of the packed and unpacked losses in fp3
 FAST_PATHS = {
     "unpadded attention": ("the same packed rows with a block-diagonal mask (fp32 logits)", AGREEMENT,
                            "encode.packing.enabled: false"),
+    # ModernBERT unpads every batch, in 16-bit only (flash kernels): both sides in that precision, its rounding
+    "unpadded attention (16-bit)": ("the same rows with dense masks in the same precision (logits)", 3e-2,
+                                    "pretrain.precision: fp32"),
     "precision": ("the same loss in fp32", 2e-2, "pretrain.precision: fp32"),
     "apex FusedLAMB": ("one torch LAMB step from the same gradients (relative to the update)", 1e-3,
                        "pretrain.lamb.fused: false"),
@@ -150,36 +152,46 @@ def relative(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float((value.double() - reference.double()).abs().max() / reference.double().abs().max().clamp(min=1e-30))
 
 
-def fast_paths(config: BertConfig, batch: dict, env, precision: str, fused: bool, scratch: Path) -> dict:
+def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: Path,
+               model_family=family("bert")) -> dict:
     """This rank's fast paths on its device, each against its reference (FAST_PATHS), on `batch` (host tensors, as
-    the data reader gives them) and a fresh model of `config` in eval mode (no dropout: both sides compute one
-    function): {"rank", "optimizer", "attention", "precision", "paths": {name: relative difference}, "syncs"}."""
+    the data reader gives them) and a fresh model of `config` (of `model_family`) in eval mode (no dropout: both
+    sides compute one function): {"rank", "optimizer", "attention", "precision", "paths": {name: relative
+    difference}, "syncs"}."""
     device, packed = env.device, "cls_positions" in batch
-    task = PretrainingTask(None, batch["input_ids"].shape[1])
-    host = host_indices(batch)
+    task = PretrainingTask(None, batch["input_ids"].shape[1], host_indices=model_family.host_indices)
+    host = model_family.host_indices(batch)
     on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in host.items()}
-    training_path = packed and device.type in model_module.VARLEN_DEVICE_TYPES
+    training_path = model_family.trains_unpadded(device.type, packed, precision)
     torch.manual_seed(0)
-    model = BertForPreTraining(config).to(device).eval()
+    model = model_family.pretraining_model(config).to(device).eval()
 
     def loss(network, unpadded: bool, dtype: str):
         with attention_path(device, unpadded), autocast(device, dtype):
             return task.loss(network, on_device, task.count(on_device))["loss"].float()
 
-    def outputs(unpadded: bool):  # the logits at every labelled slot (the loss of a fresh model hardly varies)
-        with attention_path(device, unpadded):
-            mlm_logits, nsp_logits, _ = forward(model, on_device)
-        return torch.cat([mlm_logits.flatten(), nsp_logits[on_device["next_sentence_labels"] >= 0].flatten()])
+    def outputs(unpadded: bool, dtype: str = "fp32", network=model):  # the logits at every labelled slot
+        with attention_path(device, unpadded), autocast(device, dtype):
+            mlm_logits, nsp_logits, _ = forward(network, on_device)
+        nsp = [] if nsp_logits is None else [nsp_logits[on_device["next_sentence_labels"] >= 0].float().flatten()]
+        return torch.cat([mlm_logits.float().flatten(), *nsp])
 
     paths = {}
     with torch.no_grad():
-        if packed:
+        if packed and model_family.unpads_in_fp32:  # checked on any device (BERT's nested tensors run on CPU)
             paths["unpadded attention"] = relative(outputs(True), outputs(False))
+        elif training_path and not model_family.unpads_in_fp32:  # ModernBERT's flash kernels: where they run
+            # Weights 10x wider than the init's: a fresh model's attention hardly moves its logits (a window's error
+            # stayed within bf16's rounding); at this scale a wrong window moves them ~70x more than the rounding.
+            torch.manual_seed(0)
+            wide = model_family.pretraining_model(dataclasses.replace(config, initializer_range=0.2)).to(device).eval()
+            paths["unpadded attention (16-bit)"] = relative(outputs(True, precision, wide),
+                                                            outputs(False, precision, wide))
         if precision != "fp32":
             paths["precision"] = relative(loss(model, training_path, precision), loss(model, training_path, "fp32"))
     optimizer, name = make_optimizer(model, 1e-3, fused=fused)
     if name != "torch.Lamb":
-        twin = BertForPreTraining(config).to(device).eval()
+        twin = model_family.pretraining_model(config).to(device).eval()
         twin.load_state_dict(model.state_dict())
         before = [p.detach().clone() for p in model.parameters()]
         for network, step in ((model, optimizer), (twin, Lamb(param_groups(twin), lr=1e-3))):
@@ -250,14 +262,13 @@ def check_fast_paths(s: TrainSettings, shards, env, scratch: Path, sequences: in
     """fast_paths with the phase-1 settings: the configured model (fresh weights), this rank's first sequences."""
     config, _ = family(s.family).build(dataclasses.replace(s.model_settings, init_from=None), None,
                                        read_vocab_size(s.vocab), shards[0].seq_length)
-    config = dataclasses.replace(config, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     reader = PretrainingSequences(shards, s.seed)
     try:
         batch = reader.read(env.rank * sequences, sequences)
     finally:
         reader.close()
     return fast_paths(config, batch, env, resolve_precision(s.precision, env.device, "pretrain.precision"),
-                      s.fused_lamb, scratch)
+                      s.fused_lamb, scratch, family(s.family))
 
 
 def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, allreduce_mb: int,

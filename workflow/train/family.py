@@ -14,6 +14,8 @@ API:
     Family.build(m, vocab, vocab_size, seq_length) -> (config, model)   the pretraining model
     Family.check_objective(objective)    the data's objective (encode.objective), refused where the family lacks it
     Family.fingerprint(config), .flops_per_sequence(config, seq_length, max_predictions), .host_indices(batch)
+    Family.pretraining_model(config), .trains_unpadded(device_type, packed, precision), .unpads_in_fp32
+                                         (the cluster check's)
     Family.export(model, config, vocab, directory, normalization, next_sentence_prediction, dle_gelu)
 Fine-tuning (any HF directory; its model type picks the family, whatever model.family says):
     directory_family(directory) -> Family    by config.json's model_type (modernbert: ModernBERT, Ettin, mmBERT)
@@ -137,6 +139,7 @@ class BertFamily:
     name = "bert"
     model_type = "bert"
     objectives = ("nsp", "full_sentences")
+    unpads_in_fp32 = True  # its unpadded path (nested tensors) runs in any precision, on CPU too
 
     @property
     def config_class(self):
@@ -172,6 +175,19 @@ class BertFamily:
 
         return flops_per_sequence(config, seq_length, max_predictions)
 
+    @staticmethod
+    def pretraining_model(config):
+        from workflow.train.model import BertForPreTraining
+
+        return BertForPreTraining(config)
+
+    @staticmethod
+    def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:
+        """Packed rows run unpadded on the devices of model.VARLEN_DEVICE_TYPES, in any precision."""
+        from workflow.train.model import VARLEN_DEVICE_TYPES
+
+        return packed and device_type in VARLEN_DEVICE_TYPES
+
     def check_settings(self, m: ModelSettings) -> None:
         if m.preset_name not in PRESETS[self.name]:
             raise UserError(f"config model.preset: {m.preset_name!r} is not a bert preset (one of "
@@ -194,7 +210,7 @@ class BertFamily:
             config = _preset(bert.BertConfig, m, vocab_size=(vocab_size + 7) // 8 * 8)
             source = f"preset {m.preset_name}"
         _check_sizes(config, source, vocab_size, seq_length)
-        model = bert.BertForPreTraining(config)
+        model = self.pretraining_model(config)
         if state is not None:
             _load_weights(model, state, m.init_from)
         return config, model
@@ -211,7 +227,7 @@ class BertFamily:
         from workflow.train.model import save_pretrained
 
         save_pretrained(model, config, vocab, directory, normalization=normalization,
-                             next_sentence_prediction=next_sentence_prediction)
+                        next_sentence_prediction=next_sentence_prediction)
         save_dle_export(model, directory, gelu=dle_gelu)
 
 
@@ -221,6 +237,7 @@ class ModernBertFamily:
     name = "modernbert"
     model_type = "modernbert"
     objectives = ("full_sentences",)
+    unpads_in_fp32 = False  # flash kernels only: 16-bit, CUDA
 
     @property
     def config_class(self):
@@ -256,6 +273,20 @@ class ModernBertFamily:
 
         return flops_per_sequence(config, seq_length, max_predictions)
 
+    @staticmethod
+    def pretraining_model(config):
+        from workflow.train.modernbert import ModernBertForMaskedLM
+
+        return ModernBertForMaskedLM(config)
+
+    @staticmethod
+    def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:
+        """Every batch runs unpadded on the devices of model.VARLEN_DEVICE_TYPES in a 16-bit precision (the flash
+        kernels'); fp32 runs rows with masks."""
+        from workflow.train.model import VARLEN_DEVICE_TYPES
+
+        return device_type in VARLEN_DEVICE_TYPES and precision in ("bf16", "fp16")
+
     def check_settings(self, m: ModelSettings) -> None:
         if m.preset_name not in PRESETS[self.name]:
             raise UserError(f"config model.preset: {m.preset_name!r} is not a modernbert preset (one of "
@@ -290,7 +321,7 @@ class ModernBertFamily:
             config = _preset(modernbert.ModernBertConfig, m, vocab_size=(vocab_size + 7) // 8 * 8, **ids)
             source, state = f"preset {m.preset_name}", None
         _check_sizes(config, source, vocab_size, seq_length)
-        model = modernbert.ModernBertForMaskedLM(config)
+        model = self.pretraining_model(config)
         if state is not None:
             _load_weights(model, state, m.init_from)
         return config, model
