@@ -27,6 +27,7 @@ Fine-tuning (any HF directory; its model type picks the family, whatever model.f
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,19 +134,49 @@ def _load_weights(model, state: dict, init_from: str) -> None:
                     unexpected)
 
 
-class BertFamily:
+class _Family:
+    """What both families do alike, through the family's model module (imported when first needed: the Snakefile
+    reads this module at parse time without torch)."""
+
+    module_name: str        # the family's model module
+    config_name: str        # its config class
+    pretraining_name: str   # its pretraining model class
+
+    @property
+    def module(self):
+        return importlib.import_module(self.module_name)
+
+    @property
+    def config_class(self):
+        return getattr(self.module, self.config_name)
+
+    def pretraining_model(self, config):
+        return getattr(self.module, self.pretraining_name)(config)
+
+    def host_indices(self, batch: dict) -> dict:
+        return self.module.host_indices(batch)
+
+    def _checked_model(self, config, state: dict | None, source: str, vocab_size: int, seq_length: int):
+        """The pretraining model of `config`, which must fit the data's vocab and length, with `state` (the weights
+        of `source`) loaded when given."""
+        _check_sizes(config, source, vocab_size, seq_length)
+        model = self.pretraining_model(config)
+        if state is not None:
+            _load_weights(model, state, source)
+        return model
+
+    def flops_per_sequence(self, config, seq_length: int, max_predictions: float) -> float:
+        return self.module.flops_per_sequence(config, seq_length, max_predictions)
+
+
+class BertFamily(_Family):
     """NVIDIA's BERT (workflow/train/model.py): NSP or not, DLE checkpoints in and out."""
 
     name = "bert"
     model_type = "bert"
+    module_name, config_name, pretraining_name = "workflow.train.model", "BertConfig", "BertForPreTraining"
     objectives = ("nsp", "full_sentences")
     unpads_in_fp32 = True  # its unpadded path (nested tensors) runs in any precision, on CPU too
-
-    @property
-    def config_class(self):
-        from workflow.train.model import BertConfig
-
-        return BertConfig
 
     @staticmethod
     def load_directory(directory):
@@ -162,24 +193,6 @@ class BertFamily:
     @staticmethod
     def rows_host_indices(batch: dict) -> dict:
         return batch
-
-    @staticmethod
-    def host_indices(batch: dict) -> dict:
-        from workflow.train.model import host_indices
-
-        return host_indices(batch)
-
-    @staticmethod
-    def flops_per_sequence(config, seq_length: int, max_predictions: float) -> float:
-        from workflow.train.model import flops_per_sequence
-
-        return flops_per_sequence(config, seq_length, max_predictions)
-
-    @staticmethod
-    def pretraining_model(config):
-        from workflow.train.model import BertForPreTraining
-
-        return BertForPreTraining(config)
 
     @staticmethod
     def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:
@@ -209,11 +222,7 @@ class BertFamily:
         else:  # the vocab padded to a multiple of 8 (tensor-core friendly), as NVIDIA does
             config = _preset(bert.BertConfig, m, vocab_size=(vocab_size + 7) // 8 * 8)
             source = f"preset {m.preset_name}"
-        _check_sizes(config, source, vocab_size, seq_length)
-        model = self.pretraining_model(config)
-        if state is not None:
-            _load_weights(model, state, m.init_from)
-        return config, model
+        return config, self._checked_model(config, state, source, vocab_size, seq_length)
 
     def check_objective(self, objective: str) -> None:
         pass
@@ -231,19 +240,15 @@ class BertFamily:
         save_dle_export(model, directory, gelu=dle_gelu)
 
 
-class ModernBertFamily:
+class ModernBertFamily(_Family):
     """ModernBERT (workflow/train/modernbert.py): masked LM only, HF directories in and out."""
 
     name = "modernbert"
     model_type = "modernbert"
+    module_name, config_name, pretraining_name = ("workflow.train.modernbert", "ModernBertConfig",
+                                                  "ModernBertForMaskedLM")
     objectives = ("full_sentences",)
     unpads_in_fp32 = False  # flash kernels only: 16-bit, CUDA
-
-    @property
-    def config_class(self):
-        from workflow.train.modernbert import ModernBertConfig
-
-        return ModernBertConfig
 
     @staticmethod
     def load_directory(directory):
@@ -260,24 +265,6 @@ class ModernBertFamily:
         from workflow.train.model import UNPADDED_KEYS, unpad
 
         return {**batch, **dict(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))}
-
-    @staticmethod
-    def host_indices(batch: dict) -> dict:
-        from workflow.train.modernbert import host_indices
-
-        return host_indices(batch)
-
-    @staticmethod
-    def flops_per_sequence(config, seq_length: int, max_predictions: float) -> float:
-        from workflow.train.modernbert import flops_per_sequence
-
-        return flops_per_sequence(config, seq_length, max_predictions)
-
-    @staticmethod
-    def pretraining_model(config):
-        from workflow.train.modernbert import ModernBertForMaskedLM
-
-        return ModernBertForMaskedLM(config)
 
     @staticmethod
     def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:
@@ -320,11 +307,7 @@ class ModernBertFamily:
                                                           ("eos_token_id", "[SEP]")) if token in specials}
             config = _preset(modernbert.ModernBertConfig, m, vocab_size=(vocab_size + 7) // 8 * 8, **ids)
             source, state = f"preset {m.preset_name}", None
-        _check_sizes(config, source, vocab_size, seq_length)
-        model = self.pretraining_model(config)
-        if state is not None:
-            _load_weights(model, state, m.init_from)
-        return config, model
+        return config, self._checked_model(config, state, source, vocab_size, seq_length)
 
     def check_objective(self, objective: str) -> None:
         if objective not in self.objectives:
