@@ -139,11 +139,15 @@ def test_the_preset_table_names_each_models_presets():
     ({"family": "modernbert", "architecture": {"hidden_size": 64}, "init_from": "x"}, "full_sentences",
      "model.architecture {'hidden_size': 64}: the model comes from x"),
     ({"family": "bert", "preset": None}, "nsp", None),
+    ({"family": "bert", "theta": 320000.0}, "nsp", "config pretrain.phase2.global_rope_theta: BERT has learned"),
+    ({"family": "modernbert", "theta": 320000.0}, "full_sentences", None),
 ])
 def test_the_snakefiles_model_check(model, objective, message):
     from workflow.train.family import model_config_error
 
-    error = model_config_error({"model": model, "encode": {"objective": objective}})
+    theta = model.pop("theta", None)
+    error = model_config_error({"model": model, "encode": {"objective": objective},
+                                "pretrain": {"phase1": {}, "phase2": {"global_rope_theta": theta} if theta else {}}})
     if message is None:
         assert error is None
     else:

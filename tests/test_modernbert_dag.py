@@ -1,5 +1,5 @@
 """model.family: modernbert through the real DAG on the sample: a byte-level BPE vocab, full-sentences packed data,
-both phases (128 then 512 tokens, AdamW moments carried), and phase exports that Hugging Face's classes load and
+both phases (128 then 512 tokens with a larger global rotary theta, AdamW moments carried), and phase exports that Hugging Face's classes load and
 that compute what ours compute; an own classification task fine-tuned from the phase-2 export exports HF's
 ModernBertForSequenceClassification, which AutoModelForSequenceClassification and pipeline() load and which predicts
 what our evaluation scored."""
@@ -21,7 +21,8 @@ OVERLAY = {
     "model": {"family": "modernbert", "preset": "modernbert-tiny", "architecture": {"num_hidden_layers": 3}},
     "pretrain": {"optimizer": "adamw", "eval_max_sequences": 200, "eval_every": 0, "checkpoint_every": 4,
                  "phase1": {"learning_rate": 2.0e-3, "total_steps": 6, "global_batch_size": 16, "micro_batch_size": 8},
-                 "phase2": {"learning_rate": 1.0e-3, "total_steps": 3, "global_batch_size": 8, "micro_batch_size": 4}},
+                 "phase2": {"learning_rate": 1.0e-3, "total_steps": 3, "global_batch_size": 8, "micro_batch_size": 4,
+                            "global_rope_theta": 320000.0}},  # context extension
 }
 
 
@@ -43,6 +44,10 @@ def test_both_phases_train_modernbert_on_bpe_data(run):
         ("modernbert", 128, 6, "full_sentences", True), ("modernbert", 512, 3, "full_sentences", True)]
     assert [s["test_nsp_accuracy"] for s in summaries] == [0.0, 0.0]  # no next-sentence head, nothing counted
     assert summaries[0]["model"]["num_hidden_layers"] == 3
+    assert [s["model"]["global_rope_theta"] for s in summaries] == [160000.0, 320000.0]  # phase 2 extends
+    exported = json.loads((run / "results/pretrain/phase2/model/config.json").read_text())
+    assert exported["rope_parameters"]["full_attention"]["rope_theta"] == exported["global_rope_theta"] == 320000.0
+    assert exported["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
     tokenizer = json.loads((run / "data/tokenizer.json").read_text())
     assert tokenizer["model"]["type"] == "BPE" and summaries[0]["model"]["vocab_size"] >= len(tokenizer["model"]["vocab"])
 

@@ -51,13 +51,18 @@ class ModelSettings:
     bert_config: str | None = None      # BERT: a Google bert_config.json (or the DLE checkpoint's)
     init_from: str | None = None
     dle_gelu: str = DLE_GELU_DEFAULT
+    global_rope_theta: float | None = None  # ModernBERT: the phase's global rotary theta (context extension)
+    phase: str = "phase1"
 
     @classmethod
-    def from_config(cls, model: dict, init_from: str | None = None) -> "ModelSettings":
-        """`init_from`: where this phase starts (phase 2: phase 1's export), else model.init_from."""
+    def from_config(cls, model: dict, init_from: str | None = None, global_rope_theta: float | None = None,
+                    phase: str = "phase1") -> "ModelSettings":
+        """`init_from`: where this phase starts (phase 2: phase 1's export), else model.init_from;
+        `global_rope_theta`: config pretrain.<phase>.global_rope_theta."""
         settings = cls(family=model.get("family") or "bert", preset=model.get("preset"),
                        architecture=dict(model.get("architecture") or {}), bert_config=model.get("bert_config"),
-                       init_from=init_from or model.get("init_from"), dle_gelu=model.get("dle_gelu") or DLE_GELU_DEFAULT)
+                       init_from=init_from or model.get("init_from"), dle_gelu=model.get("dle_gelu") or DLE_GELU_DEFAULT,
+                       global_rope_theta=global_rope_theta, phase=phase)
         given = model.get("init_from") or settings.bert_config
         if settings.architecture and given:
             raise UserError(f"config model.architecture {settings.architecture}: the model comes from {given} "
@@ -75,7 +80,9 @@ def model_config_error(config: dict) -> str | None:
     """The workflow config's model section (and the data's objective) as the phases will read them: the one error
     line, None when they fit."""
     try:
-        settings = ModelSettings.from_config(config["model"])
+        for phase in ("phase1", "phase2"):
+            theta = config.get("pretrain", {}).get(phase, {}).get("global_rope_theta")
+            settings = ModelSettings.from_config(config["model"], global_rope_theta=theta, phase=phase)
         family(settings.family).check_objective(config["encode"]["objective"])
     except UserError as error:
         return str(error)
@@ -205,6 +212,9 @@ class BertFamily(_Family):
         if m.preset_name not in PRESETS[self.name]:
             raise UserError(f"config model.preset: {m.preset_name!r} is not a bert preset (one of "
                             f"{', '.join(PRESETS[self.name])}); a ModernBERT preset needs model.family: modernbert")
+        if m.global_rope_theta is not None:
+            raise UserError(f"config pretrain.{m.phase}.global_rope_theta: BERT has learned positions, no rotary "
+                            "theta; it applies to model.family: modernbert")
 
     def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
         """Model from (in order of precedence) an HF directory or a DLE checkpoint (with its bert_config.json), a
@@ -307,6 +317,9 @@ class ModernBertFamily(_Family):
                                                           ("eos_token_id", "[SEP]")) if token in specials}
             config = _preset(modernbert.ModernBertConfig, m, vocab_size=(vocab_size + 7) // 8 * 8, **ids)
             source, state = f"preset {m.preset_name}", None
+        if m.global_rope_theta is not None:  # context extension: the phase's own theta over its start's
+            log.info("%s: global rotary theta %g (was %g)", m.phase, m.global_rope_theta, config.global_rope_theta)
+            config = dataclasses.replace(config, global_rope_theta=float(m.global_rope_theta))
         return config, self._checked_model(config, state, source, vocab_size, seq_length)
 
     def check_objective(self, objective: str) -> None:

@@ -85,7 +85,8 @@ log = logging.getLogger("pretrain")
 # Keys of a phase's config section; precision etc. come from the `pretrain` section itself.
 PHASE_KEYS = ("learning_rate", "warmup_proportion", "total_steps", "max_steps", "global_batch_size", "micro_batch_size")
 LAMB_KEYS = HYPER_PARAMETERS  # of pretrain.lamb, pretrain.adamw and pretrain.stable_adamw alike
-RECIPE_KEYS = ("schedule", *WSD_KEYS, "batch_size_warmup")  # a phase's optional keys (absent: NVIDIA's recipe)
+RECIPE_KEYS = ("schedule", *WSD_KEYS, "batch_size_warmup",  # a phase's optional keys (absent: NVIDIA's recipe)
+               "global_rope_theta")
 
 
 @dataclass
@@ -129,6 +130,7 @@ class TrainSettings:
     decay_shape: str | None = None
     final_lr_fraction: float | None = None
     batch_size_warmup: dict | None = None   # config pretrain.<phase>.batch_size_warmup: {start_size, sequences}
+    global_rope_theta: float | None = None  # config pretrain.<phase>.global_rope_theta (ModernBERT)
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     log_every: int = 10
@@ -195,7 +197,8 @@ class TrainSettings:
     def model_settings(self) -> ModelSettings:
         return ModelSettings.from_config({"family": self.family, "preset": self.preset,
                                           "architecture": self.architecture, "bert_config": self.bert_config,
-                                          "dle_gelu": self.dle_gelu}, init_from=self.init_from)
+                                          "dle_gelu": self.dle_gelu}, init_from=self.init_from,
+                                         global_rope_theta=self.global_rope_theta, phase=self.phase)
 
 
 def read_vocab_size(path: str) -> int:
