@@ -323,10 +323,13 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
         raise UserError(f"{source}: a pack needs {int(per_pack.max())} prediction slots, more than {width} "
                         f"(masked_lm_prob {masked_lm_prob}); the shard was not encoded with these settings")
     shown = min(n_predictions, width)  # a pack's predictions fit in `width`, so an instance's are in its first columns
-    mask_table = (np.arange(length) < np.arange(length + 1)[:, None]).view(np.int8)  # [length + 1, length]
-    position_table = np.where(mask_table, np.arange(length, dtype=np.int16), np.int16(0))
+    cells = np.arange(length, dtype=np.int16)  # a sequence's mask and position ids, from its length (no L x L table)
 
-    # Slot 0 of every pack is its instance's row, and the mask and position ids of its length from a table. Each
+    def head(sizes: np.ndarray, window: int) -> np.ndarray:
+        """[k, window] int8: 1 on each row's first `sizes` cells."""
+        return (cells[:window] < sizes[:, None]).view(np.int8)
+
+    # Slot 0 of every pack is its instance's row, and the mask and position ids of its length. Each
     # later slot is added as windows at its start: its instance's row (zero past its length), as wide as the longest
     # of a group (lengths rounded up to eighths of a row; packs of one parity, see _add_windows), whose zeros land on
     # slots not yet written or on padding. Their values are read first, before `in_place` overwrites any instance.
@@ -342,8 +345,8 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
             instance_positions = arrays["masked_lm_positions"][rows, :predicted_width]
             later.append((chosen, start, prediction_starts[chosen, slot], {
                 "input_ids": arrays["input_ids"][rows, :window], "segment_ids": arrays["segment_ids"][rows, :window],
-                "input_mask": mask_table[sizes, :window] * np.int8(slot + 1),
-                "position_ids": position_table[sizes, :window],
+                "input_mask": head(sizes, window) * np.int8(slot + 1),
+                "position_ids": cells[:window] * head(sizes, window),
                 "masked_lm_positions": np.where(instance_positions > 0, instance_positions + start[:, None], 0),
                 "masked_lm_ids": arrays["masked_lm_ids"][rows, :predicted_width]}))
 
@@ -357,9 +360,10 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
                  and row_width <= instances.shape[1])  # windows mean packs < instances: a row to run on into
         buffers[name] = instances.reshape(-1) if reuse else np.zeros((n_packs + 1) * row_width, dtype)
         out[name] = rows = _rows_of(buffers[name], n_packs, row_width)
-        if name in ("input_mask", "position_ids"):
-            np.take(mask_table if name == "input_mask" else position_table, first_length, axis=0, out=rows,
-                    mode="clip")
+        if name == "input_mask":
+            np.less(cells, first_length[:, None], out=rows.view(bool))
+        elif name == "position_ids":  # after input_mask, which holds slot 0's cells so far
+            np.multiply(cells, out["input_mask"], out=rows)
         elif reuse:  # pack p reads instance rows >= p: chunk by chunk, each chunk's reads before its writes
             chunk = max(1, PACK_CHUNK_CELLS // instances.shape[1])
             gathered = np.empty((chunk, instances.shape[1]), dtype)
