@@ -16,6 +16,7 @@ from workflow.cli import UserError
 from workflow.config import optimizer_config_error, schedule_config_error, validate_config
 from workflow.data.corpora import corpora_error
 from workflow.data.download import dump_parts, wikipedia_dump_url
+from workflow.data.masking_rule import encode_config_error
 from workflow.data.vocab import vocab_config_error
 from workflow.glue.data import TASKS as GLUE_TASKS
 from workflow.tasks.config import task_config_error
@@ -54,7 +55,7 @@ def config_consistency_error(config):
     return (optimizer_config_error(config["pretrain"])
             or next(filter(None, (schedule_config_error(config["pretrain"][phase], f"pretrain.{phase}")
                                   for phase in ("phase1", "phase2"))), None)
-            or task_config_error(config) or corpora_error(config)
+            or encode_config_error(config) or task_config_error(config) or corpora_error(config)
             or vocab_config_error(config) or model_config_error(config))
 
 

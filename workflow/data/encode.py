@@ -11,8 +11,10 @@ The file schema is NVIDIA's, so its loader reads it as is:
 
 zero-padded. Settings off NVIDIA's recipe (docs/data.md, "Masking at load time and full sentences"): `masking`
 dynamic writes the rows unmasked (masked_lm_* zero) with what the loader's masker needs (workflow.train.masking;
-mask_rows is the one masking rule of both); `objective` full_sentences plans RoBERTa's FULL-SENTENCES rows
-(plan_full_sentences) instead of pairs. With packing (the stage's default; workflow.data.pack), the shard's instances are packed before they
+mask_rows is the one masking rule of both); `objective` full_sentences plans RoBERTa's FULL-SENTENCES rows and
+documents its DOC-SENTENCES rows (plan_full_sentences) instead of pairs; `masking_rule` per_token masks each token
+on its own (workflow.data.masking_rule). The test split is masked at the held-out probability
+(EncodeSettings.held_out_masked_lm_prob: eval_masked_lm_prob), so held-out accuracies compare across training rates. With packing (the stage's default; workflow.data.pack), the shard's instances are packed before they
 are written, several to a row, in the packed schema of workflow.data.pack. The work is vectorised numpy: instances
 are planned for all documents at once (one step = one instance per document), then built and masked in batches of
 rows, so memory stays bounded by the batch; with packing, by the shard: the batches are built into the shard's
@@ -33,8 +35,8 @@ from tqdm import tqdm
 from workflow.cli import UserError, run
 from workflow.data.hdf5 import CHUNK_ROWS, PACKED_VERSION, write_shard
 from workflow.data.pack import ALGORITHMS, PackSettings, check_packed, pack_arrays, packing_stats
-from workflow.data.masking_rule import (MASKINGS, OBJECTIVES, EncodeSettings, GeneratorDraws, Vocab,  # noqa: F401
-                                       mask_rows)
+from workflow.data.masking_rule import (MASKING_RULES, MASKINGS, OBJECTIVES, EncodeSettings,  # noqa: F401
+                                       GeneratorDraws, Vocab, derived_max_predictions, mask_rows)
 from workflow.data.tokenize import load_tokenized
 
 log = logging.getLogger(__name__)
@@ -99,13 +101,15 @@ def plan_instances(
 
 
 def plan_full_sentences(
-    sentence_offsets: np.ndarray, document_offsets: np.ndarray, settings: EncodeSettings, rng: np.random.Generator
+    sentence_offsets: np.ndarray, document_offsets: np.ndarray, settings: EncodeSettings, rng: np.random.Generator,
+    cross_documents: bool = True,
 ) -> np.ndarray:
     """RoBERTa's FULL-SENTENCES rows, shuffled, in plan_instances' [N, 5] form (NSP label 0): contiguous sentences
     up to max_seq_length - 3 tokens, A within one document and, when A reaches its document's end, B continuing
     with the next document's first sentences after a [SEP] (one boundary per row: the layout stays
     [CLS] A [SEP] B [SEP]; B is empty within a document). Every token of the shard is in exactly one row: a sentence
-    longer than a row continues in the next one."""
+    longer than a row continues in the next one. Without `cross_documents`, RoBERTa's DOC-SENTENCES: B is always
+    empty, a row ends at its document's end ([CLS] A [SEP], one document)."""
     cum = sentence_offsets
     budget = settings.max_seq_length - 3
     document_ends = cum[document_offsets[1:]]
@@ -120,7 +124,7 @@ def plan_full_sentences(
         document_end = int(document_ends[np.searchsorted(document_ends, start, side="right")])
         a_end = last_boundary(start, min(start + budget, document_end))
         b_end = a_end
-        if a_end == document_end < total and start + budget > document_end:
+        if cross_documents and a_end == document_end < total and start + budget > document_end:
             next_end = int(document_ends[np.searchsorted(document_ends, document_end, side="right")])
             b_end = last_boundary(document_end, min(start + budget, next_end))
             if cum[np.searchsorted(cum, b_end)] != b_end:  # B is whole sentences: none fits, no B
@@ -161,17 +165,18 @@ def instance_shapes(n: int, settings: EncodeSettings) -> dict[str, tuple[tuple[i
 
 def instance_lengths(plan: np.ndarray) -> np.ndarray:
     """Tokens of each instance of `plan` rows: [CLS] A [SEP] B [SEP], or [CLS] A [SEP] when B is empty (full
-    sentences within a document). The one count of build_batch and the packer: a longer one packs padding inside."""
+    sentences within a document, documents). The one count of build_batch and the packer: a longer one packs padding inside."""
     len_a, len_b = plan[:, 1] - plan[:, 0], plan[:, 3] - plan[:, 2]
     return len_a + len_b + 2 + (len_b > 0)
 
 
 def build_batch(
     ids: np.ndarray, plan: np.ndarray, settings: EncodeSettings, vocab: Vocab, rng: np.random.Generator,
-    out: dict[str, np.ndarray] | None = None,
+    out: dict[str, np.ndarray] | None = None, counts: dict | None = None,
 ) -> dict[str, np.ndarray]:
     """The NVIDIA-schema arrays of the instances in `plan` rows: [CLS] A [SEP] B [SEP], masked, zero-padded;
-    written into `out` (arrays of len(plan) rows, e.g. row ranges of a whole shard's) when given.
+    written into `out` (arrays of len(plan) rows, e.g. row ranges of a whole shard's) when given; per_token's masks
+    lost to the cap are added to `counts`.
 
     `ids` are the shard's token ids followed by one 0, the value padding cells gather.
     """
@@ -199,13 +204,13 @@ def build_batch(
     candidate = is_real & (col != (len_a + 1)[:, None]) & (col != (n_tokens - 1)[:, None])
     candidate[:, 0] = False
     out["next_sentence_labels"][...] = is_random
-    if settings.objective == "full_sentences":
+    if settings.objective != "nsp":
         segment_ids[...] = False  # one segment: the [SEP]s only separate documents
     if settings.masking == "dynamic":
         out["masked_lm_positions"][...] = 0
         out["masked_lm_ids"][...] = 0
         return out
-    positions, labels = mask_rows(input_ids, candidate, n_tokens, settings, vocab, GeneratorDraws(rng))
+    positions, labels = mask_rows(input_ids, candidate, n_tokens, settings, vocab, GeneratorDraws(rng), counts)
     out["masked_lm_ids"][...] = labels
     out["masked_lm_positions"][...] = positions
     return out
@@ -223,20 +228,22 @@ def encode_shard(
     packing: PackSettings | None = None,
 ) -> int:
     """Encode one tokenized shard into the HDF5 file `output`, packed (workflow.data.pack) unless `packing` is
-    None; returns the number of instances."""
+    None; returns the number of instances. Masks drawn beyond a cap (per_token only) are counted in the log."""
     _check(settings, packing)
-    if settings.masking == "dynamic" and settings.objective == "full_sentences" and settings.dupe_factor != 1:
-        log.info("dupe_factor %d ignored: with dynamic masking, copies of full-sentence rows would be identical",
-                 settings.dupe_factor)
+    if settings.masking == "dynamic" and settings.objective != "nsp" and settings.dupe_factor != 1:
+        log.info("dupe_factor %d ignored: with dynamic masking, copies of %s rows would be identical",
+                 settings.dupe_factor, settings.objective)
         settings = replace(settings, dupe_factor=1)
+    masking = settings.of_split(split)  # the test split's masks at the held-out probability
     vocab = Vocab.read(vocab_path)
     ids, sentence_offsets, document_offsets = load_tokenized(tokenized)
     padded_ids = np.append(ids, 0).astype(ids.dtype)
     if len(ids) and int(ids.max()) >= vocab.size:
         raise UserError(f"{tokenized}: token id {int(ids.max())} is outside {vocab_path} ({vocab.size} tokens)")
     plan_rng, mask_rng = shard_rng(seed, split, shard_index)
-    if settings.objective == "full_sentences":
-        plan = plan_full_sentences(sentence_offsets, document_offsets, settings, plan_rng)
+    if settings.objective != "nsp":
+        plan = plan_full_sentences(sentence_offsets, document_offsets, settings, plan_rng,
+                                   cross_documents=settings.objective == "full_sentences")
         plan = np.tile(plan, (settings.dupe_factor, 1))  # static masks: dupe_factor differently masked copies
     else:
         plan = plan_instances(sentence_offsets, document_offsets, settings, plan_rng)
@@ -253,17 +260,20 @@ def encode_shard(
     if settings.masking == "dynamic":  # what the load-time masker needs (workflow.train.masking)
         attributes.update(cls_id=vocab.cls, sep_id=vocab.sep, mask_id=vocab.mask)
     shapes = instance_shapes(n, settings)
+    counts: dict = {}
     starts = tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5, disable=None)
     if packing is not None:
         # Packing needs every instance's length (known from the plan): the shard's instances are built in memory.
         arrays = {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
         for start in starts:
             rows = slice(start, start + batch_rows)
-            build_batch(padded_ids, plan[rows], settings, vocab, mask_rng, {k: v[rows] for k, v in arrays.items()})
+            build_batch(padded_ids, plan[rows], masking, vocab, mask_rng, {k: v[rows] for k, v in arrays.items()},
+                        counts)
         started = time.process_time()
         lengths = instance_lengths(plan)
-        packed = pack_arrays(arrays, packing.max_sequences_per_pack, settings.masked_lm_prob, packing.algorithm,
-                             str(tokenized), lengths, in_place=True)
+        packed = pack_arrays(arrays, packing.max_sequences_per_pack, masking.masked_lm_prob, packing.algorithm,
+                             str(tokenized), lengths, in_place=True, masking_rule=settings.masking_rule,
+                             counts=counts)
         check_packed(packed, vocab.cls, vocab.sep, (0, vocab.mask), str(output))  # 0: the padding
         stats = packing_stats(lengths, length, len(packed["input_ids"]))
         packing_time = time.process_time() - started
@@ -273,11 +283,23 @@ def encode_shard(
         log.info("%s: %d instances in %d packs of %d, fill %.4f (unpacked %.4f); packing took %.3f CPU s",
                  output, n, stats["n_packs"], length, stats["fill"], stats["fill_unpacked"],
                  packing_time)
+        _log_lost_masks(output, settings, counts)
         return n
-    batches = (build_batch(padded_ids, plan[start : start + batch_rows], settings, vocab, mask_rng) for start in starts)
+    batches = (build_batch(padded_ids, plan[start : start + batch_rows], masking, vocab, mask_rng, counts=counts)
+               for start in starts)
     write_shard(output, attributes, shapes, batches, compression, _masker_tables(settings, vocab))
     log.info("%s: %d instances of length %d", output, n, length)
+    _log_lost_masks(output, settings, counts)
     return n
+
+
+def _log_lost_masks(output, settings: EncodeSettings, counts: dict) -> None:
+    """per_token's static masks drawn but not made, by reason (none where the cap is derived, but ~1e-9 of rows)."""
+    if settings.masking_rule == "per_token" and settings.masking == "static":
+        log.log(logging.WARNING if any(counts.values()) else logging.INFO,
+                "%s: masks drawn but not made: %d over max_predictions_per_seq %d, %d over a packed row's width",
+                output, counts.get("masks_over_cap", 0), settings.max_predictions_per_seq,
+                counts.get("masks_over_row_width", 0))
 
 
 def _masker_tables(settings: EncodeSettings, vocab: Vocab) -> dict[str, np.ndarray]:
@@ -292,6 +314,10 @@ def _check(settings: EncodeSettings, packing: PackSettings | None) -> None:
         raise UserError(f"encode masking {settings.masking!r}: must be one of {', '.join(MASKINGS)}")
     if settings.objective not in OBJECTIVES:
         raise UserError(f"encode objective {settings.objective!r}: must be one of {', '.join(OBJECTIVES)}")
+    if settings.masking_rule not in MASKING_RULES:
+        raise UserError(f"encode masking_rule {settings.masking_rule!r}: must be one of {', '.join(MASKING_RULES)}")
+    if not 0 < settings.held_out_masked_lm_prob <= 1:
+        raise UserError(f"encode eval_masked_lm_prob {settings.held_out_masked_lm_prob}: must be in (0, 1]")
     if settings.max_seq_length < 8:
         raise UserError(f"encode max_seq_length {settings.max_seq_length}: must be at least 8")
     if settings.max_predictions_per_seq < 1:
@@ -304,13 +330,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--vocab", required=True, help="the vocab.txt it was tokenized with")
     parser.add_argument("--output", required=True, help="HDF5 file to write")
     parser.add_argument("--max-seq-length", type=int, required=True)
-    parser.add_argument("--max-predictions-per-seq", type=int, required=True)
+    parser.add_argument("--max-predictions-per-seq", type=int, default=None,
+                        help="most masked positions per instance; default: derived (masking_rule.derived_max_predictions)")
     parser.add_argument("--dupe-factor", type=int, default=5)
     parser.add_argument("--masked-lm-prob", type=float, default=0.15)
     parser.add_argument("--short-seq-prob", type=float, default=0.1)
     parser.add_argument("--whole-word-masking", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--masking", choices=MASKINGS, default="static")
     parser.add_argument("--objective", choices=OBJECTIVES, default="nsp")
+    parser.add_argument("--masking-rule", choices=MASKING_RULES, default="google")
+    parser.add_argument("--eval-masked-lm-prob", type=float, default=None,
+                        help="the test split's masked_lm_prob; default: 0.15 under per_token, else --masked-lm-prob")
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--split", choices=sorted(SPLIT_CODES), required=True)
     parser.add_argument("--shard-index", type=int, required=True)
@@ -327,14 +357,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                         f"the workflow's rules and workflow/data are of different versions")
     settings = EncodeSettings(
         max_seq_length=args.max_seq_length,
-        max_predictions_per_seq=args.max_predictions_per_seq,
+        max_predictions_per_seq=args.max_predictions_per_seq or 0,
         dupe_factor=args.dupe_factor,
         masked_lm_prob=args.masked_lm_prob,
         short_seq_prob=args.short_seq_prob,
         whole_word_masking=args.whole_word_masking,
         masking=args.masking,
         objective=args.objective,
+        masking_rule=args.masking_rule,
+        eval_masked_lm_prob=args.eval_masked_lm_prob,
     )
+    if args.max_predictions_per_seq is None:
+        settings = replace(settings, max_predictions_per_seq=derived_max_predictions(
+            settings.max_seq_length, settings.masking_rule,
+            (settings.masked_lm_prob, settings.held_out_masked_lm_prob)))
     packing = PackSettings(args.max_sequences_per_pack, args.pack_algorithm) if args.packing else None
     encode_shard(args.tokenized, args.vocab, args.output, settings, args.seed, args.split, args.shard_index,
                  args.compression, packing)

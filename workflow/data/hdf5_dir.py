@@ -4,8 +4,9 @@ It holds training/ and test/ with every encoded shard hard-linked (copied where 
 data/encoded_seq{L}, and manifest.json: the shard list with instance counts (and rows), sizes and sha256 checksums,
 the encode settings used (read from the shards' own attributes, which must agree), and `format`: "packed"
 (workflow.data.pack's schema; settings then include `packing` and `max_sequences_per_pack`) or "unpacked"
-(NVIDIA's schema, one instance per row). Settings also name `masking` and `objective` where the shards are not
-of NVIDIA's recipe (static, nsp).
+(NVIDIA's schema, one instance per row). Settings also name `masking`, `objective` and `masking_rule` where the
+shards are not of NVIDIA's recipe (static, nsp, google), and `eval_masked_lm_prob` where the test split is masked at
+another probability than masked_lm_prob.
 
 File names follow NVIDIA DLE's bertPrep.py (`wikicorpus_en_training_0.hdf5`, `wikicorpus_en_test_0.hdf5`):
 its run_pretraining.py keeps only the files of `--input_dir` whose name contains "training", so
@@ -38,7 +39,7 @@ SETTINGS = (
     "vocab_sha256",
 )
 PACKING = ("packing", "max_sequences_per_pack")  # attributes of packed shards only
-RECIPE = ("masking", "objective")  # attributes of shards not of NVIDIA's recipe (static masks, NSP) only
+RECIPE = ("masking", "objective", "masking_rule", "eval_masked_lm_prob")  # attributes off NVIDIA's recipe only
 
 
 def sha256(path: Path) -> str:

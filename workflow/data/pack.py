@@ -34,8 +34,10 @@ algorithm, `max_sequences_per_pack`, `packed_version` (workflow.data.hdf5.PACKED
     masked_lm_positions [R,W] int32  positions in the packed row, ascending (0 = empty slot: a [CLS] is never masked),
     masked_lm_ids [R,W] int32,
 
-with W = min(S * max_predictions_per_seq, floor(masked_lm_prob * L) + S) (encode predicts at most
-max(1, rint(masked_lm_prob * n)) tokens of an instance of n tokens). Packs are ordered by their first instance's
+with W = min(S * max_predictions_per_seq, floor(masked_lm_prob * L) + S) under masking_rule google (encode predicts
+at most max(1, rint(masked_lm_prob * n)) tokens of an instance of n tokens) and min(S * max_predictions_per_seq,
+max(max_predictions_per_seq, the derived cap of L tokens)) under per_token (a row of L tokens draws more ~1e-9 of
+the time: its last predictions are then unmasked, counted as masks_over_row_width, and the rest packed as they were). Packs are ordered by their first instance's
 row, so the file keeps the encode stage's shuffled order. The whole shard is held in memory (a shard is bounded
 by the shard stage's size). Every shard written is checked first (check_packed): each sequence is its instance's
 tokens, [CLS] first and [SEP] last, with no [PAD] or other special token inside but [SEP] and masked cells.
@@ -50,6 +52,7 @@ import numpy as np
 
 from workflow.cli import UserError, run
 from workflow.data.hdf5 import PACKED, PACKED_VERSION, TABLES, read_encoded, write_shard
+from workflow.data.masking_rule import derived_max_predictions
 
 log = logging.getLogger(__name__)
 
@@ -234,10 +237,13 @@ def as_written_by_encode(arrays: dict[str, np.ndarray], source: str = "input") -
 
 
 def prediction_width(max_length: int, max_predictions_per_seq: int, masked_lm_prob: float,
-                     max_sequences_per_pack: int) -> int:
+                     max_sequences_per_pack: int, masking_rule: str = "google") -> int:
     """Prediction slots of a packed row (see the module docstring)."""
-    return int(min(max_sequences_per_pack * max_predictions_per_seq,
-                   np.floor(masked_lm_prob * max_length) + max_sequences_per_pack))
+    if masking_rule == "per_token":
+        row = max(max_predictions_per_seq, derived_max_predictions(max_length, masking_rule, (masked_lm_prob,)))
+    else:
+        row = np.floor(masked_lm_prob * max_length) + max_sequences_per_pack
+    return int(min(max_sequences_per_pack * max_predictions_per_seq, row))
 
 
 def pack_members(lengths: np.ndarray, max_length: int, max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
@@ -292,12 +298,15 @@ def _cumulative_before(values: np.ndarray) -> np.ndarray:
 
 def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
                 masked_lm_prob: float = 0.15, algorithm: str = PackSettings.algorithm, source: str = "input",
-                lengths: np.ndarray | None = None, in_place: bool = False) -> dict[str, np.ndarray]:
+                lengths: np.ndarray | None = None, in_place: bool = False, masking_rule: str = "google",
+                counts: dict | None = None) -> dict[str, np.ndarray]:
     """The packed arrays (module docstring) of the NVIDIA-schema `arrays` of one shard.
 
     `lengths`, the real tokens of each instance, says the arrays are as encode builds them (as_written_by_encode);
     without it they are checked and brought to that form first. `in_place` writes the packed token rows into the
-    memory of `arrays` (fresh memory costs more than the copy itself), which then no longer hold the instances."""
+    memory of `arrays` (fresh memory costs more than the copy itself), which then no longer hold the instances.
+    Under masking_rule per_token a pack's predictions beyond the row's width are unmasked in `arrays` and counted
+    in `counts["masks_over_row_width"]`; under google they are refused."""
     if max_sequences_per_pack < 1:
         raise UserError(f"pack max_sequences_per_pack {max_sequences_per_pack}: must be at least 1")
     n, length = arrays["input_ids"].shape
@@ -319,6 +328,11 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     predicted = np.where(present, n_valid[member], 0)
     prediction_starts = _cumulative_before(predicted)
     per_pack = prediction_starts[:, -1] + predicted[:, -1]
+    if n_packs and per_pack.max() > width and masking_rule == "per_token":
+        n_valid = _unmask_beyond(arrays, members, n_valid, width, counts)
+        predicted = np.where(present, n_valid[member], 0)
+        prediction_starts = _cumulative_before(predicted)
+        per_pack = prediction_starts[:, -1] + predicted[:, -1]
     if n_packs and per_pack.max() > width:
         raise UserError(f"{source}: a pack needs {int(per_pack.max())} prediction slots, more than {width} "
                         f"(masked_lm_prob {masked_lm_prob}); the shard was not encoded with these settings")
@@ -388,6 +402,29 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     return {name: out[name] for name in PACKED}
 
 
+def _unmask_beyond(arrays: dict[str, np.ndarray], members: np.ndarray, n_valid: np.ndarray, width: int,
+                   counts: dict | None) -> np.ndarray:
+    """Unmask the predictions of each pack beyond `width`, the last slot's last ones first (its highest positions:
+    an instance's predictions are ascending), in the instances' `arrays`; the instances' new prediction counts."""
+    n_valid = n_valid.copy()
+    for pack in np.flatnonzero(np.where(members >= 0, n_valid[np.maximum(members, 0)], 0).sum(axis=1) > width):
+        excess = int(n_valid[members[pack][members[pack] >= 0]].sum()) - width
+        for instance in members[pack][members[pack] >= 0][::-1].tolist():
+            drop = min(excess, int(n_valid[instance]))
+            kept = int(n_valid[instance]) - drop
+            columns = slice(kept, int(n_valid[instance]))
+            arrays["input_ids"][instance, arrays["masked_lm_positions"][instance, columns]] = \
+                arrays["masked_lm_ids"][instance, columns]
+            arrays["masked_lm_positions"][instance, columns] = 0
+            arrays["masked_lm_ids"][instance, columns] = 0
+            n_valid[instance], excess = kept, excess - drop
+            if counts is not None:
+                counts["masks_over_row_width"] = counts.get("masks_over_row_width", 0) + drop
+            if not excess:
+                break
+    return n_valid
+
+
 def check_packed(packed: dict[str, np.ndarray], cls_id: int, sep_id: int, stray_ids: Sequence[int],
                  source: str = "input") -> None:
     """Raise a UserError unless every sequence of the packed arrays is whole: its tokens numbered slot + 1 are
@@ -426,10 +463,18 @@ def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
     tables = {name: arrays.pop(name) for name in TABLES if name in arrays}
     arrays, lengths = as_written_by_encode(arrays, str(encoded))
     masked_lm_prob = float(attributes.get("masked_lm_prob", 0.15))
+    if attributes.get("split") == "test":  # the held-out masks' probability (workflow.data.masking_rule)
+        masked_lm_prob = float(attributes.get("eval_masked_lm_prob", masked_lm_prob))
+    masking_rule = str(attributes.get("masking_rule", "google"))
     # An encoded shard's first instance gives the ids: [CLS] first, [SEP] last (a static file does not record them).
     ids = arrays["input_ids"]
     cls_id, sep_id = (int(ids[0, 0]), int(ids[0, lengths[0] - 1])) if len(lengths) else (0, 0)
-    packed = pack_arrays(arrays, max_sequences_per_pack, masked_lm_prob, algorithm, str(encoded), lengths)
+    counts = {}
+    packed = pack_arrays(arrays, max_sequences_per_pack, masked_lm_prob, algorithm, str(encoded), lengths,
+                         masking_rule=masking_rule, counts=counts)
+    if counts:
+        log.warning("%s: %d masks over the packed rows' prediction width unmasked", encoded,
+                    counts["masks_over_row_width"])
     check_packed(packed, cls_id, sep_id, {0, int(attributes.get("mask_id", 0))}, str(encoded))
     stats = packing_stats(lengths, arrays["input_ids"].shape[1], packed["input_ids"].shape[0])
     attributes.update(stats, **PackSettings(max_sequences_per_pack, algorithm).attributes())

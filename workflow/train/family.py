@@ -182,7 +182,7 @@ class BertFamily(_Family):
     name = "bert"
     model_type = "bert"
     module_name, config_name, pretraining_name = "workflow.train.model", "BertConfig", "BertForPreTraining"
-    objectives = ("nsp", "full_sentences")
+    objectives = ("nsp", "full_sentences", "documents")
     unpads_in_fp32 = True  # its unpadded path (nested tensors) runs in any precision, on CPU too
 
     @staticmethod
@@ -257,7 +257,7 @@ class ModernBertFamily(_Family):
     model_type = "modernbert"
     module_name, config_name, pretraining_name = ("workflow.train.modernbert", "ModernBertConfig",
                                                   "ModernBertForMaskedLM")
-    objectives = ("full_sentences",)
+    objectives = ("full_sentences", "documents")
     unpads_in_fp32 = False  # flash kernels only: 16-bit, CUDA
 
     @staticmethod
@@ -325,7 +325,7 @@ class ModernBertFamily(_Family):
     def check_objective(self, objective: str) -> None:
         if objective not in self.objectives:
             raise UserError(f"encode.objective {objective}: model.family modernbert has no next-sentence head; "
-                            f"encode the data with encode.objective: full_sentences")
+                            f"encode the data with encode.objective: full_sentences or documents")
 
     def fingerprint(self, config) -> dict:
         return {"model family": self.name, "model": config.to_dict()}

@@ -4,7 +4,11 @@ The files then hold unmasked rows (workflow.data.encode, masked_lm_* all zero) a
 settings as root attributes and the vocab's "##" continuation table (dataset `continues_word`, for whole-word
 masking); [CLS]/[SEP] are found by their ids. Whatever the files hold, the masker never picks the padding (id 0,
 [PAD]), [CLS], [SEP] or [MASK] as a candidate: only text is predicted. The rule is encode's own (workflow.data.masking_rule.mask_rows: Google's
-create_pretraining_data.py), so dynamic masks have the statistics of static ones (tests/test_masking.py).
+create_pretraining_data.py, or per_token), so dynamic masks have the statistics of static ones (tests/test_masking.py).
+A test shard (root attribute `split`) is masked at the held-out probability (`eval_masked_lm_prob` where the file
+names one). Under per_token, a sequence's draws beyond max_predictions_per_seq and a packed row's predictions beyond
+the file's prediction width (~1e-9 of rows where the cap is derived) are not made: the tokens stay as they were, and
+a warning counts them by reason.
 
 The random numbers are counter-based: each is a hash (SplitMix64's finaliser) of (seed, epoch, shard, instance,
 stream, column), so a sequence's masks depend on nothing but its identity and the epoch: the same on any number of
@@ -18,10 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+
 import h5py
 import numpy as np
 
 from workflow.data.masking_rule import EncodeSettings, Vocab, mask_rows
+
+log = logging.getLogger(__name__)
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 STREAMS = {"keys": 0, "fractions": 1, "tokens": 2}
@@ -80,12 +88,15 @@ class LoadTimeMasker:
             if attributes.get("masking", "static") != "dynamic":
                 return None
             continues = handle["continues_word"][()].astype(bool)
+        masked_lm_prob = float(attributes["masked_lm_prob"])
+        if attributes.get("split") == "test":  # the held-out set's own probability
+            masked_lm_prob = float(attributes.get("eval_masked_lm_prob", masked_lm_prob))
         settings = EncodeSettings(
             max_seq_length=int(attributes["max_seq_length"]),
             max_predictions_per_seq=int(attributes["max_predictions_per_seq"]),
-            masked_lm_prob=float(attributes["masked_lm_prob"]),
+            masked_lm_prob=masked_lm_prob,
             whole_word_masking=bool(attributes["whole_word_masking"]),
-            masking="dynamic")
+            masking="dynamic", masking_rule=str(attributes.get("masking_rule", "google")))
         vocab = Vocab(len(continues), int(attributes["cls_id"]), int(attributes["sep_id"]), int(attributes["mask_id"]),
                       continues)
         return cls(settings, vocab, int(attributes["seed"]) if seed is None else seed)
@@ -109,15 +120,25 @@ class LoadTimeMasker:
         candidate = owned & ~np.isin(ids, self.special_ids)
         n_tokens = owned.sum(axis=1)
         draws = KeyedDraws(sequence_keys(self.seed, epoch, shard, instances.reshape(-1)))
-        positions, labels = mask_rows(ids, candidate, n_tokens, self.settings, self.vocab, draws)
+        counts = {"masks_over_cap": 0}
+        positions, labels = mask_rows(ids, candidate, n_tokens, self.settings, self.vocab, draws, counts)
         masked = np.take_along_axis(ids.reshape(n_rows, slots, length), np.maximum(sequence - 1, 0)[:, None, :],
                                     axis=1)[:, 0]
         positions, labels = positions.reshape(n_rows, -1), labels.reshape(n_rows, -1)
         # Each row's predictions first, ascending (0 = empty), cut to the file's prediction width.
         order = np.argsort(np.where(positions > 0, positions, length), axis=1, kind="stable")
         width = arrays["masked_lm_positions"].shape[1]
+        positions, labels = np.take_along_axis(positions, order, axis=1), np.take_along_axis(labels, order, axis=1)
+        cut_rows, cut_columns = np.nonzero(positions[:, width:] > 0)
+        if len(cut_rows):  # per_token only (google's count fits the width): those tokens stay unmasked
+            cut_positions = positions[cut_rows, width + cut_columns]
+            masked[cut_rows, cut_positions] = labels[cut_rows, width + cut_columns]
+        if counts["masks_over_cap"] or len(cut_rows):
+            log.warning("shard %d, epoch %d: masks drawn but not made: %d over max_predictions_per_seq %d, %d over "
+                        "the packed rows' prediction width %d", shard, epoch, counts["masks_over_cap"],
+                        self.settings.max_predictions_per_seq, len(cut_rows), width)
         out = dict(arrays)
         out["input_ids"] = np.where(sequence > 0, masked, input_ids).astype(input_ids.dtype)
-        out["masked_lm_positions"] = np.take_along_axis(positions, order, axis=1)[:, :width].astype(np.int32)
-        out["masked_lm_ids"] = np.take_along_axis(labels, order, axis=1)[:, :width].astype(np.int32)
+        out["masked_lm_positions"] = positions[:, :width].astype(np.int32)
+        out["masked_lm_ids"] = labels[:, :width].astype(np.int32)
         return out

@@ -65,7 +65,7 @@ class ShardInfo:
     sequences_per_row: np.ndarray | None = None  # packed: each row's number of sequences (uint8; its leading slots)
     slots: int = 1         # sequence slots per row (packed: max_sequences_per_pack)
     dynamic: bool = False  # unmasked rows: the loader masks them (workflow.train.masking)
-    objective: str = "nsp"  # encode.objective: nsp (segment pairs) or full_sentences (no NSP labels to learn)
+    objective: str = "nsp"  # encode.objective: nsp (segment pairs), full_sentences or documents (no NSP labels)
 
     @property
     def rows(self) -> int:
