@@ -316,7 +316,7 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
         arrays, lengths = as_written_by_encode(arrays, source)
     n_predictions = arrays["masked_lm_positions"].shape[1]
     slots = max_sequences_per_pack
-    width = prediction_width(length, n_predictions, masked_lm_prob, slots)
+    width = prediction_width(length, n_predictions, masked_lm_prob, slots, masking_rule)
     members = pack_members(lengths, length, slots, algorithm)
     n_packs = len(members)
     present = members >= 0
