@@ -65,6 +65,24 @@ def saved_bytes(model: ModernBertForMaskedLM, rows: int, length: int) -> int:
     return sum(storages.values())
 
 
+def activation_fit(model: ModernBertForMaskedLM, lengths, rows: int = 2) -> tuple[list[int], tuple[float, float, float]]:
+    """(saved bytes at each of three `lengths`, (c, a, b)): the fit c + a * N + b * N * L of the saved bytes for N
+    tokens in rows of L; c is autocast's bf16 weight copy, a the bytes a token keeps with a flash kernel, b the dense
+    CPU path's attention probabilities (per token per token of row)."""
+    measured = [saved_bytes(model, rows, length) for length in lengths]
+    design = torch.tensor([[1.0, rows * length, rows * length * length] for length in lengths], dtype=torch.float64)
+    fit = torch.linalg.solve(design, torch.tensor(measured, dtype=torch.float64)).tolist()
+    return measured, tuple(fit)
+
+
+def base_model(preset: str = "modernbert-base", vocab: int = 50368) -> ModernBertForMaskedLM:
+    """The preset's masked-LM model with ModernBERT's vocab size, in training mode, seeded."""
+    torch.manual_seed(0)
+    config = ModernBertConfig.preset(preset, vocab_size=vocab, pad_token_id=0, cls_token_id=1, sep_token_id=2,
+                                     bos_token_id=1, eos_token_id=2)
+    return ModernBertForMaskedLM(config).train()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="modernbert-base")
@@ -76,15 +94,11 @@ def main(argv=None) -> None:
                         help="tokens per optimizer step, all GPUs (ModernBERT's 4,608 x 1,024)")
     parser.add_argument("--measure", type=int, nargs=3, default=(64, 128, 256), help="the row lengths measured")
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    config = ModernBertConfig.preset(args.preset, vocab_size=args.vocab, pad_token_id=0, cls_token_id=1,
-                                     sep_token_id=2, bos_token_id=1, eos_token_id=2)
-    model = ModernBertForMaskedLM(config).train()
+    model = base_model(args.preset, args.vocab)
+    config = model.config
     parameters = sum(p.numel() for p in model.parameters())
     rows = 2
-    measured = [saved_bytes(model, rows, length) for length in args.measure]
-    design = torch.tensor([[1.0, rows * length, rows * length * length] for length in args.measure], dtype=torch.float64)
-    constant, kept, quadratic = torch.linalg.solve(design, torch.tensor(measured, dtype=torch.float64)).tolist()
+    measured, (constant, kept, quadratic) = activation_fit(model, args.measure, rows)
     peak = accelerator.peak_flops(H100, "bf16")
     static = 16 * parameters + constant
     print(f"{args.preset}: {parameters / 1e6:.1f} M parameters; window {config.local_attention}, a global layer "
