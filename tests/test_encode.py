@@ -16,11 +16,13 @@ import pytest
 
 from benchmarks import google_reference
 from workflow.data.encode import EncodeSettings, Vocab, _truncate_pair, build_batch, encode_shard, plan_instances, shard_rng
+from workflow.data.masking_rule import MASKING_RULES, MASKINGS, OBJECTIVES, derived_max_predictions
 from workflow.cli import UserError
 from workflow.data.hdf5_dir import build_hdf5_dir
 from workflow.data.pack import PackSettings, check_packed, pack_arrays
 from workflow.data.tokenize import load_tokenized, tokenize_shard
 from workflow.data.vocab import read_vocab, special_token_ids, train_vocab
+from workflow.train.masking import LoadTimeMasker
 from workflow.train.pretraining_data import list_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -519,27 +521,49 @@ def test_closed_form_truncation_equals_googles_token_by_token_loop():
     assert a0.min() >= 0 and abs(trimmed_front / trimmed - 0.5) < 0.01
 
 
-# Every cell of objective x masking x length x packing algorithm: the invariant of packing (issue 37).
-MATRIX = [(objective, masking, length, algorithm) for objective in ("nsp", "full_sentences")
-          for masking in ("static", "dynamic") for length in (128, 512) for algorithm in ("gapfill", "lpfhp", "spfhp")]
+# Every cell of objective x masking x masking rule x length x packing algorithm: the invariant of packing (issue 37).
+MATRIX = [(objective, masking, rule, length, algorithm) for objective in OBJECTIVES for masking in MASKINGS
+          for rule in MASKING_RULES for length in (128, 512) for algorithm in ("gapfill", "lpfhp", "spfhp")]
 
 
-@pytest.mark.parametrize("objective, masking, length, algorithm", MATRIX)
+@pytest.mark.parametrize("objective, masking, rule, length, algorithm", MATRIX)
 def test_packed_sequences_equal_their_unpacked_instances_token_for_token_with_no_special_token_inside(
-        shard, tmp_path, objective, masking, length, algorithm):
+        shard, tmp_path, objective, masking, rule, length, algorithm):
     vocab_path, tokenized, vocab = shard
-    settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=length * 15 // 100 + 1, dupe_factor=2,
-                              masking=masking, objective=objective)
+    max_predictions = length * 15 // 100 + 1 if rule == "google" else derived_max_predictions(length, rule, (0.3,))
+    settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=max_predictions, dupe_factor=2,
+                              masking=masking, objective=objective, masking_rule=rule,
+                              masked_lm_prob=0.15 if rule == "google" else 0.3)
     encode_shard(tokenized, vocab_path, tmp_path / "u.hdf5", settings, 5, "training", 0, "none")
     encode_shard(tokenized, vocab_path, tmp_path / "p.hdf5", settings, 5, "training", 0, "none",
                  PackSettings(3, algorithm))
     unpacked, _ = read_all(tmp_path / "u.hdf5")
     packed, attributes = read_all(tmp_path / "p.hdf5")
     assert attributes["packed_version"] == 2
+    specials = {vocab.cls, vocab.sep, vocab.mask, *special_token_ids(read_vocab(vocab_path)).values()}
+    assert_packed_equal_unpacked(packed, unpacked, specials, vocab)
+    if masking == "dynamic":  # as the loader masks them: only text predicted, the rest of every row as written
+        masked = LoadTimeMasker.of_shard(str(tmp_path / "p.hdf5"), 7)(packed, 0, 0, np.arange(len(packed["input_ids"])))
+        rows, columns = np.nonzero(masked["masked_lm_positions"] > 0)
+        positions = masked["masked_lm_positions"][rows, columns]
+        assert len(rows) > 0.1 * packed["input_mask"].astype(bool).sum()
+        restored = masked["input_ids"].copy()
+        restored[rows, positions] = masked["masked_lm_ids"][rows, columns]
+        np.testing.assert_array_equal(restored, packed["input_ids"])
+        assert not np.isin(packed["input_ids"][rows, positions], list(specials)).any()
+    if objective == "documents":  # one document per sequence: [CLS] text [SEP], no [SEP] inside
+        original = unpacked["input_ids"].copy()
+        rows, columns = np.nonzero(unpacked["masked_lm_positions"] > 0)
+        original[rows, unpacked["masked_lm_positions"][rows, columns]] = unpacked["masked_lm_ids"][rows, columns]
+        assert ((original == vocab.sep).sum(axis=1) == 1).all()
+
+
+def assert_packed_equal_unpacked(packed: dict, unpacked: dict, specials: set, vocab) -> None:
+    """Each packed sequence is its instance token for token (ids, segments, positions, label, predictions), each
+    instance packed once, and no special token inside but its [CLS] and [SEP]s."""
     rows, slots = np.nonzero(packed["sequence_lengths"] > 0)
     instances = packed["instance_index"][rows, slots]
     assert sorted(instances.tolist()) == list(range(len(unpacked["input_ids"])))  # each instance once
-    specials = {vocab.cls, vocab.sep, vocab.mask, *special_token_ids(read_vocab(vocab_path)).values()}
     for row, slot, instance in zip(rows.tolist(), slots.tolist(), instances.tolist()):
         start, n = int(packed["cls_positions"][row, slot]), int(packed["sequence_lengths"][row, slot])
         cells = slice(start, start + n)
