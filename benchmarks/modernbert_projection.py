@@ -16,6 +16,13 @@ utilisation (MFU; 40% by default, --mfu), AdamW with fp32 weights, gradients and
 parameter, and the measured bf16 copy; DDP keeps a whole replica on each GPU), no activation checkpointing, and the gradients' all-reduce at an
 NCCL bus bandwidth of --bus-gbps over NVLink, overlapped with nothing (an upper bound on its cost).
 The ratio of our step time to Hugging Face's on the same batch is benchmarks/modernbert_step.py's.
+
+At full size (corpus_table): recipes/modernbert-base.yaml on the English Wikipedia (17.9 GB of text) and on 100 GB
+of text: tokens at --tokens-per-byte (full_dump_projection.py's enwiki ratio), --test-fraction held out; HDF5 bytes
+of each phase's data (the whole corpus encoded once at its length, dynamic masks) at --hdf5-bytes-per-token
+(benchmarks/long_context.py, measured at 1,024 and 8,192 on well-filled rows); hours and GPU-hours of each phase at
+the tokens/s on --gpus above, for the published budget (1,719B then 300B tokens) and for one epoch in phase 1 with
+phase 2 the recipe's share of it (300/1,719): GPU-hours scale with the epochs.
 """
 from __future__ import annotations
 
@@ -34,6 +41,10 @@ from workflow.train.modernbert import ModernBertConfig, ModernBertForMaskedLM, f
 MASKING = 0.3  # ModernBERT's masking rate
 LENGTHS = (1024, 8192)
 H100 = "NVIDIA H100 80GB HBM3"
+RECIPE_TOKENS = {1024: 1_719e9, 8192: 300e9}  # recipes/modernbert-base.yaml: phase 1's and phase 2's token budgets
+TOKENS_PER_BYTE = 3.5e9 / 17.9e9  # full_dump_projection.py: enwiki's 3.5 B tokens of 17.9 GB of text
+HDF5_BYTES_PER_TOKEN = (1.46, 1.37)  # benchmarks/long_context.py at 1,024 and 8,192 (python-docs, 16 a row)
+CORPORA = {"English Wikipedia (17.9 GB of text)": 17.9e9, "100 GB of text": 100e9}
 
 
 def saved_bytes(model: ModernBertForMaskedLM, rows: int, length: int) -> int:
@@ -93,6 +104,11 @@ def main(argv=None) -> None:
     parser.add_argument("--step-tokens", type=int, default=4_718_592,
                         help="tokens per optimizer step, all GPUs (ModernBERT's 4,608 x 1,024)")
     parser.add_argument("--measure", type=int, nargs=3, default=(64, 128, 256), help="the row lengths measured")
+    parser.add_argument("--tokens-per-byte", type=float, default=TOKENS_PER_BYTE,
+                        help="tokens a byte of text (full_dump_projection.py's enwiki: 3.5 B tokens of 17.9 GB)")
+    parser.add_argument("--hdf5-bytes-per-token", type=float, nargs=2, default=HDF5_BYTES_PER_TOKEN,
+                        help="HDF5 bytes a token at 1,024 and 8,192 (benchmarks/long_context.py)")
+    parser.add_argument("--test-fraction", type=float, default=0.1, help="shard.test_fraction: held out, not trained")
     args = parser.parse_args(argv)
     model = base_model(args.preset, args.vocab)
     config = model.config
@@ -112,6 +128,7 @@ def main(argv=None) -> None:
     print("| tokens a sequence | training GFLOP a token | tokens/s a GPU | tokens/s on 8 | all-reduce share "
           "| activations GiB per 64k tokens | most tokens a micro-batch in 80 GB |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
+    on_gpus = {}
     for length in LENGTHS:
         flops = flops_per_sequence(config, length, MASKING * length) / length
         per_gpu = args.mfu * peak / flops
@@ -119,8 +136,35 @@ def main(argv=None) -> None:
         allreduce_s = 2 * (args.gpus - 1) / args.gpus * 2 * parameters / (args.bus_gbps * 1e9)  # bf16 gradients
         total = args.gpus * per_gpu * step_s / (step_s + allreduce_s)
         fits = int((80e9 * 0.9 - static) / kept) // length * length
+        on_gpus[length] = total
         print(f"| {length:,} | {flops / 1e9:.2f} | {per_gpu:,.0f} | {total:,.0f} | {allreduce_s / step_s:.2%} "
               f"| {kept * 65536 / 2**30:.1f} | {fits:,} |")
+    corpus_table(on_gpus, args)
+
+
+def corpus_table(on_gpus: dict[int, float], args) -> None:
+    """Tokens, HDF5 bytes and GPU-hours of each phase of recipes/modernbert-base.yaml on each of CORPORA, at the
+    tokens/s on args.gpus GPUs above: the published budget, and one epoch in phase 1 with phase 2 the recipe's share
+    of it."""
+    print(f"\nrecipes/modernbert-base.yaml at full size: text at {args.tokens_per_byte:.3f} tokens a byte, "
+          f"{args.test_fraction:.0%} held out; HDF5 at {args.hdf5_bytes_per_token[0]} and "
+          f"{args.hdf5_bytes_per_token[1]} bytes a token (each phase's data is the whole corpus at its length, "
+          f"written once: dynamic masks); hours at the tokens/s on {args.gpus} above")
+    print(f"| corpus | tokens (trained) | phase | HDF5 on disk | budget | tokens trained | epochs | hours on "
+          f"{args.gpus} H100s | GPU-hours |")
+    print("|---|---:|---|---:|---|---:|---:|---:|---:|")
+    share = RECIPE_TOKENS[LENGTHS[1]] / RECIPE_TOKENS[LENGTHS[0]]
+    for name, text_bytes in CORPORA.items():
+        tokens = text_bytes * args.tokens_per_byte
+        trained = tokens * (1 - args.test_fraction)
+        budgets = {"published": RECIPE_TOKENS, "one epoch, then the recipe's share": {
+            LENGTHS[0]: trained, LENGTHS[1]: trained * share}}
+        for budget, counts in budgets.items():
+            for phase, (length, bytes_per_token) in enumerate(zip(LENGTHS, args.hdf5_bytes_per_token), 1):
+                hours = counts[length] / on_gpus[length] / 3600
+                print(f"| {name} | {tokens / 1e9:.1f} B ({trained / 1e9:.1f} B) | {phase} ({length:,}) "
+                      f"| {tokens * bytes_per_token / 1e9:.1f} GB | {budget} | {counts[length] / 1e9:,.1f} B "
+                      f"| {counts[length] / trained:,.2f} | {hours:,.1f} | {hours * args.gpus:,.0f} |")
 
 
 if __name__ == "__main__":
