@@ -43,7 +43,7 @@ from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.train import engine
 from workflow.train import model as model_module
-from workflow.train.lamb import Lamb, make_optimizer, param_groups
+from workflow.train.optimizers import make_optimizer
 from workflow.train.precision import autocast, autocast_dtype, matmul_math, resolve_precision
 from workflow.train.family import family
 from workflow.train.pretrain import PretrainingTask, TrainSettings, forward, read_vocab_size, train_phase
@@ -52,6 +52,7 @@ from workflow.train.pretraining_data import PretrainingSequences, list_shards
 AGREEMENT = 1e-4  # relative difference of the packed and unpacked losses in fp32 (summation order only)
 # Each fast path: its reference, the largest relative difference allowed, and what to set when it is exceeded
 # (None: no key turns it off; the message says what is wrong instead).
+FUSED_OPTIMIZERS = {"lamb": "apex FusedLAMB", "adamw": "fused AdamW", "stable_adamw": "fused StableAdamW"}
 FAST_PATHS = {
     "unpadded attention": ("the same packed rows with a block-diagonal mask (fp32 logits)", AGREEMENT,
                            "encode.packing.enabled: false"),
@@ -61,6 +62,10 @@ FAST_PATHS = {
     "precision": ("the same loss in fp32", 2e-2, "pretrain.precision: fp32"),
     "apex FusedLAMB": ("one torch LAMB step from the same gradients (relative to the update)", 1e-3,
                        "pretrain.lamb.fused: false"),
+    "fused AdamW": ("one unfused torch AdamW step from the same gradients (relative to the update)", 1e-3,
+                    "pretrain.adamw.fused: false"),
+    "fused StableAdamW": ("one for-loop StableAdamW step of torch-optimi from the same gradients (relative to the "
+                          "update)", 1e-3, "pretrain.stable_adamw.fused: false"),
     "checkpoint": ("the weights and optimizer state saved", 0.0, None),
     "rng restore": ("the draws after the saved state", 0.0, None),
 }
@@ -118,7 +123,7 @@ def packed_unpacked_losses(s: TrainSettings, model_dir: Path, env, sequences: in
     shards = list_shards(s.data_dir, "training")
     if not shards[0].packed:
         return {"packed": False}
-    _, model = family(s.family).build(dataclasses.replace(s.model_settings, init_from=str(model_dir)), None,
+    _, model = family(s.family).build(dataclasses.replace(s.model_settings, init_from=str(model_dir)), s.vocab,
                                       read_vocab_size(s.vocab), shards[0].seq_length)
     model.to(env.device).eval()
     reader = PretrainingSequences(shards, s.seed)
@@ -153,7 +158,7 @@ def relative(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: Path,
-               model_family=family("bert")) -> dict:
+               model_family=family("bert"), optimizer_kind: str = "lamb") -> dict:
     """This rank's fast paths on its device, each against its reference (FAST_PATHS), on `batch` (host tensors, as
     the data reader gives them) and a fresh model of `config` (of `model_family`) in eval mode (no dropout: both
     sides compute one function): {"rank", "optimizer", "attention", "precision", "paths": {name: relative
@@ -189,24 +194,26 @@ def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: P
                                                             outputs(False, precision, wide))
         if precision != "fp32":
             paths["precision"] = relative(loss(model, training_path, precision), loss(model, training_path, "fp32"))
-    optimizer, name = make_optimizer(model, 1e-3, fused=fused)
-    if name != "torch.Lamb":
-        twin = model_family.pretraining_model(config).to(device).eval()
-        twin.load_state_dict(model.state_dict())
+    optimizer, name = make_optimizer(optimizer_kind, model, 1e-3, fused=fused)
+    twin = model_family.pretraining_model(config).to(device).eval()
+    twin.load_state_dict(model.state_dict())
+    reference, reference_name = make_optimizer(optimizer_kind, twin, 1e-3, fused=False)
+    if name != reference_name:  # a fused path runs: one step of each from the same gradients
         before = [p.detach().clone() for p in model.parameters()]
-        for network, step in ((model, optimizer), (twin, Lamb(param_groups(twin), lr=1e-3))):
+        for network, step in ((model, optimizer), (twin, reference)):
             loss(network, training_path, "fp32").backward()
             step.step()
-        paths["apex FusedLAMB"] = max(relative(p - b, q - b) for p, q, b in zip(model.parameters(),
-                                                                                twin.parameters(), before))
+        paths[FUSED_OPTIMIZERS[optimizer_kind]] = max(relative(p.detach() - b, q.detach() - b) for p, q, b in zip(
+            model.parameters(), twin.parameters(), before))
     else:
         loss(model, training_path, "fp32").backward()
         optimizer.step()
+    del twin, reference
     saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     loaded = ckpt.load_checkpoint(ckpt.save_checkpoint(scratch / f"rank{env.rank}", 0, saved, keep=1))
     expected, got = ckpt.flat_tensors(saved), ckpt.flat_tensors(loaded)
     paths["checkpoint"] = 0.0 if expected.keys() == got.keys() and all(
-        torch.equal(got[k].to(device), v) for k, v in expected.items()) else float("inf")
+        torch.equal(got[k].cpu(), v.cpu()) for k, v in expected.items()) else float("inf")
     state = ckpt.rng_state(device)
     first = torch.rand(64, device=device)
     ckpt.set_rng_state(state, device)
@@ -260,7 +267,7 @@ def gather(env, value) -> list:
 
 def check_fast_paths(s: TrainSettings, shards, env, scratch: Path, sequences: int = 16) -> dict:
     """fast_paths with the phase-1 settings: the configured model (fresh weights), this rank's first sequences."""
-    config, _ = family(s.family).build(dataclasses.replace(s.model_settings, init_from=None), None,
+    config, _ = family(s.family).build(dataclasses.replace(s.model_settings, init_from=None), s.vocab,
                                        read_vocab_size(s.vocab), shards[0].seq_length)
     reader = PretrainingSequences(shards, s.seed)
     try:
@@ -268,7 +275,7 @@ def check_fast_paths(s: TrainSettings, shards, env, scratch: Path, sequences: in
     finally:
         reader.close()
     return fast_paths(config, batch, env, resolve_precision(s.precision, env.device, "pretrain.precision"),
-                      s.fused_lamb, scratch, family(s.family))
+                      s.fused, scratch, family(s.family), s.optimizer)
 
 
 def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, allreduce_mb: int,

@@ -189,6 +189,12 @@ class TrainSettings:
         return BatchRamp(self.global_batch_size, start, sequences)
 
     @property
+    def fused(self) -> bool:
+        """The configured optimizer's own `fused` key."""
+        return {"lamb": self.fused_lamb, "adamw": self.fused_adamw, "stable_adamw": self.fused_stable_adamw}[
+            self.optimizer]
+
+    @property
     def wsd(self) -> dict:
         """The wsd keys that are set (the others take schedules.WSD_DEFAULTS)."""
         return {key: getattr(self, key) for key in WSD_KEYS if getattr(self, key) is not None}
@@ -403,9 +409,8 @@ def train_phase(s: TrainSettings, env) -> dict:
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank (as NVIDIA seeds seed + rank); weights stay identical
         torch.manual_seed(s.seed + env.rank)
-    fused = {"lamb": s.fused_lamb, "adamw": s.fused_adamw, "stable_adamw": s.fused_stable_adamw}[s.optimizer]
     optimizer, optimizer_name = make_optimizer(
-        s.optimizer, model, s.learning_rate, s.weight_decay, s.max_grad_norm, (s.beta1, s.beta2), s.eps, fused,
+        s.optimizer, model, s.learning_rate, s.weight_decay, s.max_grad_norm, (s.beta1, s.beta2), s.eps, s.fused,
         s.decouple_lr)
     if s.init_optimizer:
         carry_optimizer_state(optimizer, s.init_optimizer)
