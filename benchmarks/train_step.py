@@ -37,7 +37,10 @@ than a real run):
      padded rows: the baseline, run by the benchmark itself;
    - ours padded: our model on the same padded rows;
    - ours packed: our model on the same instances packed as the pack stage packs them (PackSettings), through the
-     unpadded varlen attention path (model.VARLEN_DEVICE_TYPES; forced on CPU by --device cpu).
+     unpadded varlen attention path (model.VARLEN_DEVICE_TYPES; forced on CPU by --device cpu): on CUDA in bf16
+     the flash kernels called once per layer (workflow.train.flash_varlen);
+   - ours packed, nested SDPA: the same, through nested jagged tensors' SDPA (model.FLASH_VARLEN off), the path
+     before flash_varlen.
 Our batches carry the indices training's loader computes on the host (model.host_indices), as in training.
 Printed per phase and side: fill, seq/s, real tokens/s, MFU, peak memory; then our speedups over HF. All
 device-specific calls sit in `Device` (CUDA, or CPU stand-ins: no sync, peak RSS, MFU "n/a"). NVIDIA's
@@ -410,7 +413,7 @@ def gpu_benchmark(args) -> None:
             seconds, recompiled = timing
             seq_per_s[side] = n / seconds
             shapes = sorted({tuple(b["input_ids"].shape) for b in batches})
-            print(f"  {phase} | {side:<11} | fill {fill:.4f} | {len(batches):3d} micro-batches | "
+            print(f"  {phase} | {side:<24} | fill {fill:.4f} | {len(batches):3d} micro-batches | "
                   f"{seq_per_s[side]:10.1f} seq/s | {real / seconds:12,.0f} real tokens/s | "
                   f"MFU {device.mfu(seq_per_s[side] * flops)} | {device.peak_memory()} | shapes {shapes}"
                   + (f" | graphs compiled while timed: {recompiled}" if args.compile and side != "HF padded" else ""))
@@ -441,9 +444,17 @@ def gpu_benchmark(args) -> None:
         device.reset_peak_memory()
         with device.packed_path() as path:
             report("ours packed", packed, fill_packed, timed_steps(our_step, packed, our_warmup(packed), device))
+            model_module.FLASH_VARLEN = False  # the same packed rows through nested tensors' SDPA
+            try:
+                report("ours packed, nested SDPA", packed, fill_packed,
+                       timed_steps(our_step, packed, our_warmup(packed), device))
+            finally:
+                model_module.FLASH_VARLEN = True
         print(f"  {phase}: ours over HF (seq/s, = real tokens/s: same instances): padded "
               f"{seq_per_s['ours padded'] / seq_per_s['HF padded']:.2f}x, packed ({path}) "
-              f"{seq_per_s['ours packed'] / seq_per_s['HF padded']:.2f}x{'; ours compiled' if args.compile else ''}")
+              f"{seq_per_s['ours packed'] / seq_per_s['HF padded']:.2f}x (through nested SDPA "
+              f"{seq_per_s['ours packed, nested SDPA'] / seq_per_s['HF padded']:.2f}x)"
+              f"{'; ours compiled' if args.compile else ''}")
         del ours, step_model, optimizer, padded, packed
         device.reset_peak_memory()
 

@@ -31,7 +31,7 @@ Packed batches (rows holding several sequences, workflow.data.pack): pass `cls_p
 [CLS] slot), `position_ids` [B, L] restarting at 0 per sequence, and as `attention_mask` each token's sequence
 number 1..S (0 = padding; a sequence's tokens are contiguous). A token then attends only to its own sequence:
 through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEVICE_TYPES (CUDA), with the real
-tokens gathered to [T, H] for every layer and variable-length flash attention (nested jagged SDPA);
+tokens gathered to [T, H] for every layer and variable-length flash attention (VarlenAttention);
 BertForPreTraining takes the MLM and [CLS] inputs straight from those [T, H] (no re-padded rows). The
 pooler and NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot).
 Without packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; host_indices checks it on the
@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workflow.cli import UserError
+from workflow.train.flash_varlen import flash_varlen, runs_flash_varlen
 
 _PRESETS = {
     "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
@@ -147,6 +148,7 @@ class BertEmbeddings(nn.Module):
 
 
 VARLEN_DEVICE_TYPES = ("cuda",)  # packed batches run unpadded there; elsewhere with a block-diagonal mask on rows
+FLASH_VARLEN = True  # 16-bit CUDA: flash_varlen (False: nested SDPA, benchmarks/train_step.py's comparison)
 
 
 class RowAttention:
@@ -163,12 +165,13 @@ class RowAttention:
 
 class VarlenAttention:
     """Attention within each sequence of tokens laid end to end ([T, heads, head_size] q, k, v; sequence i is
-    tokens offsets[i]..offsets[i+1]), as nested jagged tensors: SDPA runs them as variable-length flash attention
-    on CUDA, with dropout (torch 2.13's torch.nn.attention.varlen.varlen_attn has none), and sequence by sequence
-    elsewhere."""
+    tokens offsets[i]..offsets[i+1]), with dropout: on CUDA in 16-bit torch's variable-length flash kernels called
+    once per layer (workflow.train.flash_varlen, while FLASH_VARLEN); otherwise nested jagged tensors, which SDPA
+    runs as variable-length memory-efficient attention on CUDA (fp32) and sequence by sequence elsewhere."""
 
     def __init__(self, offsets, min_seqlen: int, max_seqlen: int):
         self.offsets, self.min_seqlen, self.max_seqlen = offsets, min_seqlen, max_seqlen
+        self.offsets32 = offsets.to(torch.int32)  # the flash kernels' cu_seqlens
 
     def _nested(self, x):
         # Both extremes given: CUDA's SDPA asks for them, and would read each from the device (a host sync per call).
@@ -176,6 +179,8 @@ class VarlenAttention:
                                                       max_seqlen=self.max_seqlen).transpose(1, 2)
 
     def __call__(self, q, k, v, dropout_p):
+        if FLASH_VARLEN and runs_flash_varlen(q):
+            return flash_varlen(q, k, v, self.offsets32, self.max_seqlen, dropout_p)
         context = F.scaled_dot_product_attention(self._nested(q), self._nested(k), self._nested(v),
                                                  dropout_p=dropout_p)
         return context.transpose(1, 2).values()
