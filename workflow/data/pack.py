@@ -36,8 +36,8 @@ algorithm, `max_sequences_per_pack`, `packed_version` (workflow.data.hdf5.PACKED
 
 with W = min(S * max_predictions_per_seq, floor(masked_lm_prob * L) + S) under masking_rule google (encode predicts
 at most max(1, rint(masked_lm_prob * n)) tokens of an instance of n tokens) and min(S * max_predictions_per_seq,
-max(max_predictions_per_seq, the derived cap of L tokens)) under per_token (a row of L tokens draws more ~1e-9 of
-the time: its last predictions are then unmasked, counted as masks_over_row_width, and the rest packed as they were). Packs are ordered by their first instance's
+the derived cap of L tokens) under per_token (workflow.data.masking_rule: a row of L tokens draws more ~1e-9 of the
+time; its last predictions are then unmasked, counted as masks_over_row_width, and the rest packed as they were). Packs are ordered by their first instance's
 row, so the file keeps the encode stage's shuffled order. The whole shard is held in memory (a shard is bounded
 by the shard stage's size). Every shard written is checked first (check_packed): each sequence is its instance's
 tokens, [CLS] first and [SEP] last, with no [PAD] or other special token inside but [SEP] and masked cells.
@@ -240,7 +240,7 @@ def prediction_width(max_length: int, max_predictions_per_seq: int, masked_lm_pr
                      max_sequences_per_pack: int, masking_rule: str = "google") -> int:
     """Prediction slots of a packed row (see the module docstring)."""
     if masking_rule == "per_token":
-        row = max(max_predictions_per_seq, derived_max_predictions(max_length, masking_rule, (masked_lm_prob,)))
+        row = derived_max_predictions(max_length, masking_rule, (masked_lm_prob,))  # the row's own binomial bound
     else:
         row = np.floor(masked_lm_prob * max_length) + max_sequences_per_pack
     return int(min(max_sequences_per_pack * max_predictions_per_seq, row))
