@@ -1,10 +1,12 @@
 """encode.masking_rule per_token (each token masked on its own, ModernBERT's), encode.eval_masked_lm_prob (the test
-split's rate) and max_predictions_per_seq derived where null; google, the default, keeps NVIDIA's files byte for byte."""
+split's rate) and max_predictions_per_seq derived where null; google, the default, keeps NVIDIA's files byte for
+byte."""
 import hashlib
 import json
 import logging
 import math
 import pickle
+import re
 
 import h5py
 import numpy as np
@@ -303,7 +305,8 @@ def test_the_load_time_masker_unmasks_what_exceeds_the_files_width_and_warns(sam
     with caplog.at_level(logging.WARNING, logger="workflow.train.masking"):
         narrow = masker(narrow_rows, 0, 0, np.arange(64))
     cut = int((wide["masked_lm_positions"][:, 20:] > 0).sum())
-    assert cut > 0 and f"0 over max_predictions_per_seq 72, {cut} over the packed rows' prediction width 20" in caplog.text
+    assert cut > 0
+    assert f"0 over max_predictions_per_seq 72, {cut} over the packed rows' prediction width 20" in caplog.text
     np.testing.assert_array_equal(narrow["masked_lm_positions"], wide["masked_lm_positions"][:, :20])
     rows_cut, columns = np.nonzero(wide["masked_lm_positions"][:, 20:] > 0)
     restored = wide["input_ids"].copy()
@@ -340,3 +343,28 @@ def test_masking_rule_and_held_out_rate_change_the_encode_jobs_params_only_where
     assert namespace["masking_arguments"](None) == ("--no-whole-word-masking --objective documents --masking-rule "
                                                     "per_token --eval-masked-lm-prob 0.2")
     assert namespace["packing_arguments"](None).endswith(" --packed-version 2")
+
+
+def test_a_change_of_masking_rule_reruns_the_encode_jobs_and_nothing_else(tmp_path):
+    """Built by NVIDIA's recipe, then masking_rule per_token: Snakemake plans the encode and hdf5_dir jobs again
+    (their params changed), not the tokenize or vocab ones, and the shards record the rule and the derived cap."""
+    from tests.test_encode import make_workdir, snakemake, tokenized_shard
+
+    (tmp_path / "vocab").mkdir()
+    vocab = tokenized_shard(tmp_path / "vocab", n_documents=50, vocab_size=300, seed=1)[0]
+    make_workdir(tmp_path / "w", vocab)
+    assert snakemake(tmp_path / "w", "--cores", "1", "data/hdf5_seq64").returncode == 0
+    config = tmp_path / "w" / "test-config.yaml"
+    config.write_text(config.read_text().replace(
+        "encode: {dupe_factor: 2, phase1: {max_seq_length: 64, max_predictions_per_seq: 10}}",
+        "encode: {dupe_factor: 2, masking_rule: per_token, masked_lm_prob: 0.3,"
+        " phase1: {max_seq_length: 64, max_predictions_per_seq: null}, phase2: {max_predictions_per_seq: null}}"))
+    plan = snakemake(tmp_path / "w", "--dry-run", "data/hdf5_seq64")
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    jobs = dict(re.findall(r"^(\w+)\s+(\d+)$", plan.stdout.split("Job stats:")[-1], flags=re.M))
+    assert jobs == {"encode": "4", "hdf5_dir": "1", "total": "5"}, plan.stdout
+    assert snakemake(tmp_path / "w", "--cores", "1", "data/hdf5_seq64").returncode == 0
+    manifest = json.loads((tmp_path / "w" / "data" / "hdf5_seq64" / "manifest.json").read_text())
+    settings = manifest["settings"]
+    assert (settings["masking_rule"], settings["max_predictions_per_seq"], settings["eval_masked_lm_prob"]) == (
+        "per_token", 48, 0.15)  # 64 x 0.3 + 6 sd = 41.2, up to a multiple of 8

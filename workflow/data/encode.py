@@ -14,11 +14,12 @@ dynamic writes the rows unmasked (masked_lm_* zero) with what the loader's maske
 mask_rows is the one masking rule of both); `objective` full_sentences plans RoBERTa's FULL-SENTENCES rows and
 documents its DOC-SENTENCES rows (plan_full_sentences) instead of pairs; `masking_rule` per_token masks each token
 on its own (workflow.data.masking_rule). The test split is masked at the held-out probability
-(EncodeSettings.held_out_masked_lm_prob: eval_masked_lm_prob), so held-out accuracies compare across training rates. With packing (the stage's default; workflow.data.pack), the shard's instances are packed before they
-are written, several to a row, in the packed schema of workflow.data.pack. The work is vectorised numpy: instances
-are planned for all documents at once (one step = one instance per document), then built and masked in batches of
-rows, so memory stays bounded by the batch; with packing, by the shard: the batches are built into the shard's
-arrays, and the packs then take the place of the instances in that memory (their lengths come from the plan).
+(EncodeSettings.held_out_masked_lm_prob: eval_masked_lm_prob), so held-out accuracies compare across training
+rates. With packing (the stage's default; workflow.data.pack), the shard's instances are packed before they are
+written, several to a row, in the packed schema of workflow.data.pack. The work is vectorised numpy: instances are
+planned for all documents at once (one step = one instance per document), then built and masked in batches of rows,
+so memory stays bounded by the batch; with packing, by the shard: the batches are built into the shard's arrays,
+and the packs then take the place of the instances in that memory (their lengths come from the plan).
 """
 import argparse
 import hashlib
@@ -165,7 +166,8 @@ def instance_shapes(n: int, settings: EncodeSettings) -> dict[str, tuple[tuple[i
 
 def instance_lengths(plan: np.ndarray) -> np.ndarray:
     """Tokens of each instance of `plan` rows: [CLS] A [SEP] B [SEP], or [CLS] A [SEP] when B is empty (full
-    sentences within a document, documents). The one count of build_batch and the packer: a longer one packs padding inside."""
+    sentences within a document, documents). The one count of build_batch and the packer: a longer one packs
+    padding inside."""
     len_a, len_b = plan[:, 1] - plan[:, 0], plan[:, 3] - plan[:, 2]
     return len_a + len_b + 2 + (len_b > 0)
 
@@ -331,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="HDF5 file to write")
     parser.add_argument("--max-seq-length", type=int, required=True)
     parser.add_argument("--max-predictions-per-seq", type=int, default=None,
-                        help="most masked positions per instance; default: derived (masking_rule.derived_max_predictions)")
+                        help="most masked positions per instance; default: derived from the length and rates")
     parser.add_argument("--dupe-factor", type=int, default=5)
     parser.add_argument("--masked-lm-prob", type=float, default=0.15)
     parser.add_argument("--short-seq-prob", type=float, default=0.1)

@@ -37,10 +37,11 @@ algorithm, `max_sequences_per_pack`, `packed_version` (workflow.data.hdf5.PACKED
 with W = min(S * max_predictions_per_seq, floor(masked_lm_prob * L) + S) under masking_rule google (encode predicts
 at most max(1, rint(masked_lm_prob * n)) tokens of an instance of n tokens) and min(S * max_predictions_per_seq,
 the derived cap of L tokens) under per_token (workflow.data.masking_rule: a row of L tokens draws more ~1e-9 of the
-time; its last predictions are then unmasked, counted as masks_over_row_width, and the rest packed as they were). Packs are ordered by their first instance's
-row, so the file keeps the encode stage's shuffled order. The whole shard is held in memory (a shard is bounded
-by the shard stage's size). Every shard written is checked first (check_packed): each sequence is its instance's
-tokens, [CLS] first and [SEP] last, with no [PAD] or other special token inside but [SEP] and masked cells.
+time; its last predictions are then unmasked, counted as masks_over_row_width, and the rest packed as they were).
+Packs are ordered by their first instance's row, so the file keeps the encode stage's shuffled order. The whole
+shard is held in memory (a shard is bounded by the shard stage's size). Every shard written is checked first
+(check_packed): each sequence is its instance's tokens, [CLS] first and [SEP] last, with no [PAD] or other special
+token inside but [SEP] and masked cells.
 """
 import argparse
 import logging
