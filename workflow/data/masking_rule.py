@@ -200,20 +200,31 @@ def _choose_per_token(input_ids: np.ndarray, candidate: np.ndarray, n_prediction
     whole_word_masking a word: column k of `keys` is the row's k-th word's) is drawn when its key < masked_lm_prob;
     a row drawing more than `n_predictions` keeps a random subset of them (the smallest keys) up to the cap."""
     batch, length = candidate.shape
-    columns = np.arange(length)[None, :]
     if settings.whole_word_masking:
         picked, drawn = _choose_whole_words(input_ids, candidate, np.full(batch, n_predictions), vocab, keys,
                                             settings.masked_lm_prob)
-        return picked, int(drawn - (picked < length).sum())
+        chosen = picked < length
+        return _leading_columns(chosen, n_predictions), int(drawn - chosen.sum())
     drawn = candidate & (keys < settings.masked_lm_prob)
     n_drawn = drawn.sum(axis=1)
-    picked = np.where(drawn, columns, length)
+    picked = _leading_columns(drawn, n_predictions)
     over = np.flatnonzero(n_drawn > n_predictions)
     if len(over):  # rare where the cap is derived: the cap's worth of the row's smallest keys, drawn ones all
-        kept = _choose_tokens(drawn[over], np.full(len(over), n_predictions), keys[over].copy())
+        kept = np.sort(_choose_tokens(drawn[over], np.full(len(over), n_predictions), keys[over].copy()), axis=1)
         picked[over] = length
         picked[over, :kept.shape[1]] = kept
     return picked, int((n_drawn - np.minimum(n_drawn, n_predictions)).sum())
+
+
+def _leading_columns(chosen: np.ndarray, width: int) -> np.ndarray:
+    """[B, width]: the first `width` columns where `chosen` [B, L] holds, ascending, padded with L (no sort)."""
+    batch, length = chosen.shape
+    rows, columns = np.nonzero(chosen)  # row-major: each row's columns ascending
+    rank = np.arange(len(rows)) - np.searchsorted(rows, rows)
+    keep = rank < width
+    out = np.full((batch, width), length, np.int64)
+    out[rows[keep], rank[keep]] = columns[keep]
+    return out
 
 
 def _choose_tokens(candidate: np.ndarray, n_to_predict: np.ndarray, keys: np.ndarray) -> np.ndarray:
