@@ -1,6 +1,9 @@
 """encode.objective: documents (RoBERTa's DOC-SENTENCES): each instance one document's contiguous sentences, packed,
 and no token attending into another instance in either family's model (rows with block-diagonal masks, unpadded
 varlen); trained like full_sentences, without NSP."""
+import dataclasses
+import json
+
 import h5py
 import numpy as np
 import pytest
@@ -128,3 +131,35 @@ def test_both_families_train_documents_without_next_sentence_prediction():
     with pytest.raises(UserError, match=r"^encode\.objective nsp: model\.family modernbert has no next-sentence "
                                         r"head; encode the data with encode\.objective: full_sentences or documents$"):
         family("modernbert").check_objective("nsp")
+
+
+def test_documents_with_per_token_masks_train_without_nsp_resume_exactly_and_score_at_15_percent(sample, tmp_path):
+    from tests.test_objective import tiny_settings
+    from workflow.train.model import load_pretrained
+    from workflow.train.pretrain import pretrain
+
+    root, vocab, tokenized = sample
+    directory = tmp_path / "hdf5"
+    settings = EncodeSettings(**{**DOCUMENTS, "max_seq_length": 64, "max_predictions_per_seq": 48},
+                              masked_lm_prob=0.3, masking_rule="per_token")
+    for split in ("training", "test"):
+        (directory / split).mkdir(parents=True)
+        encode_shard(tokenized, vocab, directory / split / "shard_0.hdf5", settings, 1, split, 0, "none",
+                     PackSettings())
+    (directory / "vocab.txt").write_bytes(vocab.read_bytes())
+    straight = tiny_settings(tmp_path, tmp_path / "straight", eval_max_sequences=None)
+    summary = pretrain(straight)
+    assert (summary["objective"], summary["next_sentence_prediction"]) == ("documents", False)
+    metrics = [json.loads(line) for line in open(straight.out_metrics)]
+    assert all(m["nsp_loss"] == 0 for m in metrics)
+    # The held-out set: every test sequence, masked at 15% of its text tokens (2 of each sequence's are specials).
+    test = list_shards(directory, "test")
+    tokens = sum(int(h5py.File(s.path, "r")["sequence_lengths"][()].sum()) for s in test) - 2 * sum(s.n for s in test)
+    assert abs(summary["test_predictions"] - 0.15 * tokens) < 6 * (0.15 * 0.85 * tokens) ** 0.5
+    stopped = tiny_settings(tmp_path, tmp_path / "stopped", eval_max_sequences=None, max_steps=3)
+    pretrain(stopped)
+    resumed = pretrain(dataclasses.replace(stopped, max_steps=None))
+    assert resumed["test_mlm_accuracy"] == summary["test_mlm_accuracy"]
+    _, expected = load_pretrained(straight.out_model)
+    _, after_resume = load_pretrained(stopped.out_model)
+    assert all(torch.equal(expected[k], after_resume[k]) for k in expected)
