@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(items):
 
 # The workflow's sources: what a user's checkout holds before any run (`slurm` is the bare-name profile link).
 WORKFLOW_TREE = ("Snakefile", "config.yaml", "config.schema.yaml", "rules", "envs", "workflow", "profiles", "report",
-                 "sample", "slurm")
+                 "recipes", "sample", "slurm")
 
 
 def copy_workflow(destination: Path) -> Path:
