@@ -157,9 +157,9 @@ def main(argv=None) -> None:
         print(f"text: {text.stat().st_size / 1e6:.1f} MB ({args.text or 'python-docs'}), {counts['documents']:,} "
               f"documents, {counts['tokens']:,} tokens ({counts['tokens'] / counts['documents']:,.0f} a document), "
               f"BPE of {ids:,} ids; prepared in {time.perf_counter() - started:.0f} s")
-        print(f"encode: packed ({args.max_sequences_per_pack} a row at most, gapfill), gzip, dynamic masks, objective {objective}, masking rule {rule}, "
-              f"masked_lm_prob {MASKING}; loader: micro-batches of {MICRO_BATCH_TOKENS:,} token slots, masked at load time, "
-              f"with ModernBERT's host indices")
+        print(f"encode: packed ({args.max_sequences_per_pack} a row at most, gapfill), gzip, dynamic masks, objective "
+              f"{objective}, masking rule {rule}, masked_lm_prob {MASKING}; loader: micro-batches of "
+              f"{MICRO_BATCH_TOKENS:,} token slots, masked at load time, with ModernBERT's host indices")
         rows = []
         for length in args.lengths:
             output = work / f"seq{length}" / "training" / "shard_0.hdf5"
@@ -181,14 +181,16 @@ def main(argv=None) -> None:
             encoded = json.loads(encode.stdout.strip().splitlines()[-1])
             rows.append((length, attributes, size, encode, encoded, read))
         print("| tokens a sequence | sequences | packed rows | fill | HDF5 bytes a row | HDF5 bytes a token "
-              "| encode+pack tokens/s a core | encode peak RSS | loader tokens/s (a CPU s) | loader peak RSS (before reading) |")
+              "| encode+pack tokens/s a core | encode peak RSS | loader tokens/s (a CPU s) "
+              "| loader peak RSS (before reading) |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for length, attributes, size, encode, encoded, read in rows:
             tokens = int(attributes["n_real_tokens"])
             print(f"| {length:,} | {int(attributes['n_instances']):,} | {int(attributes['n_packs']):,} "
                   f"| {float(attributes['fill']):.3f} | {size / int(attributes['n_packs']):,.0f} "
                   f"| {size / tokens:.3f} | {tokens / encode.cpu:,.0f} | {encoded['rss_mb']:,.0f} MB "
-                  f"| {tokens / read['wall_s']:,.0f} ({tokens / read['cpu_s']:,.0f}) | {read['rss_mb']:,.0f} MB ({read['rss_before_mb']:,.0f}) |")
+                  f"| {tokens / read['wall_s']:,.0f} ({tokens / read['cpu_s']:,.0f}) "
+                  f"| {read['rss_mb']:,.0f} MB ({read['rss_before_mb']:,.0f}) |")
     if args.no_model:
         return
     from benchmarks.modernbert_projection import activation_fit, base_model

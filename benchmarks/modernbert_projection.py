@@ -76,7 +76,7 @@ def saved_bytes(model: ModernBertForMaskedLM, rows: int, length: int) -> int:
     return sum(storages.values())
 
 
-def activation_fit(model: ModernBertForMaskedLM, lengths, rows: int = 2) -> tuple[list[int], tuple[float, float, float]]:
+def activation_fit(model: ModernBertForMaskedLM, lengths, rows: int = 2) -> tuple[list[int], tuple[float, ...]]:
     """(saved bytes at each of three `lengths`, (c, a, b)): the fit c + a * N + b * N * L of the saved bytes for N
     tokens in rows of L; c is autocast's bf16 weight copy, a the bytes a token keeps with a flash kernel, b the dense
     CPU path's attention probabilities (per token per token of row)."""

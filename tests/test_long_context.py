@@ -1,0 +1,83 @@
+"""The data half at 8,192 tokens a sequence (ModernBERT's phase 2): real documents, some longer than a row, encoded
+as the recipe does (documents, dynamic per_token masks at 30%, 16 to a row) pack into rows whose sequences are their
+unpacked instances token for token; the loader masks 30% of their text and nothing else; and the batch's host
+indices give the varlen kernel each sequence, its positions running to its length."""
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.fixtures.real_shaped_text import tokenized_sample
+from tests.test_encode import assert_packed_equal_unpacked, read_all
+from workflow.data.encode import EncodeSettings, Vocab, encode_shard
+from workflow.data.masking_rule import derived_max_predictions
+from workflow.data.pack import PackSettings
+from workflow.data.tokenize import load_tokenized, tokenize_shard
+from workflow.data.tokenizer import vocab_tokens
+from workflow.data.vocab import special_token_ids, train_bpe
+from workflow.train.family import family
+from workflow.train.masking import LoadTimeMasker
+from workflow.train.pretraining_data import make_batch
+
+LENGTH = 8192
+BOOKS = Path(__file__).resolve().parents[1] / "sample" / "books"
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory):
+    """(unpacked, packed) arrays of the sample's articles and books at 8,192 tokens, and their files and vocab."""
+    root = tmp_path_factory.mktemp("long_context")
+    tokenized_sample(root / "wikipedia", vocab_size=500)  # its formatted articles: wikipedia/wikipedia.txt
+    books = ["\n".join(s for s in re.split(r"(?<=[.!?])\s+", " ".join(book.read_text().split())) if s)
+             for book in sorted(BOOKS.glob("*.txt"))]
+    text = root / "shard.txt"
+    articles = (root / "wikipedia" / "wikipedia.txt").read_text().rstrip("\n")
+    text.write_text(articles + "\n\n" + "\n\n".join(books) + "\n")
+    train_bpe([text], root / "tokenizer.json", 2000)
+    tokenize_shard(text, root / "tokenizer.json", root / "shard.npz")
+    settings = EncodeSettings(max_seq_length=LENGTH, masked_lm_prob=0.3, masking="dynamic", objective="documents",
+                              masking_rule="per_token",
+                              max_predictions_per_seq=derived_max_predictions(LENGTH, "per_token", (0.3,)))
+    paths = root / "unpacked.hdf5", root / "packed.hdf5"
+    encode_shard(root / "shard.npz", root / "tokenizer.json", paths[0], settings, 5, "training", 0)
+    encode_shard(root / "shard.npz", root / "tokenizer.json", paths[1], settings, 5, "training", 0, "gzip",
+                 PackSettings(16))
+    (unpacked, _), (packed, _) = read_all(paths[0]), read_all(paths[1])
+    return unpacked, packed, paths, root
+
+
+def test_long_documents_pack_at_8192_as_their_unpacked_instances(encoded):
+    unpacked, packed, _, root = encoded
+    _, _, documents = load_tokenized(root / "shard.npz")
+    lengths = unpacked["input_mask"].sum(axis=1)
+    assert lengths.max() > LENGTH - 64 and len(lengths) > len(documents) - 1  # a book runs on into a second sequence
+    assert packed["input_ids"].shape[1] == LENGTH and (packed["sequence_lengths"] > 0).sum(axis=1).max() > 3
+    vocab = Vocab.read(root / "tokenizer.json")
+    specials = {vocab.cls, vocab.sep, vocab.mask, *special_token_ids(vocab_tokens(root / "tokenizer.json")).values()}
+    assert_packed_equal_unpacked(packed, unpacked, specials, vocab)
+
+
+def test_load_time_masks_of_packed_rows_at_8192_mask_30_percent_of_the_text_only(encoded):
+    _, packed, paths, root = encoded
+    vocab = Vocab.read(root / "tokenizer.json")
+    masked = LoadTimeMasker.of_shard(str(paths[1]), 7)(packed, 0, 0, np.arange(len(packed["input_ids"])))
+    rows, columns = np.nonzero(masked["masked_lm_positions"] > 0)
+    positions = masked["masked_lm_positions"][rows, columns]
+    restored = masked["input_ids"].copy()
+    restored[rows, positions] = masked["masked_lm_ids"][rows, columns]
+    np.testing.assert_array_equal(restored, packed["input_ids"])  # the rest of every row as written
+    assert not np.isin(packed["input_ids"][rows, positions], [0, vocab.cls, vocab.sep, vocab.mask]).any()
+    text = int(packed["input_mask"].astype(bool).sum()) - 2 * int((packed["sequence_lengths"] > 0).sum())
+    assert abs(len(rows) / text - 0.3) < 4 * np.sqrt(0.3 * 0.7 / text)  # per_token at 30%, binomial bounds
+
+
+def test_host_indices_give_each_sequence_with_positions_up_to_its_length(encoded):
+    _, packed, paths, _ = encoded
+    masked = LoadTimeMasker.of_shard(str(paths[1]), 7)(packed, 0, 0, np.arange(len(packed["input_ids"])))
+    batch = family("modernbert").host_indices(make_batch(masked, slice(None)))
+    lengths = packed["sequence_lengths"][packed["sequence_lengths"] > 0]  # row-major: the varlen order
+    np.testing.assert_array_equal(torch.diff(batch["cu_seqlens"]).numpy(), lengths)
+    assert batch["max_seqlen"] == lengths.max() > LENGTH - 64 and len(batch["unpadded_tokens"]) == lengths.sum()
+    assert int(batch["position_ids"].max()) == lengths.max() - 1
