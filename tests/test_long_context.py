@@ -1,7 +1,8 @@
 """The data half at 8,192 tokens a sequence (ModernBERT's phase 2): real documents, some longer than a row, encoded
 as the recipe does (documents, dynamic per_token masks at 30%, 16 to a row) pack into rows whose sequences are their
 unpacked instances token for token; the loader masks 30% of their text and nothing else; and the batch's host
-indices give the varlen kernel each sequence, its positions running to its length."""
+indices give the varlen kernel each sequence, its positions running to its length. And a phase at 1,024 then one at
+2,048 with a new global theta trains on that text."""
 import re
 from pathlib import Path
 
@@ -81,3 +82,35 @@ def test_host_indices_give_each_sequence_with_positions_up_to_its_length(encoded
     np.testing.assert_array_equal(torch.diff(batch["cu_seqlens"]).numpy(), lengths)
     assert batch["max_seqlen"] == lengths.max() > LENGTH - 64 and len(batch["unpadded_tokens"]) == lengths.sum()
     assert int(batch["position_ids"].max()) == lengths.max() - 1
+
+
+def test_a_phase_at_1024_then_one_at_2048_with_a_new_global_theta_trains_on_the_sample(encoded, tmp_path):
+    """Context extension as the recipe does it, at the sample's size: phase 2 starts from phase 1's export and
+    StableAdamW state, on rows twice as long, with the global layers' theta raised."""
+    from tests.test_pretrain import settings
+    from workflow.train.pretrain import pretrain
+
+    _, _, _, root = encoded
+    summaries = []
+    for phase, length, steps, batch, theta in (("phase1", 1024, 3, 4, None), ("phase2", 2048, 2, 2, 320000.0)):
+        data = tmp_path / f"hdf5_seq{length}"
+        encode = EncodeSettings(max_seq_length=length, masked_lm_prob=0.3, masking="dynamic", objective="documents",
+                                masking_rule="per_token",
+                                max_predictions_per_seq=derived_max_predictions(length, "per_token", (0.3,)))
+        for split in ("training", "test"):
+            encode_shard(root / "shard.npz", root / "tokenizer.json", data / split / "shard_0.hdf5", encode, 5, split,
+                         0, "none", PackSettings(16))
+        previous = tmp_path / "phase1"
+        s = settings(tmp_path, tmp_path / phase, phase=phase, data_dir=str(data), vocab=str(root / "tokenizer.json"),
+                     bert_config=None, family="modernbert", preset="modernbert-tiny",
+                     architecture={"num_hidden_layers": 3, "max_position_embeddings": 2048, "global_rope_theta": 1e4},
+                     optimizer="stable_adamw", weight_decay=1e-5, beta2=0.98, max_grad_norm=None,
+                     learning_rate=1e-3, warmup_proportion=0.0, total_steps=steps, global_batch_size=batch,
+                     micro_batch_size=batch // 2, eval_max_sequences=8, log_every=1, global_rope_theta=theta,
+                     out_optimizer=str(tmp_path / phase / "optimizer_state.pt"),
+                     init_from=str(previous / "model") if phase == "phase2" else None,
+                     init_optimizer=str(previous / "optimizer_state.pt") if phase == "phase2" else None)
+        summaries.append(pretrain(s))
+    assert [(s["seq_length"], s["steps"]) for s in summaries] == [(1024, 3), (2048, 2)]
+    assert [s["model"]["global_rope_theta"] for s in summaries] == [1e4, 320000.0]
+    assert all(np.isfinite(s["test_mlm_loss"]) for s in summaries)
