@@ -59,13 +59,13 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-
 import yaml  # noqa: E402
 
 from workflow.cli import UserError, run  # noqa: E402
@@ -114,10 +114,10 @@ class Family:
     model, a description)), and the parity recipe's schedule, which the reference follows too (schedule(args) ->
     TrainSettings keys)."""
 
-    rows: dict
-    vocab_type: str
-    model: object
-    schedule: object
+    rows: dict[str, Row]
+    vocab_type: str  # config vocab.type: wordpiece (train_vocab) or bpe (train_bpe)
+    model: Callable
+    schedule: Callable
 
 
 def bert_model(vocab: Path, args, work: Path):
