@@ -2,6 +2,7 @@
 draws Google's masks with the statistics of static ones, keyed by (seed, epoch, shard, instance) only."""
 import pickle
 import shutil
+from dataclasses import replace
 
 import h5py
 import numpy as np
@@ -210,3 +211,80 @@ def test_the_load_time_masker_never_picks_padding_or_a_special_token_whatever_th
         picked[rows, out["masked_lm_positions"][rows, slots]] = True
     text = ~np.isin(input_ids, specials)
     assert picked[text].mean() > 0.8 and not picked[~text].any()  # only text, and most of it in 30 epochs
+
+
+def masks_on_slot_rows(masker: LoadTimeMasker, arrays: dict, epoch: int, shard: int, rows: np.ndarray) -> dict:
+    """The masker as it was before it masked windows (frozen here as the reference): every slot of a read masked on
+    a full-length copy of its row, in one mask_rows call."""
+    from workflow.data.masking_rule import mask_rows
+    from workflow.train.masking import KeyedDraws, sequence_keys
+
+    input_ids, sequence = arrays["input_ids"], arrays["input_mask"].astype(np.int64)
+    n_rows, length = input_ids.shape
+    instances = arrays["instance_index"] if "instance_index" in arrays else np.asarray(rows)[:, None]
+    slots = instances.shape[1]
+    owned = sequence[:, None, :] == np.arange(1, slots + 1)[None, :, None]
+    ids = np.broadcast_to(input_ids[:, None, :], owned.shape).reshape(-1, length).copy()
+    owned = owned.reshape(-1, length)
+    candidate = owned & ~np.isin(ids, masker.special_ids)
+    draws = KeyedDraws(sequence_keys(masker.seed, epoch, shard, instances.reshape(-1)))
+    positions, labels = mask_rows(ids, candidate, owned.sum(axis=1), masker.settings, masker.vocab, draws, {})
+    masked = np.take_along_axis(ids.reshape(n_rows, slots, length), np.maximum(sequence - 1, 0)[:, None, :],
+                                axis=1)[:, 0]
+    positions, labels = positions.reshape(n_rows, -1), labels.reshape(n_rows, -1)
+    order = np.argsort(np.where(positions > 0, positions, length), axis=1, kind="stable")
+    width = arrays["masked_lm_positions"].shape[1]
+    positions, labels = np.take_along_axis(positions, order, axis=1), np.take_along_axis(labels, order, axis=1)
+    cut_rows, cut_columns = np.nonzero(positions[:, width:] > 0)
+    masked[cut_rows, positions[cut_rows, width + cut_columns]] = labels[cut_rows, width + cut_columns]
+    return {"input_ids": np.where(sequence > 0, masked, input_ids).astype(input_ids.dtype),
+            "masked_lm_positions": positions[:, :width].astype(np.int32),
+            "masked_lm_ids": labels[:, :width].astype(np.int32)}
+
+
+@pytest.mark.parametrize("keys", ["keys", "tied_keys"])
+@pytest.mark.parametrize("packing", [None, 3, 16], ids=["unpacked", "3_a_row", "16_a_row"])
+@pytest.mark.parametrize("whole_word_masking", [False, True], ids=["tokens", "whole_words"])
+@pytest.mark.parametrize("rule", ["google", "per_token", "per_token_capped"])
+def test_the_masker_draws_the_masks_it_drew_on_full_length_copies_of_each_slots_row(sample, rule, whole_word_masking,
+                                                                                   packing, keys, monkeypatch):
+    """Each sequence masked in its own window of its row, not on a full-length copy of the row per slot: the same
+    masks bit for bit, on shards of the sample (NSP pairs and documents, 128 and 512 tokens, either split), and with
+    keys of 6 bits (`tied_keys`), where equal keys are common: google's count, whole words and per_token's draws
+    beyond a small cap (`per_token_capped`) then depend on how the keys' ties are ordered, as they always did."""
+    from workflow.data.masking_rule import derived_max_predictions
+    from workflow.train.masking import KeyedDraws
+
+    if keys == "tied_keys":
+        bits = KeyedDraws._bits
+        monkeypatch.setattr(KeyedDraws, "_bits", lambda self, stream, shape, first_columns=None: (
+            bits(self, stream, shape, first_columns) & ~np.uint64((1 << 58) - 1) if stream == "keys"
+            else bits(self, stream, shape, first_columns)))
+    whole_rows, mask_whole_rows = [], LoadTimeMasker._mask_whole_rows
+    monkeypatch.setattr(LoadTimeMasker, "_mask_whole_rows", lambda self, *args: (
+        whole_rows.append(len(args[-1])) or mask_whole_rows(self, *args)))
+    p = 0.15 if rule == "google" else 0.3
+    compared = 0
+    for length, objective, split in ((128, "nsp", "training"), (512, "documents", "training"),
+                                     (128, "documents", "test")):
+        cap = derived_max_predictions(length, rule.removesuffix("_capped"), (p, 0.15))
+        path, _ = encoded(sample, f"windows_{rule}_{whole_word_masking}_{packing}_{length}_{objective}_{split}",
+                          PackSettings(packing) if packing else None, max_seq_length=length, dupe_factor=1,
+                          masked_lm_prob=p, max_predictions_per_seq=cap, masking="dynamic", objective=objective,
+                          masking_rule=rule.removesuffix("_capped"), whole_word_masking=whole_word_masking)
+        masker = LoadTimeMasker.of_shard(str(path), 11)
+        if rule == "per_token_capped":
+            masker = LoadTimeMasker(replace(masker.settings, max_predictions_per_seq=length // 16), masker.vocab, 11)
+        with h5py.File(path, "r") as handle:
+            arrays = {name: handle[name][()] for name in ("input_ids", "input_mask", "masked_lm_positions",
+                                                          "masked_lm_ids", "instance_index") if name in handle}
+        n = len(arrays["input_ids"])
+        for epoch, (a, b) in ((0, (0, n)), (1, (n // 3, n // 3 + 17))):
+            part = {name: values[a:b] for name, values in arrays.items()}
+            new, old = masker(part, epoch, 4, np.arange(a, b)), masks_on_slot_rows(masker, part, epoch, 4, np.arange(a, b))
+            for name in old:
+                np.testing.assert_array_equal(new[name], old[name], err_msg=f"{path} {name} epoch {epoch}")
+            compared += int((old["masked_lm_positions"] > 0).sum())
+    assert compared > 1000
+    if rule == "per_token_capped" or (keys == "tied_keys" and rule == "google"):
+        assert sum(whole_rows) > 0  # the sequences whose ties decide were masked on whole rows

@@ -18,6 +18,7 @@ API:
     mask_rows(input_ids, candidate, n_tokens, settings, vocab, draws, counts=None)
                          -> (masked_lm_positions, masked_lm_ids); `counts["masks_over_cap"]` adds the lost draws
     GeneratorDraws(rng)  mask_rows' random numbers from a numpy Generator, in encode's order
+    word_index(input_ids, candidate, vocab) -> [B, L] the word of each candidate cell (whole-word masking's words)
     derived_max_predictions(length, masking_rule, probabilities) -> int   max_predictions_per_seq where not given
     phase_max_predictions(encode, phase) -> int     the config's encode.<phase>.max_predictions_per_seq, or derived
     encode_config_error(config) -> one line or None  the encode section's relations (the Snakefile, at parse time)
@@ -244,6 +245,15 @@ def _choose_tokens(candidate: np.ndarray, n_to_predict: np.ndarray, keys: np.nda
     return np.where(keep, smallest, length)
 
 
+def word_index(input_ids: np.ndarray, candidate: np.ndarray, vocab: Vocab) -> np.ndarray:
+    """[B, L] int32: the index in its row of the word each candidate cell belongs to (-1 before the first word;
+    meaningless elsewhere): a word starts at a candidate that does not continue the candidate before it."""
+    previous = np.zeros_like(candidate)
+    previous[:, 1:] = candidate[:, :-1]
+    starts = candidate & ~(vocab.continues_word[input_ids] & previous)
+    return np.cumsum(starts, axis=1, dtype=np.int32) - 1
+
+
 def _choose_whole_words(
     input_ids: np.ndarray, candidate: np.ndarray, n_to_predict: np.ndarray, vocab: Vocab, keys: np.ndarray,
     per_token_prob: float | None = None,
@@ -252,10 +262,7 @@ def _choose_whole_words(
     greedy); unused slots hold L. With `per_token_prob` only the words whose key is below it are drawn:
     (columns, pieces of the drawn words), the greedy then keeping those that fit the cap."""
     batch, length = candidate.shape
-    previous = np.zeros_like(candidate)
-    previous[:, 1:] = candidate[:, :-1]
-    starts = candidate & ~(vocab.continues_word[input_ids] & previous)
-    word = np.cumsum(starts, axis=1, dtype=np.int32) - 1  # word index of each position (valid where candidate)
+    word = word_index(input_ids, candidate, vocab)
     row_start = np.arange(batch)[:, None] * length
     flat_word = np.where(candidate, row_start + word, batch * length)
     word_length = np.bincount(flat_word.ravel(), minlength=batch * length + 1)[:-1]
