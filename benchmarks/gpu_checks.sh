@@ -5,7 +5,8 @@
 #   1. cluster_check on one node, synthetic data: BERT (config.yaml's recipe: LAMB) and ModernBERT-base
 #      (StableAdamW, full-sentence rows): every fast path against its reference, then the real trainer's steps
 #   2. benchmarks/train_step.py --gpu: BERT-large phase 1 and phase 2 steps, seq/s and MFU
-#   3. benchmarks/modernbert_step.py --gpu at 1,024 and 8,192 tokens: ours against HF's ModernBertForMaskedLM
+#   3. benchmarks/modernbert_step.py --gpu at 1,024 and 8,192 tokens: ours against HF's ModernBertForMaskedLM, at
+#      vocabularies of 8,192 and 50,368 (ModernBERT's)
 #   4. (LEARNING=1) benchmarks/learning_parity.py --device cuda, each family, the texts in $TEXTS
 #
 #     bash benchmarks/gpu_checks.sh [OUT_DIR]
@@ -42,15 +43,18 @@ EOF
 step gpu_tests "$py" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_flash_varlen.py
 for family in bert modernbert; do
     "$py" -m workflow.data.synthetic_shards --config "$(config $family seed,vocab,encode)" \
-        --output-data "$work/$family/hdf5" --output-vocab "$work/$family/vocab.txt" >"$out/data_$family.log" 2>&1
+        --output-data "$work/$family/hdf5" --output-vocab "$work/$family/vocab.txt" \
+        --training-instances "${CHECK_TRAINING:-40000}" --test-instances "${CHECK_TEST:-10000}" >"$out/data_$family.log" 2>&1
     step "cluster_check_$family" "$py" -m workflow.slurm.launch --run-dir "$work/run_$family" -- \
         "$py" -m workflow.slurm.cluster_check --config "$(config $family seed,model,pretrain)" \
         --data-dir "$work/$family/hdf5" --vocab "$work/$family/vocab.txt" --run-dir "$work/run_$family" \
         --output "$out/cluster_check_$family.json" --steps "${CHECK_STEPS:-10}"
 done
 step train_step "$py" benchmarks/train_step.py --gpu
-step modernbert_step_1024 "$py" benchmarks/modernbert_step.py --gpu --gpu-seq 1024 --micro-batch 64
-step modernbert_step_8192 "$py" benchmarks/modernbert_step.py --gpu --gpu-seq 8192 --micro-batch 8
+for vocab in ${VOCABS:-8192 50368}; do  # the benchmark's default and ModernBERT's own
+    step "modernbert_step_1024_$vocab" "$py" benchmarks/modernbert_step.py --gpu --gpu-seq 1024 --micro-batch 64 --vocab "$vocab"
+    step "modernbert_step_8192_$vocab" "$py" benchmarks/modernbert_step.py --gpu --gpu-seq 8192 --micro-batch 8 --vocab "$vocab"
+done
 if [ "${LEARNING:-0}" = 1 ]; then
     for text in ${TEXTS:-python-docs wikipedia}; do
         for family in ${FAMILIES:-bert}; do
