@@ -281,7 +281,8 @@ def test_the_masker_draws_the_masks_it_drew_on_full_length_copies_of_each_slots_
         n = len(arrays["input_ids"])
         for epoch, (a, b) in ((0, (0, n)), (1, (n // 3, n // 3 + 17))):
             part = {name: values[a:b] for name, values in arrays.items()}
-            new, old = masker(part, epoch, 4, np.arange(a, b)), masks_on_slot_rows(masker, part, epoch, 4, np.arange(a, b))
+            new = masker(part, epoch, 4, np.arange(a, b))
+            old = masks_on_slot_rows(masker, part, epoch, 4, np.arange(a, b))
             for name in old:
                 np.testing.assert_array_equal(new[name], old[name], err_msg=f"{path} {name} epoch {epoch}")
             compared += int((old["masked_lm_positions"] > 0).sum())

@@ -205,10 +205,11 @@ class LoadTimeMasker:
     def _order_dependent(candidate: np.ndarray, word: np.ndarray | None, n_tokens: np.ndarray, positions: np.ndarray,
                          keys: np.ndarray, settings: EncodeSettings) -> tuple[np.ndarray, np.ndarray]:
         """([N] bool, [N] int): of the windows masked by mask_rows (`word`: each candidate's word, with whole-word
-        masking), those whose masks the order of equal keys decides, and per_token's draws of each. Equal float32 keys are ordered by numpy's partition and sort, whose order depends on the whole row: such
-        a sequence is masked again as a whole row (_mask_whole_rows), as the masker always has. Where they decide:
-        google's tie at its count's threshold, a whole word tied with another before the greedy stops, and
-        per_token's draws beyond the cap."""
+        masking), those whose masks the order of equal keys decides, and per_token's draws of each. Equal float32
+        keys are ordered by numpy's partition and sort, whose order depends on the whole row: such a sequence is
+        masked again on its whole row (_mask_whole_rows), as the masker always did. Where the order decides: google's
+        tie at its count's threshold, a whole word tied with another before the greedy stops, and per_token's draws
+        beyond the cap."""
         valid = positions > 0
         n_valid = valid.sum(axis=1)
         rows = np.arange(len(candidate))[:, None]
