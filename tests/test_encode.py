@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from benchmarks import google_reference
-from workflow.data.encode import EncodeSettings, Vocab, _truncate_pair, build_batch, encode_shard, plan_instances, shard_rng
+from workflow.data.encode import (EncodeSettings, Vocab, _truncate_pair, build_batch, encode_shard, plan_instances,
+                                  ragged_instances, shard_rng)
 from workflow.data.masking_rule import MASKING_RULES, MASKINGS, OBJECTIVES, derived_max_predictions
 from workflow.cli import UserError
 from workflow.data.hdf5_dir import build_hdf5_dir
@@ -593,11 +594,12 @@ def test_the_packer_refuses_to_write_a_shard_whose_sequences_hold_padding(shard,
     vocab_path, tokenized, vocab = shard
     from workflow.data import encode
 
-    def pack_with_the_old_lengths(arrays, *args, **options):  # a+b+3: one more where B is empty (a single [SEP])
-        *rest, lengths = args
-        return pack_arrays(arrays, *rest, lengths + ((arrays["input_ids"] == vocab.sep).sum(axis=1) == 1), **options)
+    def instances_with_the_old_lengths(batches, lengths, settings):  # a+b+3: one more where B is empty (one [SEP])
+        batches = list(batches)
+        single = np.concatenate([(batch["input_ids"] == vocab.sep).sum(axis=1) == 1 for batch in batches])
+        return ragged_instances(iter(batches), lengths + single, settings)
 
-    monkeypatch.setattr(encode, "pack_arrays", pack_with_the_old_lengths)
+    monkeypatch.setattr(encode, "ragged_instances", instances_with_the_old_lengths)
     settings = EncodeSettings(max_seq_length=128, max_predictions_per_seq=20, masking="dynamic",
                               objective="full_sentences")
     with pytest.raises(UserError, match=r"p\.hdf5: packed row \d+, slot \d does not start with \[CLS\] and end with "

@@ -12,7 +12,8 @@ from tests.conftest import REPO
 from tests.test_encode import tokenized_shard
 from workflow.data.encode import EncodeSettings, encode_shard
 from workflow.data.hdf5 import read_encoded
-from workflow.data.pack import ALGORITHMS, fewest_packs, histogram_packing, pack_arrays, pack_shard
+from workflow.data.pack import (ALGORITHMS, RaggedInstances, as_written_by_encode, fewest_packs, histogram_packing,
+                                pack_arrays, pack_ragged, pack_shard)
 
 PREDICTIONS = {128: 20, 512: 80}
 
@@ -238,3 +239,38 @@ def test_bad_input_is_a_one_line_error_and_leaves_no_output(encoded, tmp_path):
         assert not (tmp_path / "out.hdf5").exists() and list(tmp_path.glob(".out.hdf5*")) == []
     result = run_pack("--encoded", encoded[128], "--output", tmp_path / "out.hdf5", "--max-sequences-per-pack", 0)
     assert result.returncode == 1 and "max_sequences_per_pack 0: must be at least 1" in result.stderr
+
+
+def ragged_of(arrays: dict, max_seq_length: int) -> RaggedInstances:
+    """NVIDIA-schema instances (as encode builds them) held at their real lengths."""
+    arrays, lengths = as_written_by_encode({name: value.copy() for name, value in arrays.items()})
+    real = np.arange(max_seq_length) < lengths[:, None]
+    valid = arrays["masked_lm_positions"] > 0
+    return RaggedInstances(max_seq_length, arrays["masked_lm_positions"].shape[1], lengths,
+                           arrays["input_ids"][real], arrays["segment_ids"][real], arrays["masked_lm_positions"][valid],
+                           arrays["masked_lm_ids"][valid], valid.sum(axis=1), arrays["next_sentence_labels"])
+
+
+@pytest.mark.parametrize("rule, packing_prob", [("google", 0.15), ("per_token", 0.3), ("per_token", 0.05)],
+                         ids=["google", "per_token", "per_token_beyond_the_width"])
+@pytest.mark.parametrize("slots", [1, 3, 16])
+def test_instances_at_their_real_lengths_pack_as_full_length_ones_byte_for_byte(tmp_path, rule, packing_prob, slots):
+    """pack_ragged (the encoder's: no instance at max_seq_length) = pack_arrays, the predictions beyond a row's width
+    (per_token at a narrower rate than drawn) unmasked and counted alike."""
+    vocab, tokenized, _ = tokenized_shard(tmp_path, n_documents=200, vocab_size=200, seed=3)
+    p = 0.3 if rule == "per_token" else 0.15
+    settings = EncodeSettings(max_seq_length=128, max_predictions_per_seq=72 if rule == "per_token" else 20,
+                              masked_lm_prob=p, masking_rule=rule, objective="documents", dupe_factor=1)
+    encode_shard(tokenized, vocab, tmp_path / "u.hdf5", settings, 5, "training", 0, "none", None)
+    arrays, _ = read_encoded(tmp_path / "u.hdf5")
+    instances = ragged_of(arrays, 128)
+    dense_counts, ragged_counts = {}, {}
+    expected = pack_arrays({name: value.copy() for name, value in arrays.items()}, slots, packing_prob,
+                           masking_rule=rule, counts=dense_counts)
+    packed = pack_ragged(instances, slots, packing_prob, masking_rule=rule, counts=ragged_counts)
+    assert packed.keys() == expected.keys()
+    for name in expected:
+        assert packed[name].dtype == expected[name].dtype, name
+        np.testing.assert_array_equal(packed[name], expected[name], err_msg=name)
+    assert ragged_counts == dense_counts
+    assert bool(dense_counts) == (packing_prob == 0.05)

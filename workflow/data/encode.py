@@ -18,8 +18,9 @@ on its own (workflow.data.masking_rule). The test split is masked at the held-ou
 rates. With packing (the stage's default; workflow.data.pack), the shard's instances are packed before they are
 written, several to a row, in the packed schema of workflow.data.pack. The work is vectorised numpy: instances are
 planned for all documents at once (one step = one instance per document), then built and masked in batches of rows,
-so memory stays bounded by the batch; with packing, by the shard: the batches are built into the shard's arrays,
-and the packs then take the place of the instances in that memory (their lengths come from the plan).
+so memory stays bounded by the batch; with packing, by the shard's real tokens: each batch, built at full length, is
+kept at its instances' real lengths (ragged_instances; their lengths come from the plan) until the packer lays them
+into rows (workflow.data.pack.pack_ragged), so short documents at 8,192 tokens cost their tokens, not 8,192 each.
 """
 import argparse
 import hashlib
@@ -35,7 +36,8 @@ from tqdm import tqdm
 
 from workflow.cli import UserError, run
 from workflow.data.hdf5 import CHUNK_ROWS, PACKED_VERSION, write_shard
-from workflow.data.pack import ALGORITHMS, PackSettings, check_packed, pack_arrays, packing_stats
+from workflow.data.pack import (ALGORITHMS, PackSettings, RaggedInstances, check_packed, pack_ragged,
+                                packing_stats)
 from workflow.data.masking_rule import (MASKING_RULES, MASKINGS, OBJECTIVES, EncodeSettings,  # noqa: F401
                                        GeneratorDraws, Vocab, derived_max_predictions, mask_rows)
 from workflow.data.tokenize import load_tokenized
@@ -218,6 +220,33 @@ def build_batch(
     return out
 
 
+def ragged_instances(batches, lengths: np.ndarray, settings: EncodeSettings) -> RaggedInstances:
+    """The instances of `batches` (build_batch's, in order) at their real `lengths`: each batch's tokens up to its
+    instances' lengths and its leading predictions, so the shard takes memory for its real tokens only."""
+    n_tokens = int(lengths.sum())
+    input_ids, segment_ids = np.empty(n_tokens, np.int32), np.empty(n_tokens, np.int8)
+    positions, labels, n_predictions, next_sentence_labels = [], [], [], []
+    row, cell = 0, 0
+    for batch in batches:
+        real = np.arange(batch["input_ids"].shape[1]) < lengths[row : row + len(batch["input_ids"]), None]
+        n = int(real.sum())
+        input_ids[cell : cell + n] = batch["input_ids"][real]
+        segment_ids[cell : cell + n] = batch["segment_ids"][real]
+        valid = batch["masked_lm_positions"] > 0  # predictions lead their row (position 0 is [CLS])
+        positions.append(batch["masked_lm_positions"][valid])
+        labels.append(batch["masked_lm_ids"][valid])
+        n_predictions.append(valid.sum(axis=1))
+        next_sentence_labels.append(batch["next_sentence_labels"].copy())
+        row, cell = row + len(batch["input_ids"]), cell + n
+
+    def joined(parts, dtype):
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+    return RaggedInstances(settings.max_seq_length, settings.max_predictions_per_seq, lengths, input_ids, segment_ids,
+                           joined(positions, np.int32), joined(labels, np.int32), joined(n_predictions, np.int64),
+                           joined(next_sentence_labels, np.int8))
+
+
 def encode_shard(
     tokenized: str | os.PathLike,
     vocab_path: str | os.PathLike,
@@ -265,17 +294,15 @@ def encode_shard(
     counts: dict = {}
     starts = tqdm(range(0, n, batch_rows), desc="encode", unit="batch", mininterval=5, disable=None)
     if packing is not None:
-        # Packing needs every instance's length (known from the plan): the shard's instances are built in memory.
-        arrays = {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
-        for start in starts:
-            rows = slice(start, start + batch_rows)
-            build_batch(padded_ids, plan[rows], masking, vocab, mask_rng, {k: v[rows] for k, v in arrays.items()},
-                        counts)
-        started = time.process_time()
+        # Packing needs every instance (its length is known from the plan): the shard's instances are kept at their
+        # real lengths, each batch built at full length (its masks drawn as ever) and then cut to them.
         lengths = instance_lengths(plan)
-        packed = pack_arrays(arrays, packing.max_sequences_per_pack, masking.masked_lm_prob, packing.algorithm,
-                             str(tokenized), lengths, in_place=True, masking_rule=settings.masking_rule,
-                             counts=counts)
+        instances = ragged_instances(
+            (build_batch(padded_ids, plan[start : start + batch_rows], masking, vocab, mask_rng, counts=counts)
+             for start in starts), lengths, settings)
+        started = time.process_time()
+        packed = pack_ragged(instances, packing.max_sequences_per_pack, masking.masked_lm_prob, packing.algorithm,
+                             str(tokenized), masking_rule=settings.masking_rule, counts=counts)
         check_packed(packed, vocab.cls, vocab.sep, (0, vocab.mask), str(output))  # 0: the padding
         stats = packing_stats(lengths, length, len(packed["input_ids"]))
         packing_time = time.process_time() - started

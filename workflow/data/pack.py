@@ -4,7 +4,8 @@ The encode stage packs each shard as it writes it (config `encode.packing`, on b
 instances' own, measured at ~0.04 CPU s per shard of a real run's size (94k instances at 128, 34k at 512), ~4% of
 the unpacked encode job's CPU (noisy shared machine; fresh pages cost more than the copies, hence in place), where
 a separate HDF5 -> HDF5 job costs about as much as encoding (I/O + gzip; see benchmarks/packing.py).
-`python -m workflow.data.pack` packs an existing NVIDIA-schema shard the same way.
+`python -m workflow.data.pack` packs an existing NVIDIA-schema shard the same way. The encoder hands its instances
+over at their real lengths (RaggedInstances, pack_ragged: the same rows byte for byte as pack_arrays).
 
 Histogram packing: the instance lengths of the shard form a histogram, and the packing is planned on the counts
 per length, so its cost grows with the distinct pack layouts (hundreds), not with the instances; instances are then
@@ -330,7 +331,8 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     prediction_starts = _cumulative_before(predicted)
     per_pack = prediction_starts[:, -1] + predicted[:, -1]
     if n_packs and per_pack.max() > width and masking_rule == "per_token":
-        n_valid = _unmask_beyond(arrays, members, n_valid, width, counts)
+        n_valid = _unmask_beyond(lambda instance, columns: _restore_dense(arrays, instance, columns), members,
+                                 n_valid, width, counts)
         predicted = np.where(present, n_valid[member], 0)
         prediction_starts = _cumulative_before(predicted)
         per_pack = prediction_starts[:, -1] + predicted[:, -1]
@@ -403,27 +405,137 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     return {name: out[name] for name in PACKED}
 
 
-def _unmask_beyond(arrays: dict[str, np.ndarray], members: np.ndarray, n_valid: np.ndarray, width: int,
-                   counts: dict | None) -> np.ndarray:
+@dataclass
+class RaggedInstances:
+    """One shard's instances at their real lengths (the encoder's, before packing): instance i's tokens are
+    input_ids[token_offsets[i]:token_offsets[i + 1]] (and segment_ids), its predictions masked_lm_positions and
+    masked_lm_ids[prediction_offsets[i]:prediction_offsets[i + 1]], ascending. Memory follows the real tokens, not
+    instances x max_seq_length."""
+
+    max_seq_length: int
+    max_predictions_per_seq: int
+    lengths: np.ndarray  # [N] int64
+    input_ids: np.ndarray  # [T] int32
+    segment_ids: np.ndarray  # [T] int8
+    masked_lm_positions: np.ndarray  # [M] int32
+    masked_lm_ids: np.ndarray  # [M] int32
+    n_predictions: np.ndarray  # [N] int64
+    next_sentence_labels: np.ndarray  # [N] int8
+
+    @property
+    def token_offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.lengths)])
+
+    @property
+    def prediction_offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.n_predictions)])
+
+
+def pack_ragged(instances: RaggedInstances, max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
+                masked_lm_prob: float = 0.15, algorithm: str = PackSettings.algorithm, source: str = "input",
+                masking_rule: str = "google", counts: dict | None = None) -> dict[str, np.ndarray]:
+    """pack_arrays of instances held at their real lengths: the same packed arrays, byte for byte, with no
+    instance ever at max_seq_length. Predictions beyond a row's width: as pack_arrays (unmasked in `instances`)."""
+    if max_sequences_per_pack < 1:
+        raise UserError(f"pack max_sequences_per_pack {max_sequences_per_pack}: must be at least 1")
+    length, lengths = instances.max_seq_length, instances.lengths
+    if length > np.iinfo(np.int16).max:
+        raise UserError(f"{source}: sequence length {length} does not fit int16 position ids")
+    slots = max_sequences_per_pack
+    width = prediction_width(length, instances.max_predictions_per_seq, masked_lm_prob, slots, masking_rule)
+    members = pack_members(lengths, length, slots, algorithm)
+    n_packs = len(members)
+    present = members >= 0
+    member = np.where(present, members, 0)
+    member_lengths = np.where(present, lengths[member], 0)
+    starts = _cumulative_before(member_lengths)
+    n_valid = instances.n_predictions
+    per_pack = np.where(present, n_valid[member], 0).sum(axis=1)
+    if n_packs and per_pack.max() > width and masking_rule == "per_token":
+        n_valid = _unmask_beyond(_RaggedRows(instances).restore, members, n_valid, width, counts)
+        per_pack = np.where(present, n_valid[member], 0).sum(axis=1)
+    if n_packs and per_pack.max() > width:
+        raise UserError(f"{source}: a pack needs {int(per_pack.max())} prediction slots, more than {width} "
+                        f"(masked_lm_prob {masked_lm_prob}); the shard was not encoded with these settings")
+    predicted = np.where(present, n_valid[member], 0)
+    prediction_starts = _cumulative_before(predicted)
+    out = {name: np.zeros((n_packs, row_width), dtype) for name, dtype, row_width in (
+        ("input_ids", np.int32, length), ("segment_ids", np.int8, length), ("input_mask", np.int8, length),
+        ("position_ids", np.int16, length), ("masked_lm_positions", np.int32, width),
+        ("masked_lm_ids", np.int32, width))}
+    # An instance's first n_valid predictions are packed (those cut above stay where they were, unused).
+    token_offsets, prediction_offsets = instances.token_offsets, instances.prediction_offsets
+    # Sequences in pack order, a few at a time: the index arrays stay small whatever the shard.
+    packs, slot = np.nonzero(present)
+    chunk = max(1, PACK_CHUNK_CELLS // max(1, length))
+    for begin in range(0, len(packs), chunk):
+        at, s = packs[begin : begin + chunk], slot[begin : begin + chunk]
+        instance = members[at, s]
+        n = lengths[instance]
+        cell = _ranges(n)
+        source_cells = np.repeat(token_offsets[instance], n) + cell
+        target = np.repeat(at * length + starts[at, s], n) + cell
+        out["input_ids"].reshape(-1)[target] = instances.input_ids[source_cells]
+        out["segment_ids"].reshape(-1)[target] = instances.segment_ids[source_cells]
+        out["input_mask"].reshape(-1)[target] = np.repeat(s + 1, n)
+        out["position_ids"].reshape(-1)[target] = cell
+        k = n_valid[instance]
+        column = _ranges(k)
+        source_predictions = np.repeat(prediction_offsets[instance], k) + column
+        target = np.repeat(at * width + prediction_starts[at, s], k) + column
+        out["masked_lm_positions"].reshape(-1)[target] = (instances.masked_lm_positions[source_predictions]
+                                                          + np.repeat(starts[at, s], k))
+        out["masked_lm_ids"].reshape(-1)[target] = instances.masked_lm_ids[source_predictions]
+    out.update(cls_positions=np.where(present, starts, 0).astype(np.int32),
+               sequence_lengths=member_lengths.astype(np.int32),
+               next_sentence_labels=np.where(present, instances.next_sentence_labels[member], -1).astype(np.int8),
+               instance_index=members.astype(np.int32))
+    return {name: out[name] for name in PACKED}
+
+
+def _ranges(sizes: np.ndarray) -> np.ndarray:
+    """0..sizes[0]-1, 0..sizes[1]-1, ... concatenated."""
+    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+
+
+class _RaggedRows:
+    """What _unmask_beyond reads and writes of RaggedInstances, in the dense arrays' terms."""
+
+    def __init__(self, instances: RaggedInstances):
+        self.instances, self.tokens, self.predictions = instances, instances.token_offsets, instances.prediction_offsets
+
+    def restore(self, instance: int, columns: slice) -> None:
+        """Unmask the predictions `columns` of `instance`: its tokens back to their labels."""
+        at = slice(self.predictions[instance] + columns.start, self.predictions[instance] + columns.stop)
+        self.instances.input_ids[self.tokens[instance] + self.instances.masked_lm_positions[at]] = \
+            self.instances.masked_lm_ids[at]
+
+
+def _unmask_beyond(restore, members: np.ndarray, n_valid: np.ndarray, width: int, counts: dict | None) -> np.ndarray:
     """Unmask the predictions of each pack beyond `width`, the last slot's last ones first (its highest positions:
-    an instance's predictions are ascending), in the instances' `arrays`; the instances' new prediction counts."""
+    an instance's predictions are ascending), by restore(instance, columns) of the instances' predictions; the
+    instances' new prediction counts."""
     n_valid = n_valid.copy()
     for pack in np.flatnonzero(np.where(members >= 0, n_valid[np.maximum(members, 0)], 0).sum(axis=1) > width):
         excess = int(n_valid[members[pack][members[pack] >= 0]].sum()) - width
         for instance in members[pack][members[pack] >= 0][::-1].tolist():
             drop = min(excess, int(n_valid[instance]))
             kept = int(n_valid[instance]) - drop
-            columns = slice(kept, int(n_valid[instance]))
-            arrays["input_ids"][instance, arrays["masked_lm_positions"][instance, columns]] = \
-                arrays["masked_lm_ids"][instance, columns]
-            arrays["masked_lm_positions"][instance, columns] = 0
-            arrays["masked_lm_ids"][instance, columns] = 0
+            restore(instance, slice(kept, int(n_valid[instance])))
             n_valid[instance], excess = kept, excess - drop
             if counts is not None:
                 counts["masks_over_row_width"] = counts.get("masks_over_row_width", 0) + drop
             if not excess:
                 break
     return n_valid
+
+
+def _restore_dense(arrays: dict[str, np.ndarray], instance: int, columns: slice) -> None:
+    """Unmask the predictions `columns` of row `instance` of NVIDIA-schema `arrays`: tokens back, slots emptied."""
+    arrays["input_ids"][instance, arrays["masked_lm_positions"][instance, columns]] = \
+        arrays["masked_lm_ids"][instance, columns]
+    arrays["masked_lm_positions"][instance, columns] = 0
+    arrays["masked_lm_ids"][instance, columns] = 0
 
 
 def check_packed(packed: dict[str, np.ndarray], cls_id: int, sep_id: int, stray_ids: Sequence[int],
