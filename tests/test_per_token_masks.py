@@ -368,3 +368,32 @@ def test_a_change_of_masking_rule_reruns_the_encode_jobs_and_nothing_else(tmp_pa
     settings = manifest["settings"]
     assert (settings["masking_rule"], settings["max_predictions_per_seq"], settings["eval_masked_lm_prob"]) == (
         "per_token", 48, 0.15)  # 64 x 0.3 + 6 sd = 41.2, up to a multiple of 8
+
+
+# Written by the encoder that built every instance at full length before packing (commit 58df03e), on the sample at
+# 8,192 tokens: instances kept at their real lengths give the same files.
+AT_8192_BEFORE_RAGGED = {
+    "per_token documents dynamic": {(None, "training"): "abceb50b6156f164", (None, "test"): "3c815669ce4e7839",
+                                    (16, "training"): "d92e99d88714b434", (16, "test"): "c674d180245fbaac"},
+    "per_token documents static": {(None, "training"): "f6f614f7064da208", (None, "test"): "700a8a11941954ce",
+                                   (16, "training"): "14878b5e5585aeda", (16, "test"): "ae76cd0f22b5d05a"},
+    "google full_sentences dynamic": {(None, "training"): "13efab6db604a30b", (None, "test"): "23866d08bd4eb689",
+                                      (16, "training"): "5a387eda839632a4", (16, "test"): "48489f21cf00fb1f"},
+    "google nsp static": {(None, "training"): "a8e2d78726f55b8a", (None, "test"): "5cac98e30b769c20",
+                          (16, "training"): "1d37dd6aafa041fc", (16, "test"): "d65c3f4be5f35a8d"},
+}
+
+
+@pytest.mark.parametrize("cell", sorted(AT_8192_BEFORE_RAGGED))
+def test_shards_at_8192_tokens_keep_the_bytes_of_full_length_instances(sample, cell):
+    rule, objective, masking = cell.split()
+    p = 0.3 if rule == "per_token" else 0.15
+    digests = {}
+    for packing in (None, 16):
+        for split in ("training", "test"):
+            path, _ = encoded(sample, f"at_8192_{cell.replace(' ', '_')}_{packing}", split,
+                              PackSettings(packing) if packing else None, max_seq_length=8192, masked_lm_prob=p,
+                              dupe_factor=2, masking_rule=rule, objective=objective, masking=masking,
+                              max_predictions_per_seq=derived_max_predictions(8192, rule, (p, 0.15)))
+            digests[packing, split] = content_digest(path)
+    assert digests == AT_8192_BEFORE_RAGGED[cell]
