@@ -40,7 +40,10 @@ of a difference of means (normal approximation):
 - every snakebert row's own held-out accuracy against the shared set's: a gap beyond the noise (the seeds' and the
   two fixed sets' sampling error) means the trainer measures something the shared set does not (e.g. padding
   counted as tokens to predict);
-- every row well above the unigram-frequency baseline.
+- every row well above the unigram-frequency baseline;
+- parity against the reference at equal tokens as well: run_mlm's blocks hold --seq tokens each, snakebert's
+  sentence-bounded rows fewer (each point records its tokens: sequences x the training shard's real tokens a
+  sequence), the reference's mean and spread taken at parity's tokens, linear between its points.
 """
 from __future__ import annotations
 
@@ -65,6 +68,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import h5py  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
@@ -82,6 +87,7 @@ from workflow.train.lamb import param_groups  # noqa: E402
 from workflow.train.model import BertConfig  # noqa: E402
 from workflow.train.optimizers import HYPER_PARAMETERS  # noqa: E402
 from workflow.train.pretrain import TrainSettings, pretrain, read_vocab_size  # noqa: E402
+from workflow.train.pretraining_data import list_shards  # noqa: E402
 from workflow.train.schedules import make_scheduler  # noqa: E402
 
 PYTHON_DOCS = "/usr/share/doc/python3*/html/_sources"
@@ -358,8 +364,9 @@ def reference_run(blocks, held, tokenizer, new_model, seed: int, args, work: Pat
         def on_step_end(self, _args, state, control, **kwargs):
             if state.global_step % every == 0:
                 clock.stop()
-                curve.append({"sequences": state.global_step * args.batch, **scores(model, held, args.device),
-                              "wall": clock.wall, "cpu": clock.cpu})
+                curve.append({"sequences": state.global_step * args.batch,
+                              "tokens": state.global_step * args.batch * args.seq,  # run_mlm's blocks are full
+                              **scores(model, held, args.device), "wall": clock.wall, "cpu": clock.cpu})
                 clock.start()
 
     training = TrainingArguments(output_dir=str(work / f"hf_{seed}"), per_device_train_batch_size=args.batch,
@@ -397,6 +404,17 @@ def encode_data(row: str, work: Path, vocab: Path, tokenized: dict, args) -> Pat
     return output
 
 
+def tokens_per_sequence(data: Path) -> float:
+    """The real tokens a sequence of a row's training shards hold, on average."""
+    tokens = sequences = 0
+    for shard in list_shards(data, "training"):
+        with h5py.File(shard.path, "r") as f:  # packed rows list their sequences' lengths; a row is one otherwise
+            tokens += int(np.count_nonzero(f["input_mask"][:]))
+            sequences += (int(np.count_nonzero(f["sequence_lengths"][:])) if "sequence_lengths" in f
+                          else len(f["input_mask"]))
+    return tokens / sequences
+
+
 def snakebert_run(row: str, data: Path, vocab: Path, model_keys: dict, held, seed: int, args, work: Path):
     """The engine on the row's data and recipe (model_keys: the family's TrainSettings keys of the model)."""
     from transformers import AutoModelForMaskedLM
@@ -418,7 +436,9 @@ def snakebert_run(row: str, data: Path, vocab: Path, model_keys: dict, held, see
         after = resource.getrusage(resource.RUSAGE_SELF)
         cpu += (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)  # export included: an upper bound
         model = AutoModelForMaskedLM.from_pretrained(s.out_model).to(args.device)
-        curve.append({"sequences": point * every * args.batch, **scores(model, held, args.device),
+        curve.append({"sequences": point * every * args.batch,
+                      "tokens": point * every * args.batch * tokens_per_sequence(data),
+                      **scores(model, held, args.device),
                       "wall": summary["train_time_s"], "cpu": cpu,
                       "own_held_out": summary["test_mlm_accuracy"],  # the trainer's own set: judged by verdicts()
                       "own_predictions": summary["test_predictions"]})
@@ -435,7 +455,8 @@ def summarize(curves: list[list[dict]]) -> list[dict]:
     rows = []
     for points in zip(*curves):
         accuracies, blocks = [p["accuracy"] for p in points], [p["blocks"] for p in points]
-        row = {"sequences": points[0]["sequences"], "n": len(points), "mean": statistics.mean(accuracies),
+        row = {"sequences": points[0]["sequences"], "tokens": points[0].get("tokens"), "n": len(points),
+               "mean": statistics.mean(accuracies),
                "spread": _spread(accuracies), "blocks_mean": statistics.mean(blocks), "blocks_spread": _spread(blocks),
                "wall": statistics.mean(p["wall"] for p in points), "cpu": statistics.mean(p["cpu"] for p in points)}
         if "own_held_out" in points[0]:
@@ -460,6 +481,33 @@ def against_what(name: str, results: dict) -> list[str]:
     return ["parity"]
 
 
+def at_tokens(rows: list[dict], tokens: float) -> dict | None:
+    """A side's mean and spread at `tokens`, linear between its points (None: outside them)."""
+    for before, after in zip(rows, rows[1:]):
+        if before["tokens"] <= tokens <= after["tokens"]:
+            w = (tokens - before["tokens"]) / (after["tokens"] - before["tokens"])
+            return {key: (1 - w) * before[key] + w * after[key] for key in ("mean", "spread")} | {"n": before["n"]}
+    return None
+
+
+def equal_tokens(results: dict) -> list[str]:
+    """parity against the reference at parity's final tokens (module docstring); [] where a side has no tokens."""
+    parity, reference = results.get("parity"), results["reference"]
+    if not parity or parity[-1].get("tokens") is None or reference[-1].get("tokens") is None:
+        return []
+    final = parity[-1]
+    base = at_tokens(reference, final["tokens"])
+    if base is None:
+        return [f"parity vs reference at equal tokens: parity's {final['tokens'] / 1e6:.2f} M tokens lie outside "
+                "the reference's points"]
+    gap, error = difference(final, base)
+    verdict = ("BEHIND" if gap < -Z_95 * error else "ahead" if gap > Z_95 * error else "level") if min(
+        final["n"], base["n"]) > 1 else "not judged (one seed: no standard error)"
+    return [f"parity vs reference at equal tokens ({final['tokens'] / 1e6:.2f} M; {final['tokens'] / final['sequences']:.1f} "
+            f"a sequence against {reference[-1]['tokens'] / reference[-1]['sequences']:.0f}): {final['mean']:.4f} vs "
+            f"{base['mean']:.4f}, difference {gap:+.4f} ± {Z_95 * error:.4f} (95%): {verdict}"]
+
+
 def verdicts(results: dict, baseline: float = 0.0, shared_predictions: int = 0) -> list[str]:
     """The verdicts (module docstring) on the final points, each at 95% confidence (Z_95 standard errors)."""
     reference = results["reference"]
@@ -474,6 +522,7 @@ def verdicts(results: dict, baseline: float = 0.0, shared_predictions: int = 0) 
                 final["n"], base["n"]) > 1 else "not judged (one seed: no standard error)"
             lines.append(f"{name} vs {other}: {final['mean']:.4f} vs {base['mean']:.4f} at {final['sequences']} "
                          f"sequences, difference {gap:+.4f} ± {Z_95 * error:.4f} (95%): {verdict}")
+    lines += equal_tokens(results)
     for name, rows in results.items():
         final = rows[-1]
         if "gap_mean" not in final:

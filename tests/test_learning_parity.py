@@ -99,7 +99,11 @@ def test_modernbert_and_the_hf_reference_learn_well_above_unigram_frequency_with
     for side in ("reference", *sides):
         assert re.search(rf"^{side} vs the unigram baseline .*: well above$", printed, re.M), printed
     assert re.search(r"^equal wall time \(.*\): snakebert .*, reference .*: (ahead|BEHIND)$", printed, re.M), printed
+    assert re.search(r"^parity vs reference at equal tokens", printed, re.M), printed
     assert [r["sequences"] for r in measured["results"]["parity"]] == [6400, 12800]
+    parity, reference = measured["results"]["parity"], measured["results"]["reference"]
+    assert [r["tokens"] for r in reference] == [r["sequences"] * 32 for r in reference]  # run_mlm's full blocks
+    assert 0.5 * 32 < parity[-1]["tokens"] / parity[-1]["sequences"] < 32  # sentence-bounded rows: fewer
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 
@@ -193,3 +197,18 @@ def test_the_verdicts_flag_what_issue_37_measured_and_pass_level_rows():
                                                                                                     own=0.110)}
     assert any(re.match(r"parity vs unpacked: 0\.0980 vs 0\.1100 at 32000 sequences, difference -0\.0120 ± 0\.0096 "
                         r"\(95%\): BEHIND$", line) for line in learning_parity.verdicts(behind, 0.05, 4900))
+
+
+def test_parity_is_also_judged_at_the_tokens_it_saw_against_the_reference_between_its_points():
+    """run_mlm's blocks are full, snakebert's rows end at sentences: at 32,000 sequences of 48 tokens parity saw what
+    the reference saw at 24,000, where its curve (linear between 16,000 and 32,000) stood at 0.150."""
+    reference = [dict(final(0.130, 0.004)[0], sequences=16000, tokens=16000 * 64),
+                 dict(final(0.170, 0.004)[0], tokens=32000 * 64)]
+    results = {"reference": reference, "parity": [dict(final(0.149, 0.004, own=0.149)[0], tokens=32000 * 48)]}
+    lines = learning_parity.equal_tokens(results)
+    assert lines == ["parity vs reference at equal tokens (1.54 M; 48.0 a sequence against 64): 0.1490 vs 0.1500, "
+                     "difference -0.0010 ± 0.0064 (95%): level"], lines
+    assert lines[0] in learning_parity.verdicts(results, 0.05, 4900)
+    results["parity"][-1]["mean"] = 0.140
+    assert learning_parity.equal_tokens(results)[0].endswith("BEHIND")
+    assert learning_parity.equal_tokens({"reference": final(0.11, 0.004), "parity": final(0.1, 0.004)}) == []
