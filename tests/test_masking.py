@@ -129,9 +129,9 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
-def test_a_sequences_masks_are_the_same_on_any_ranks_after_a_resume_and_in_a_worker(data_dirs, packed):
-    shards = list_shards(data_dirs[packed], "training")
+def masks_alike_on_any_layout(shards):
+    """Asserts a step's masks (across an epoch boundary) are the same after a resume, in a loader worker and on two
+    ranks as on one; (sequences, start, count, the one rank's micro-batches)."""
     sequences = PretrainingSequences(shards, seed=7)
     start, count = sequences.epoch_length - 40, 96  # a step across the epoch boundary
     one_rank = sequences.micro_batches(start, count, 0, 1, 128)
@@ -145,6 +145,13 @@ def test_a_sequences_masks_are_the_same_on_any_ranks_after_a_resume_and_in_a_wor
     for name in ("input_ids", "masked_lm_positions", "masked_lm_labels"):
         assert torch.equal(torch.cat([halves[0][name][:n[0]], halves[1][name][:n[1]]]),
                            one_rank[0][name][:n[0] + n[1]]), name
+    return sequences, start, count, one_rank
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_a_sequences_masks_are_the_same_on_any_ranks_after_a_resume_and_in_a_worker(data_dirs, packed):
+    shards = list_shards(data_dirs[packed], "training")
+    sequences, start, count, _ = masks_alike_on_any_layout(shards)
     # The next epoch: other masks.
     epoch_later = sequences.read(start + sequences.epoch_length, count)
     assert not torch.equal(epoch_later["masked_lm_positions"], sequences.read(start, count)["masked_lm_positions"])

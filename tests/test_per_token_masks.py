@@ -5,7 +5,6 @@ import hashlib
 import json
 import logging
 import math
-import pickle
 import re
 
 import h5py
@@ -15,6 +14,7 @@ import torch
 
 from tests.conftest import REPO
 from tests.fixtures.real_shaped_text import tokenized_sample
+from tests.test_masking import loaded, masks_alike_on_any_layout
 from workflow.config import load_config
 from workflow.data.encode import EncodeSettings, Vocab, encode_shard, main as encode_main
 from workflow.data.masking_rule import (derived_max_predictions, encode_config_error, mask_rows,
@@ -22,7 +22,7 @@ from workflow.data.masking_rule import (derived_max_predictions, encode_config_e
 from workflow.data.pack import PackSettings, pack_arrays, prediction_width
 from workflow.train.evaluation import EvaluationSet
 from workflow.train.masking import KeyedDraws, LoadTimeMasker, sequence_keys
-from workflow.train.pretraining_data import PretrainingSequences, list_shards
+from workflow.train.pretraining_data import list_shards
 
 P = 0.3
 PER_TOKEN = dict(max_seq_length=128, max_predictions_per_seq=72, masked_lm_prob=P, masking_rule="per_token")
@@ -43,15 +43,6 @@ def encoded(sample, name, split="training", packing=None, **settings):
     encode_shard(tokenized, vocab, path, EncodeSettings(**settings), 12345, split, 0, "none", packing)
     with h5py.File(path, "r") as handle:
         return path, {name: handle[name][()] for name in handle}
-
-
-def loaded(path, epochs, seed=7) -> dict:
-    """The file's (unpacked) rows masked by the loader in each of `epochs`, concatenated."""
-    with h5py.File(path, "r") as handle:
-        rows = {name: handle[name][()] for name in ("input_ids", "input_mask", "masked_lm_positions", "masked_lm_ids")}
-    masker = LoadTimeMasker.of_shard(str(path), seed)
-    parts = [masker(rows, epoch, 0, np.arange(len(rows["input_ids"]))) for epoch in range(epochs)]
-    return {name: np.concatenate([part[name] for part in parts]) for name in rows}
 
 
 def masks(arrays: dict, vocab: Vocab) -> dict:
@@ -109,27 +100,12 @@ def test_per_token_masks_each_token_at_the_rate_within_binomial_bounds_and_80_10
     assert within(m["n"] - m["mask"] - m["same"], m["n"], 0.1 - 0.1 / vocab.size)  # 10% random
 
 
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 def test_per_token_dynamic_masks_are_the_same_on_any_ranks_after_a_resume_and_in_a_worker(sample, packed):
     path, _ = encoded(sample, f"loader_{packed}", packing=PackSettings() if packed else None, **PER_TOKEN,
                       masking="dynamic", objective="documents")
     shards = list_shards(path.parent.parent, "training")
-    sequences = PretrainingSequences(shards, seed=7)
-    start, count = sequences.epoch_length - 40, 96  # a step across the epoch boundary
-    one_rank = sequences.micro_batches(start, count, 0, 1, 128)
-    resumed = PretrainingSequences(shards, seed=7)  # a new process, as after a resume
-    assert all(same(a, b) for a, b in zip(one_rank, resumed.micro_batches(start, count, 0, 1, 128)))
-    worker = pickle.loads(pickle.dumps(sequences))
-    assert same(sequences.read(start, count), worker.read(start, count))
-    halves = [sequences.micro_batches(start, count, rank, 2, 128)[0] for rank in (0, 1)]
-    n = [int((h["next_sentence_labels"].view(len(h["input_ids"]), -1) >= 0).any(1).sum()) for h in halves]
-    for name in ("input_ids", "masked_lm_positions", "masked_lm_labels"):
-        assert torch.equal(torch.cat([halves[0][name][:n[0]], halves[1][name][:n[1]]]),
-                           one_rank[0][name][:n[0] + n[1]]), name
+    sequences, start, count, one_rank = masks_alike_on_any_layout(shards)
     # Three ranks, micro-batches of 16 rows: the same sequences masked alike.
     thirds = [batch for rank in range(3) for batch in sequences.micro_batches(start, count, rank, 3, 16)]
     assert sum(int((b["masked_lm_labels"] >= 0).sum()) for b in thirds) >= int(

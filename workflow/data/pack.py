@@ -298,6 +298,16 @@ def _cumulative_before(values: np.ndarray) -> np.ndarray:
     return before
 
 
+def _layout(lengths: np.ndarray, length: int, slots: int, algorithm: str):
+    """(members [R, S]: each pack's instances, -1 none; present; member: members with 0 for none; the members'
+    lengths; their first tokens' columns) of instances of `lengths` packed into rows of `length`."""
+    members = pack_members(lengths, length, slots, algorithm)
+    present = members >= 0
+    member = np.where(present, members, 0)
+    member_lengths = np.where(present, lengths[member], 0)
+    return members, present, member, member_lengths, _cumulative_before(member_lengths)
+
+
 def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
                 masked_lm_prob: float = 0.15, algorithm: str = PackSettings.algorithm, source: str = "input",
                 lengths: np.ndarray | None = None, in_place: bool = False, masking_rule: str = "google",
@@ -319,12 +329,8 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     n_predictions = arrays["masked_lm_positions"].shape[1]
     slots = max_sequences_per_pack
     width = prediction_width(length, n_predictions, masked_lm_prob, slots, masking_rule)
-    members = pack_members(lengths, length, slots, algorithm)
+    members, present, member, member_lengths, starts = _layout(lengths, length, slots, algorithm)
     n_packs = len(members)
-    present = members >= 0
-    member = np.where(present, members, 0)
-    member_lengths = np.where(present, lengths[member], 0)
-    starts = _cumulative_before(member_lengths)
     valid = arrays["masked_lm_positions"] > 0
     n_valid = np.where(valid[:, -1], n_predictions, np.argmin(valid, axis=1))  # predictions lead their row
     predicted = np.where(present, n_valid[member], 0)
@@ -443,12 +449,8 @@ def pack_ragged(instances: RaggedInstances, max_sequences_per_pack: int = MAX_SE
         raise UserError(f"{source}: sequence length {length} does not fit int16 position ids")
     slots = max_sequences_per_pack
     width = prediction_width(length, instances.max_predictions_per_seq, masked_lm_prob, slots, masking_rule)
-    members = pack_members(lengths, length, slots, algorithm)
+    members, present, member, member_lengths, starts = _layout(lengths, length, slots, algorithm)
     n_packs = len(members)
-    present = members >= 0
-    member = np.where(present, members, 0)
-    member_lengths = np.where(present, lengths[member], 0)
-    starts = _cumulative_before(member_lengths)
     n_valid = instances.n_predictions
     per_pack = np.where(present, n_valid[member], 0).sum(axis=1)
     if n_packs and per_pack.max() > width and masking_rule == "per_token":
