@@ -223,10 +223,12 @@ def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: P
         if precision != "fp32":
             paths["precision"] = relative(loss(model, training_path, precision), loss(model, training_path, "fp32"))
     optimizer, name = make_optimizer(optimizer_kind, model, 1e-3, fused=fused)
-    twin = model_family.pretraining_model(config).to(device).eval()
-    twin.load_state_dict(model.state_dict())
-    reference, reference_name = make_optimizer(optimizer_kind, twin, 1e-3, fused=False)
-    if name != reference_name:  # a fused path runs: one step of each from the same gradients
+    twin = reference = None
+    if fused:  # the unfused twin, stepped only where the fused path is another than its own
+        twin = model_family.pretraining_model(config).to(device).eval()
+        twin.load_state_dict(model.state_dict())
+        reference, reference_name = make_optimizer(optimizer_kind, twin, 1e-3, fused=False)
+    if twin is not None and name != reference_name:  # one step of each from the same gradients
         before = [p.detach().clone() for p in model.parameters()]
         for network, step in ((model, optimizer), (twin, reference)):
             loss(network, training_path, "fp32").backward()
