@@ -106,7 +106,7 @@ def generated_shard(path: Path, seq: int, n: int) -> None:
     from benchmarks.train_step import instances
     from workflow.data.hdf5 import write_shard
     from workflow.data.pack import PackSettings, pack_arrays
-    from workflow.train.model import BertConfig
+    from workflow.train.models.bert import BertConfig
 
     block = instances(BertConfig(vocab_size=30522), seq, PREDICTIONS[seq], min(n, 50_000))
     arrays = {name: np.resize(values, (n, *values.shape[1:])) for name, values in block.items()}

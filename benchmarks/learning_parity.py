@@ -82,13 +82,13 @@ from workflow.data.pack import PackSettings  # noqa: E402
 from workflow.data.tokenize import tokenize_shard  # noqa: E402
 from workflow.data.tokenizer import save_tokenizer  # noqa: E402
 from workflow.data.vocab import VOCAB_FILES, train_bpe, train_vocab, vocab_file_type  # noqa: E402
-from workflow.train.family import ModelSettings, family as model_family  # noqa: E402
-from workflow.train.lamb import param_groups  # noqa: E402
-from workflow.train.model import BertConfig  # noqa: E402
-from workflow.train.optimizers import HYPER_PARAMETERS  # noqa: E402
+from workflow.train.models.family import ModelSettings, family as model_family  # noqa: E402
+from workflow.train.optim.lamb import param_groups  # noqa: E402
+from workflow.train.models.bert import BertConfig  # noqa: E402
+from workflow.train.optim.optimizers import HYPER_PARAMETERS  # noqa: E402
 from workflow.train.pretrain import TrainSettings, pretrain, read_vocab_size  # noqa: E402
 from workflow.train.pretraining_data import list_shards  # noqa: E402
-from workflow.train.schedules import make_scheduler  # noqa: E402
+from workflow.train.optim.schedules import make_scheduler  # noqa: E402
 
 PYTHON_DOCS = "/usr/share/doc/python3*/html/_sources"
 INSTALL = "apt-get install python3-doc"

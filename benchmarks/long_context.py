@@ -13,7 +13,7 @@ own VmHWM, since wait4's maxrss keeps the forking parent's):
     `length` slots and per real token, and real tokens per CPU second;
   - loader: the trainer's reader (workflow.train.pretraining_data.PretrainingSequences) over the whole file in
     steps of micro-batches of 65,536 token slots, each masked at load time and given the family's host indices
-    (workflow.train.family: the unpadded tokens and cu_seqlens the varlen kernel reads): real tokens per second
+    (workflow.train.models.family: the unpadded tokens and cu_seqlens the varlen kernel reads): real tokens per second
     (wall and CPU) and its peak RSS.
 The model's activation memory a token comes from benchmarks/modernbert_projection.activation_fit (bytes autograd
 saves under bf16 autocast, ModernBERT-base, fitted at 64/128/256 tokens): what a GPU's flash kernel keeps a token,
@@ -91,7 +91,7 @@ def read_file(directory: Path, length: int) -> dict:
     micro-batches, masked, with the family's host indices."""
     import numpy as np
 
-    from workflow.train.family import family
+    from workflow.train.models.family import family
     from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
     shards = list_shards(directory, "training")

@@ -9,7 +9,7 @@ Measured here (CPU, the model's own code, bf16 autocast):
     weights (once per forward), b the dense CPU path's attention probabilities, which a flash kernel does not keep
     (it recomputes them from its log-sum-exp, a few bytes a token): a GPU keeps a per token;
   - the parameter count of the preset.
-Computed: training FLOPs per token (workflow.train.modernbert.flops_per_sequence: the GLU's three products, the
+Computed: training FLOPs per token (workflow.train.models.modernbert.flops_per_sequence: the GLU's three products, the
 local layers' attention within the window, the head at the predicted tokens).
 Assumed, and printed: the H100 SXM's datasheet bf16 dense peak (workflow.train.accelerator), a model FLOPs
 utilisation (MFU; 40% by default, --mfu), AdamW with fp32 weights, gradients and two moments (16 bytes a
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workflow.train import accelerator  # noqa: E402
-from workflow.train.modernbert import ModernBertConfig, ModernBertForMaskedLM, flops_per_sequence  # noqa: E402
+from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMaskedLM, flops_per_sequence  # noqa: E402
 
 MASKING = 0.3  # ModernBERT's masking rate
 LENGTHS = (1024, 8192)

@@ -6,7 +6,7 @@ the same batch and the same weights, steps alternating between the sides.
     python benchmarks/modernbert_step.py --gpu              # CUDA, bf16 autocast, base-shaped models at --gpu-seq;
                                                             # without a CUDA device it says so and exits 0
 
-Models (workflow.train.modernbert presets, --vocab tokens): `tiny` (modernbert-tiny: 4 layers x 128) and `base-small`
+Models (workflow.train.models.modernbert presets, --vocab tokens): `tiny` (modernbert-tiny: 4 layers x 128) and `base-small`
 (modernbert-base's widths, 768 hidden, 12 heads, 1,152 intermediate, window 128, with --base-layers layers: a global
 layer and local ones). `--gpu` runs modernbert-base whole (22 layers) instead.
 Batch: --micro-batch rows of --seq tokens, real lengths drawn between half and all of a row (the rest padding), 30%
@@ -38,8 +38,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workflow.train import accelerator  # noqa: E402
-from workflow.train.model import unpadded_of  # noqa: E402
-from workflow.train.modernbert import (ModernBertConfig, ModernBertForMaskedLM, flops_per_sequence,  # noqa: E402
+from workflow.train.models.bert import unpadded_of  # noqa: E402
+from workflow.train.models.modernbert import (ModernBertConfig, ModernBertForMaskedLM, flops_per_sequence,  # noqa: E402
                                        host_indices)
 from workflow.train.precision import autocast  # noqa: E402
 

@@ -37,14 +37,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import workflow.data.encode as encode_module  # noqa: E402
-import workflow.train.model as model_module  # noqa: E402
+import workflow.train.models.bert as model_module  # noqa: E402
 from workflow.data.encode import EncodeSettings, encode_shard  # noqa: E402
 from workflow.data.hdf5 import read_encoded, write_shard  # noqa: E402
 from workflow.data.pack import (ALGORITHMS, PackSettings, fewest_packs, histogram_packing, pack_arrays,  # noqa: E402
                                  pack_shard)
 from workflow.data.tokenize import load_tokenized  # noqa: E402
 from workflow.data.vocab import read_vocab  # noqa: E402
-from workflow.train.model import BertConfig, BertForPreTraining  # noqa: E402
+from workflow.train.models.bert import BertConfig, BertForPreTraining  # noqa: E402
 from workflow.train.pretrain import pretraining_forward  # noqa: E402
 from workflow.train.pretraining_data import make_batch  # noqa: E402
 

@@ -12,7 +12,7 @@ CPU, fp32, one small BERT, the same weights on every side; steps alternate betwe
 hits them alike (medians printed):
 1. Full training step, three sides, on one micro-batch of Wikipedia-like instances (padded rows, the short ones
    with empty prediction slots; the generator of 3.): forward, MLM + NSP loss, backward, LAMB
-   (workflow.train.lamb.Lamb, the same param groups).
+   (workflow.train.optim.lamb.Lamb, the same param groups).
    - snakebert: the pretraining task's forward (workflow.train.pretrain.forward): MLM head at the real prediction
      slots only ([M, H] -> [M, V]);
    - snakebert, every slot: the same model with the MLM head at all B x P slots, empty ones ignored by label -1
@@ -30,7 +30,7 @@ GPU mode (--gpu): BERT-large (--preset) phase 1 and phase 2 as --configfile (con
 length and predictions (encode.phaseN), rows per micro-batch (pretrain.phaseN.micro_batch_size: 64 and 16; or
 --gpu-micro-batch1/2), bf16 autocast, on the same --steps micro-batches of
 Wikipedia-like instances (the generator of 3.): three sides, each timed over all its micro-batches after --warmup
-untimed steps, a step being forward, MLM + NSP loss, backward and one LAMB step (workflow.train.lamb.Lamb) per
+untimed steps, a step being forward, MLM + NSP loss, backward and one LAMB step (workflow.train.optim.lamb.Lamb) per
 micro-batch (NVIDIA accumulates many micro-batches per LAMB step, so this charges both sides more optimizer time
 than a real run):
    - HF padded: Hugging Face transformers.BertForPreTraining, attn_implementation="sdpa", our initial weights, on the
@@ -38,7 +38,7 @@ than a real run):
    - ours padded: our model on the same padded rows;
    - ours packed: our model on the same instances packed as the pack stage packs them (PackSettings), through the
      unpadded varlen attention path (model.VARLEN_DEVICE_TYPES; forced on CPU by --device cpu): on CUDA in bf16
-     the flash kernels called once per layer (workflow.train.flash_varlen);
+     the flash kernels called once per layer (workflow.train.models.flash_varlen);
    - ours packed, nested SDPA: the same, through nested jagged tensors' SDPA (model.FLASH_VARLEN off), the path
      before flash_varlen.
 Our batches carry the indices training's loader computes on the host (model.host_indices), as in training.
@@ -49,7 +49,7 @@ needs DLE's published figure for that GPU beside this run's "ours" figures; no D
 
 GPU MFU = seq/s x FLOPs per sequence / peak, peak = the card's datasheet dense bf16 peak (accelerator.peak_flops:
 989.4 TFLOP/s on an H100 SXM or H200, 312 on an A100; "n/a" for a card not in its table).
-FLOPs per sequence (workflow.train.model.flops_per_sequence, matmuls only, training = 3 x forward):
+FLOPs per sequence (workflow.train.models.bert.flops_per_sequence, matmuls only, training = 3 x forward):
     3 x [ n_layers x L x (2 (4h^2 + 2 h i) + 4 L h)  +  P (2 h^2 + 2 h V)  +  2 h^2 ]
 with L the sequence length, h hidden, i intermediate, V vocab, P masked positions per sequence (the GPU mode
 counts the real work, the same for every side: L the mean real length, P the mean number of real prediction slots)
@@ -78,10 +78,10 @@ import numpy as np  # noqa: E402
 from workflow.config import load_config  # noqa: E402
 from workflow.data.pack import PackSettings, pack_arrays  # noqa: E402
 from workflow.train import accelerator  # noqa: E402
-import workflow.train.model as model_module  # noqa: E402
-from workflow.train.lamb import Lamb, param_groups  # noqa: E402
+import workflow.train.models.bert as model_module  # noqa: E402
+from workflow.train.optim.lamb import Lamb, param_groups  # noqa: E402
 from workflow.train.pretraining_data import make_batch as data_batch, padded as padded_rows  # noqa: E402
-from workflow.train.model import (BertConfig, BertForPreTraining, flops_per_sequence, host_indices,  # noqa: E402
+from workflow.train.models.bert import (BertConfig, BertForPreTraining, flops_per_sequence, host_indices,  # noqa: E402
                                   pretraining_loss)
 from workflow.train.precision import autocast as precision_autocast  # noqa: E402
 from workflow.train.pretrain import forward as pretraining_forward  # noqa: E402

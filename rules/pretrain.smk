@@ -59,6 +59,6 @@ rule import_dle_checkpoint:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m workflow.train.dle_checkpoint import --checkpoint {input.checkpoint:q}"
+        "python -m workflow.train.models.dle_checkpoint import --checkpoint {input.checkpoint:q}"
         " --bert-config {input.bert_config:q} --vocab {input.vocab:q} {params.normalization} --gelu {params.gelu}"
         " --output {output:q} 2> {log}"

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nested._internal.nested_tensor as nested_internals
 
-import workflow.train.model as model_module
+import workflow.train.models.bert as model_module
 from benchmarks.train_step import Device, configured_phases, instances, ours_step, row_batches
 from tests.conftest import REPO
 from workflow.data.pack import PackSettings, pack_arrays
-from workflow.train.lamb import Lamb, param_groups
-from workflow.train.model import BertConfig, BertForPreTraining, pretraining_loss, unpad
+from workflow.train.optim.lamb import Lamb, param_groups
+from workflow.train.models.bert import BertConfig, BertForPreTraining, pretraining_loss, unpad
 from workflow.train.precision import autocast
 from workflow.train.pretrain import forward
 

@@ -227,7 +227,7 @@ def test_whole_word_masking_with_bpe_masks_every_piece_of_a_word(corpus, trained
 def test_a_model_export_carries_the_tokenizer_json(trained, tmp_path):
     from transformers import AutoTokenizer
 
-    from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+    from workflow.train.models.bert import BertConfig, BertForPreTraining, save_pretrained
 
     config = BertConfig(vocab_size=1500, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=64)

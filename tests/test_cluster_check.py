@@ -20,9 +20,9 @@ from workflow.data.synthetic_shards import write_synthetic_shards
 from tests.test_pretrain import config_of, packed_data, settings  # noqa: F401  (the packed_data fixture)
 from workflow.slurm.cluster_check import (AGREEMENT, FAST_PATHS, check, disagreement, fast_paths, report,
                                           report_fast_paths, unpacked)
-from workflow.train import model as model_module
+from workflow.train.models import bert as model_module
 from workflow.train.distributed import DistEnv
-from workflow.train.model import BertConfig
+from workflow.train.models.bert import BertConfig
 from workflow.train.pretraining_data import PretrainingSequences, list_shards, make_batch
 
 
@@ -287,9 +287,9 @@ def test_a_modernbert_rank_checks_its_16_bit_unpadded_attention_against_dense_ma
     """ModernBERT unpads every batch on a GPU in 16-bit (flash kernels): on CPU through the varlen stand-in, its
     path is held against the dense-mask rows in the same precision, and a wrong window stops the check."""
     from tests.fixtures.gpu_standins import varlen_attn_standin
-    from workflow.train import modernbert
-    from workflow.train.family import family
-    from workflow.train.modernbert import ModernBertConfig
+    from workflow.train.models import modernbert
+    from workflow.train.models.family import family
+    from workflow.train.models.modernbert import ModernBertConfig
 
     monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)

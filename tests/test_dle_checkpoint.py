@@ -5,7 +5,7 @@ from a DLE file.
 The DLE parameter names and the reference forward below are written from DLE's own model,
 NVIDIA/DeepLearningExamples PyTorch/LanguageModeling/BERT/modeling.py (BertForPreTraining: LinearActivation
 `dense_act` in BertIntermediate, BertPooler and BertPredictionHeadTransform; BertLayerNorm weight/bias; the decoder
-tied to the word embeddings), independently of workflow/train/dle_checkpoint.py's mapping. DLE's "gelu" at the two
+tied to the word embeddings), independently of workflow/train/models/dle_checkpoint.py's mapping. DLE's "gelu" at the two
 commits read (DLE_GELU):
     1d4211fe9d94550d7bc72bb9b0ac4f576533ca52 (before 2022): ACT2FN {gelu, bias_gelu, bias_tanh, relu, swish}; with a
         bias, LinearActivation runs "gelu" as bias_gelu(bias, y): x = bias + y; x * 0.5 * (1.0 + erf(x / 1.41421));
@@ -24,10 +24,10 @@ from workflow.data.synthetic_shards import write_synthetic_shards
 from tests.test_pretrain import settings
 from workflow.cli import UserError, run
 from workflow.data.vocab import Normalization
-from workflow.train import dle_checkpoint
-from workflow.train.dle_checkpoint import load_dle_checkpoint, save_dle_checkpoint
-from workflow.train.model import BertConfig, BertForPreTraining, load_pretrained, save_pretrained
-from workflow.train.family import ModelSettings, family
+from workflow.train.models import dle_checkpoint
+from workflow.train.models.dle_checkpoint import load_dle_checkpoint, save_dle_checkpoint
+from workflow.train.models.bert import BertConfig, BertForPreTraining, load_pretrained, save_pretrained
+from workflow.train.models.family import ModelSettings, family
 from workflow.train.pretrain import pretrain
 
 

@@ -420,7 +420,7 @@ def test_the_guides_hugging_face_code_runs_on_an_export(tmp_path):
 
     import torch
 
-    from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+    from workflow.train.models.bert import BertConfig, BertForPreTraining, save_pretrained
 
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Berlin", "ist", "die", "Hauptstadt", "von",
              "Deutschland", "."]

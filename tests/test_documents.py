@@ -15,11 +15,11 @@ from workflow.cli import UserError
 from workflow.data.encode import EncodeSettings, Vocab, encode_shard, plan_full_sentences
 from workflow.data.pack import PackSettings
 from workflow.data.tokenize import load_tokenized
-from workflow.train import model as model_module
-from workflow.train import modernbert
-from workflow.train.family import family
-from workflow.train.model import BertConfig, BertForPreTraining
-from workflow.train.modernbert import ModernBertConfig, ModernBertForMaskedLM
+from workflow.train.models import bert as model_module
+from workflow.train.models import modernbert
+from workflow.train.models.family import family
+from workflow.train.models.bert import BertConfig, BertForPreTraining
+from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMaskedLM
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
 DOCUMENTS = dict(max_seq_length=128, max_predictions_per_seq=20, masking="dynamic", objective="documents")
@@ -135,7 +135,7 @@ def test_both_families_train_documents_without_next_sentence_prediction():
 
 def test_documents_with_per_token_masks_train_without_nsp_resume_exactly_and_score_at_15_percent(sample, tmp_path):
     from tests.test_objective import tiny_settings
-    from workflow.train.model import load_pretrained
+    from workflow.train.models.bert import load_pretrained
     from workflow.train.pretrain import pretrain
 
     root, vocab, tokenized = sample

@@ -6,7 +6,7 @@ import torch
 
 from workflow.cli import UserError
 from workflow.data.vocab import train_bpe
-from workflow.train.family import ModelSettings, family
+from workflow.train.models.family import ModelSettings, family
 
 TEXT = ("The river flows north through the valley. Its water feeds the old mill, which ground wheat for the town. "
         "In winter the river freezes and the children skate on it. ") * 40
@@ -119,7 +119,7 @@ def test_modernbert_refuses_next_sentence_data():
 
 
 def test_the_bert_familys_preset_is_as_before():
-    from workflow.train.model import BertConfig
+    from workflow.train.models.bert import BertConfig
 
     config, model = family("bert").build(ModelSettings.from_config({"preset": "tiny"}), None, 100, 128)
     assert config == BertConfig.preset("tiny", vocab_size=104)
@@ -127,8 +127,8 @@ def test_the_bert_familys_preset_is_as_before():
 
 
 def test_the_preset_table_names_each_models_presets():
-    from workflow.train import model, modernbert
-    from workflow.train.family import PRESETS
+    from workflow.train.models import bert as model, modernbert
+    from workflow.train.models.family import PRESETS
 
     assert set(PRESETS["bert"]) == set(model._PRESETS)
     assert set(PRESETS["modernbert"]) == set(modernbert._PRESETS)
@@ -143,7 +143,7 @@ def test_the_preset_table_names_each_models_presets():
     ({"family": "modernbert", "theta": 320000.0}, "full_sentences", None),
 ])
 def test_the_snakefiles_model_check(model, objective, message):
-    from workflow.train.family import model_config_error
+    from workflow.train.models.family import model_config_error
 
     theta = model.pop("theta", None)
     error = model_config_error({"model": model, "encode": {"objective": objective},

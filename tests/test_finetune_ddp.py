@@ -15,9 +15,9 @@ import torch
 from workflow.data.features import save_features
 from workflow.tasks.tokens import IGNORE
 from workflow.train.finetune import FinetuneSettings
-from workflow.train import family
-from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
-from workflow.train.modernbert import ModernBertConfig, ModernBertForMaskedLM
+from workflow.train.models import family
+from workflow.train.models.bert import BertConfig, BertForPreTraining, save_pretrained
+from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMaskedLM
 
 ROWS, SEQ, VOCAB = 48, 16, 32  # 48 rows in batches of 16: 3 steps in one epoch
 RECIPE = {**vars(FinetuneSettings()), "learning_rate": 1e-3, "epochs": 1.0, "batch_size": 16, "micro_batch_size": 4,

@@ -14,8 +14,8 @@ from tests.conftest import copy_workflow, official_squad_v11, snakemake_env
 from tests.test_squad_rules import sample_squad_vocab
 from workflow.data.features import load_features, load_tokenizer
 from workflow.squad import data as squad_data
-from workflow.train.dle_checkpoint import save_dle_checkpoint
-from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+from workflow.train.models.dle_checkpoint import save_dle_checkpoint
+from workflow.train.models.bert import BertConfig, BertForPreTraining, save_pretrained
 from workflow.data.vocab import Normalization
 
 SQUAD_JOBS = {"squad_download_train": 1, "squad_download_dev": 1, "squad_featurize": 2, "squad_finetune": 1,

@@ -1,4 +1,4 @@
-"""BERT's unpadded attention in 16-bit on CUDA (workflow.train.flash_varlen): on CPU, through a stand-in keeping its
+"""BERT's unpadded attention in 16-bit on CUDA (workflow.train.models.flash_varlen): on CPU, through a stand-in keeping its
 signature and limits, the packed forward hands every layer's attention to it with the sequences' int32 offsets, the
 longest sequence and the training dropout, and equals the rows with a block-diagonal mask; on a GPU (skipped here),
 the real kernels against nested tensors' SDPA, forward and backward, and its dropout mask the same in both."""
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.fixtures.gpu_standins import flash_varlen_standin
-from workflow.train import model as model_module
-from workflow.train.model import BertConfig, BertForPreTraining, host_indices
+from workflow.train.models import bert as model_module
+from workflow.train.models.bert import BertConfig, BertForPreTraining, host_indices
 from workflow.train.precision import autocast
 from workflow.train.pretrain import forward
 
@@ -69,8 +69,8 @@ def test_a_packed_16_bit_forward_hands_each_layer_to_flash_varlen_and_equals_the
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flash_varlen_equals_nested_sdpa_forward_and_backward_without_dropout(dtype):
-    from workflow.train.flash_varlen import flash_varlen
-    from workflow.train.model import VarlenAttention
+    from workflow.train.models.flash_varlen import flash_varlen
+    from workflow.train.models.bert import VarlenAttention
 
     offsets = torch.tensor([0, 100, 228, 300, 811, 1000], device="cuda")
     torch.manual_seed(0)
@@ -94,7 +94,7 @@ def test_flash_varlen_equals_nested_sdpa_forward_and_backward_without_dropout(dt
 def test_flash_varlens_backward_applies_the_forwards_dropout_mask():
     """out = A_dropped v is linear in v, so <dv, v> = <g, out> for the loss <g, out> exactly when the backward drops
     the forward's entries; and the mean attention weight kept matches 1 - p."""
-    from workflow.train.flash_varlen import flash_varlen
+    from workflow.train.models.flash_varlen import flash_varlen
 
     offsets = torch.tensor([0, 300, 812, 1000], device="cuda", dtype=torch.int32)
     torch.manual_seed(0)

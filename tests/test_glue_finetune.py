@@ -14,7 +14,7 @@ from workflow.classify import evaluate as classify_eval, model as classifier
 from workflow.classify.metrics import score
 from workflow.glue import data as glue_data, finetune as glue_finetune
 from workflow.data.features import load_tokenizer, save_features
-from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+from workflow.train.models.bert import BertConfig, BertForPreTraining, save_pretrained
 
 GOOD, BAD = "fine nice good fair".split(), "poor sad bad grim".split()
 

@@ -17,7 +17,7 @@ from workflow.classify import evaluate as classify_eval, model as classifier
 from workflow.glue import data as glue_data
 from workflow.report import summary
 from workflow.data.features import load_features
-from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+from workflow.train.models.bert import BertConfig, BertForPreTraining, save_pretrained
 
 MNLI_HEADER = ("index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1_parse\t"
                "sentence2_parse\tsentence1\tsentence2")

@@ -17,10 +17,10 @@ from tests.test_pretrain import bert_config, data, settings  # noqa: F401  (the 
 from workflow.cli import UserError
 from workflow.train import accelerator, engine
 from workflow.train import checkpoint as ckpt
-from workflow.train import model as model_module
+from workflow.train.models import bert as model_module
 from workflow.train.distributed import DistEnv
-from workflow.train.lamb import Lamb, make_optimizer, param_groups
-from workflow.train.model import BertConfig, BertForPreTraining, host_indices
+from workflow.train.optim.lamb import Lamb, make_optimizer, param_groups
+from workflow.train.models.bert import BertConfig, BertForPreTraining, host_indices
 from workflow.train.pretrain import PretrainingTask, check_token_ids, pretrain, refuse_compile
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
@@ -78,14 +78,14 @@ def test_phase1_moments_carry_into_phase2_across_fusedlamb_and_the_torch_lamb(da
 
 def test_apex_without_its_cuda_extensions_falls_back_to_the_torch_lamb_saying_why(monkeypatch, caplog):
     install_apex(monkeypatch, cuda_extensions=False)
-    with caplog.at_level(logging.INFO, logger="workflow.train.lamb"):
+    with caplog.at_level(logging.INFO, logger="workflow.train.optim.lamb"):
         optimizer, name = make_optimizer(torch.nn.Linear(2, 2), lr=1e-3)
     assert isinstance(optimizer, Lamb) and name == "torch.Lamb"
     assert "apex FusedLAMB cannot start (apex.optimizers.FusedLAMB requires cuda extensions)" in caplog.text
 
 
 def test_without_apex_or_off_cuda_the_torch_lamb_is_used_saying_why(monkeypatch, caplog):
-    with caplog.at_level(logging.INFO, logger="workflow.train.lamb"):
+    with caplog.at_level(logging.INFO, logger="workflow.train.optim.lamb"):
         assert make_optimizer(torch.nn.Linear(2, 2), lr=1e-3)[1] == "torch.Lamb"
         monkeypatch.setattr(accelerator, "FUSED_LAMB_DEVICE_TYPES", ("cuda", "cpu"))
         monkeypatch.setitem(__import__("sys").modules, "apex", None)  # import apex raises ImportError

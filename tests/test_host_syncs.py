@@ -69,7 +69,7 @@ def test_a_skipped_fp16_step_leaves_the_schedule_counts_the_skip_and_keeps_grad_
 def test_a_phase_with_skipped_fp16_steps_ends_with_its_data_and_its_summary_says_how_far_the_schedule_got(
         data, tmp_path, fp16_on_cpu, overflow_at, caplog):  # noqa: F811
     # Decided: no extra steps to finish the schedule (the data read and the compute stay what the config planned).
-    from workflow.train.lamb import PolyWarmup
+    from workflow.train.optim.lamb import PolyWarmup
 
     overflow_at({3, 5})
     s = settings(data, tmp_path, total_steps=8, log_every=1, checkpoint_every=8, precision="fp16", eval_max_sequences=16)

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from workflow.train.lamb import Lamb, PolyWarmup, make_scheduler, param_groups
-from workflow.train.model import BertConfig, BertForPreTraining
+from workflow.train.optim.lamb import Lamb, PolyWarmup, make_scheduler, param_groups
+from workflow.train.models.bert import BertConfig, BertForPreTraining
 
 
 def reference_lamb(params, grads_per_step, lr, weight_decays, beta1=0.9, beta2=0.999, eps=1e-6, max_grad_norm=1.0):
@@ -83,7 +83,7 @@ def test_poly_warmup_schedule_matches_nvidia():
 
 
 def test_adamw_step_is_decoupled_decay_with_bias_correction_and_no_decay_on_biases_and_layernorm():
-    from workflow.train.optimizers import engine_clip, make_optimizer
+    from workflow.train.optim.optimizers import engine_clip, make_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential()
@@ -105,7 +105,7 @@ def test_adamw_step_is_decoupled_decay_with_bias_correction_and_no_decay_on_bias
 
 @pytest.mark.parametrize("first, then", [("adamw", "lamb"), ("lamb", "adamw"), ("adamw", "adamw")])
 def test_moments_carry_from_either_optimizer_into_either_with_the_step_count_reset(tmp_path, first, then):
-    from workflow.train.optimizers import carry_optimizer_state, make_optimizer
+    from workflow.train.optim.optimizers import carry_optimizer_state, make_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
@@ -130,7 +130,7 @@ def test_moments_carry_from_either_optimizer_into_either_with_the_step_count_res
 
 def test_an_optimizer_state_key_neither_optimizer_has_is_one_error_naming_it(tmp_path):
     from workflow.cli import UserError
-    from workflow.train.optimizers import carry_optimizer_state, make_optimizer
+    from workflow.train.optim.optimizers import carry_optimizer_state, make_optimizer
 
     model = torch.nn.Linear(2, 2)
     amsgrad = torch.optim.AdamW(model.parameters(), lr=0.01, amsgrad=True)

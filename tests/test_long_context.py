@@ -18,7 +18,7 @@ from workflow.data.pack import PackSettings
 from workflow.data.tokenize import load_tokenized, tokenize_shard
 from workflow.data.tokenizer import vocab_tokens
 from workflow.data.vocab import special_token_ids, train_bpe
-from workflow.train.family import family
+from workflow.train.models.family import family
 from workflow.train.masking import LoadTimeMasker
 from workflow.train.pretraining_data import make_batch
 

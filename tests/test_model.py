@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-import workflow.train.model as model_module
+import workflow.train.models.bert as model_module
 from workflow.cli import UserError
 from workflow.data.features import load_tokenizer
 from workflow.data.pack import pack_arrays
 from workflow.data.vocab import Normalization
-from workflow.train.model import (BertConfig, BertForPreTraining, BertModel, encoder_state_dict, load_pretrained,
+from workflow.train.models.bert import (BertConfig, BertForPreTraining, BertModel, encoder_state_dict, load_pretrained,
                                   load_weights, pretraining_loss, row_attention, save_pretrained)
 
 transformers = pytest.importorskip("transformers")

@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import workflow.train.model as model_module
-import workflow.train.modernbert as modernbert
+import workflow.train.models.bert as model_module
+import workflow.train.models.modernbert as modernbert
 from workflow.cli import UserError
 from tests.fixtures.gpu_standins import varlen_attn_standin
-from workflow.train.lamb import param_groups
-from workflow.train.model import BertConfig, BertForPreTraining
-from workflow.train.modernbert import (ModernBertConfig, ModernBertForMaskedLM, ModernBertModel, attended_pairs,
+from workflow.train.optim.lamb import param_groups
+from workflow.train.models.bert import BertConfig, BertForPreTraining
+from workflow.train.models.modernbert import (ModernBertConfig, ModernBertForMaskedLM, ModernBertModel, attended_pairs,
                                        flops_per_sequence, host_indices)
-from workflow.train.optimizers import make_optimizer
+from workflow.train.optim.optimizers import make_optimizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -55,7 +55,7 @@ def test_both_phases_train_modernbert_on_bpe_data(run):
 def test_the_phase_export_is_what_hf_loads_and_computes(run):
     from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline
 
-    from workflow.train.family import ModelSettings, family
+    from workflow.train.models.family import ModelSettings, family
 
     export = run / "results/pretrain/phase2/model"
     hf = AutoModelForMaskedLM.from_pretrained(export).eval()
@@ -84,7 +84,7 @@ def test_the_projections_memory_fit_finds_the_bf16_weight_copy_and_a_flat_per_to
     weights (2 bytes a parameter of every matrix: the tied decoder casts the embeddings too), and the per-token cost it keeps predicts a fourth
     length's saved bytes once the dense path's quadratic term is added back."""
     from benchmarks.modernbert_projection import saved_bytes
-    from workflow.train.modernbert import ModernBertConfig, ModernBertForMaskedLM
+    from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMaskedLM
 
     torch.manual_seed(0)
     config = ModernBertConfig.preset("modernbert-tiny", vocab_size=512, pad_token_id=0, cls_token_id=1,

@@ -24,7 +24,7 @@ from workflow.squad.finetune import load_qa_model
 from workflow.tasks.run import token_job
 from workflow.tasks.token_model import TOKEN_CLASSIFIERS
 from workflow.train import finetune as finetuning
-from workflow.train.family import directory_family
+from workflow.train.models.family import directory_family
 
 transformers = pytest.importorskip("transformers")
 
@@ -181,8 +181,8 @@ def test_a_directory_without_the_tasks_head_gets_a_fresh_one_or_is_refused_where
 
 @pytest.mark.parametrize("head", HEADS)
 def test_the_unpadded_path_takes_its_tokens_from_the_host_and_gives_the_rows_logits(inits, head, monkeypatch):
-    import workflow.train.model as model_module
-    import workflow.train.modernbert as modernbert
+    import workflow.train.models.bert as model_module
+    import workflow.train.models.modernbert as modernbert
 
     model, _ = {"squad": lambda d: load_qa_model(d),
                 "token_classification": lambda d: load_classifier(d, 3, heads=TOKEN_CLASSIFIERS),

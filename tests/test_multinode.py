@@ -38,7 +38,7 @@ TOLERANCE = 1e-5  # fp32 sums in another order: 4 ranks' all-reduce vs one proce
 
 def without_dropout(workdir: Path) -> None:
     """The bert_config.json FOUR_RANKS names, in the workdir its jobs run in."""
-    from workflow.train.model import BertConfig
+    from workflow.train.models.bert import BertConfig
 
     BertConfig.preset("tiny", vocab_size=2000, hidden_dropout_prob=0.0,
                       attention_probs_dropout_prob=0.0).to_json(workdir / "tiny_no_dropout.json")

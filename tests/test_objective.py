@@ -16,7 +16,7 @@ from workflow.cli import run
 from workflow.data.encode import EncodeSettings, Vocab, encode_shard, plan_full_sentences
 from workflow.data.pack import PackSettings
 from workflow.data.tokenize import load_tokenized
-from workflow.train.model import BertConfig, load_pretrained
+from workflow.train.models.bert import BertConfig, load_pretrained
 from workflow.train.pretrain import main, pretrain
 
 FULL = dict(masking="dynamic", objective="full_sentences")

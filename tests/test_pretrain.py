@@ -19,7 +19,7 @@ import torch
 from workflow.train import checkpoint as ckpt
 from workflow.cli import UserError, run
 from workflow.config import validate_config
-from workflow.train.model import BertConfig, load_pretrained
+from workflow.train.models.bert import BertConfig, load_pretrained
 from workflow.train.engine import accumulation_steps
 from workflow.train.pretrain import LAMB_KEYS, PHASE_KEYS, TrainSettings, main, pretrain
 from workflow.data.synthetic_shards import write_synthetic_shards
@@ -359,7 +359,7 @@ def packed_file_maps(path) -> tuple[dict, dict]:
 
 
 def test_a_packed_step_has_the_loss_and_gradients_of_the_same_sequences_unpacked(tmp_path):
-    from workflow.train.model import BertForPreTraining
+    from workflow.train.models.bert import BertForPreTraining
     from workflow.train.pretrain import PretrainingTask
     from workflow.train.pretraining_data import make_batch, read_shard
 
@@ -406,7 +406,7 @@ def test_the_task_loss_at_real_prediction_slots_equals_the_loss_over_every_slot(
     ignored through label -1) gives the same loss, statistics and gradients."""
     import torch.nn.functional as F
 
-    from workflow.train.model import BertForPreTraining
+    from workflow.train.models.bert import BertForPreTraining
     from workflow.train.pretrain import PretrainingTask
 
     write_synthetic_shards(tmp_path, n_training_shards=1, sequences_per_shard=40, seed=4, short_seq_prob=0.7,
@@ -520,7 +520,7 @@ def test_micro_batches_of_rows_have_one_shape_and_give_the_steps_loss_and_gradie
     """pretrain's micro_batch_size counts rows: a step's rows split over the ranks, in micro-batches of exactly that
     many rows (the last filled up with empty rows), train on the step's sequences with the loss and gradients of the
     step read as one batch, whatever the number of ranks."""
-    from workflow.train.model import BertForPreTraining
+    from workflow.train.models.bert import BertForPreTraining
     from workflow.train.pretrain import PretrainingTask
 
     write_synthetic_shards(tmp_path, n_training_shards=2, sequences_per_shard=40, seed=4, short_seq_prob=0.7,

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, copy_workflow, snakemake_env
-from workflow.train.schedules import BatchRamp
+from workflow.train.optim.schedules import BatchRamp
 
 RECIPE = REPO / "recipes" / "modernbert-base.yaml"
 

@@ -14,11 +14,11 @@ from workflow.cli import UserError
 from workflow.config import schedule_config_error, validate_config
 from workflow.report.report import training_time
 from workflow.train import checkpoint as ckpt
-from workflow.train.lamb import PolyWarmup
-from workflow.train.model import load_pretrained
+from workflow.train.optim.lamb import PolyWarmup
+from workflow.train.models.bert import load_pretrained
 from workflow.train.pretrain import TrainSettings, pretrain
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
-from workflow.train.schedules import BatchRamp, WarmupStableDecay, make_scheduler
+from workflow.train.optim.schedules import BatchRamp, WarmupStableDecay, make_scheduler
 
 
 def test_wsd_warms_up_holds_the_peak_then_decays_1_sqrt_to_the_final_fraction():

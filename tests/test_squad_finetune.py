@@ -12,7 +12,7 @@ import torch
 
 from workflow.data import features as feature_files
 from workflow.squad import data as squad_data, evaluate as squad_eval, finetune as squad_finetune, predict as squad_predict
-from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+from workflow.train.models.bert import BertConfig, BertForPreTraining, save_pretrained
 from workflow.data.vocab import Normalization
 
 FILLER = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "

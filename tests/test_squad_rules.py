@@ -13,7 +13,7 @@ import yaml
 from tests.conftest import copy_workflow, embedded_in_report, official_squad_v11, snakemake_env
 from workflow.report import report
 from workflow.squad import data as squad_data
-from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+from workflow.train.models.bert import BertConfig, BertForPreTraining, save_pretrained
 
 TARGETS = ["results/squad/eval.json", "results/summary.csv", "results/report/pretrain_loss.png",
            "results/report/mlm_accuracy.png", "results/report/throughput.png",

@@ -8,8 +8,8 @@ import torch
 
 from workflow.cli import UserError
 from workflow.config import optimizer_config_error, validate_config
-from workflow.train.model import BertConfig, BertForPreTraining
-from workflow.train.optimizers import carry_optimizer_state, engine_clip, make_optimizer, state_to_carry
+from workflow.train.models.bert import BertConfig, BertForPreTraining
+from workflow.train.optim.optimizers import carry_optimizer_state, engine_clip, make_optimizer, state_to_carry
 
 SMALL = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                    max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -162,7 +162,7 @@ def test_without_torch_optimi_stable_adamw_is_one_error_naming_the_package(monke
 
 
 def test_a_modernbert_trains_with_no_decay_on_its_norms_and_biases():
-    from workflow.train.modernbert import ModernBertConfig, ModernBertForMaskedLM
+    from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMaskedLM
 
     model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
                                                    num_hidden_layers=3, num_attention_heads=2, local_attention=8,

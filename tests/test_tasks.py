@@ -26,7 +26,7 @@ from workflow.report import summary
 from workflow.tasks import data as task_data
 from workflow.tasks.config import task_config_error
 from workflow.tasks.tokens import entity_scores
-from workflow.train.model import BertConfig, BertForPreTraining, save_pretrained
+from workflow.train.models.bert import BertConfig, BertForPreTraining, save_pretrained
 
 GOOD, BAD = "fine nice good fair".split(), "poor sad bad grim".split()
 NAMES, CITIES = "anna berta carl dora".split(), "berlin bonn essen ulm".split()

@@ -42,10 +42,10 @@ from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.train import engine
-from workflow.train import model as model_module
-from workflow.train.optimizers import make_optimizer
+from workflow.train.models import bert as model_module
+from workflow.train.optim.optimizers import make_optimizer
 from workflow.train.precision import autocast, autocast_dtype, matmul_math, resolve_precision
-from workflow.train.family import family
+from workflow.train.models.family import family
 from workflow.train.pretrain import PretrainingTask, TrainSettings, forward, read_vocab_size, train_phase
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
@@ -164,7 +164,7 @@ def windowed_attention_difference(model, host: dict, device: torch.device, preci
     trained model's are): a wrong window or sequence boundary then moves the output by O(1), the kernels' rounding
     by ~1e-2. One layer at a time: through a whole model of 22 layers, widened so that its attention mattered, the
     rounding alone grew to 0.11 on an H200."""
-    from workflow.train.modernbert import FULL, SLIDING, WindowedVarlenAttention
+    from workflow.train.models.modernbert import FULL, SLIDING, WindowedVarlenAttention
 
     encoder, config = model.model, model.config
     mask = host["attention_mask"].to(device)

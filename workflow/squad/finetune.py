@@ -23,8 +23,8 @@ from torch import nn
 from workflow.cli import UserError, run
 from workflow.train import finetune as finetuning
 from workflow.train.finetune import FeatureTask, FinetuneJob, finetune_parser, load_head
-from workflow.train.model import BertConfig, BertModel
-from workflow.train.modernbert import ModernBertWithClassifier
+from workflow.train.models.bert import BertConfig, BertModel
+from workflow.train.models.modernbert import ModernBertWithClassifier
 
 
 @dataclass

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from workflow.classify.model import BertForSequenceClassification
 from workflow.tasks.tokens import IGNORE
 from workflow.train.finetune import FeatureTask
-from workflow.train.modernbert import ModernBertWithClassifier
+from workflow.train.models.modernbert import ModernBertWithClassifier
 
 
 class BertForTokenClassification(BertForSequenceClassification):

@@ -19,7 +19,7 @@ the micro-batches r*A .. r*A+A-1 of micro_batch_size sequences (A = accumulation
 ranks continues on 1 or 4 with exactly the next sequences. The loss is normalised by global counts (masked tokens,
 sequences) summed over the whole step, so the gradient does not depend on how the global batch is split into ranks and micro-batches either: world size,
 micro-batch size, threads, cadence and max_steps may change between runs; a change of the math refuses to resume.
-With a batch-size warm-up (LoopSettings.batch_ramp, workflow/train/schedules.py) step k reads sequences
+With a batch-size warm-up (LoopSettings.batch_ramp, workflow/train/optim/schedules.py) step k reads sequences
 [sequences_before(k), sequences_before(k) + batch_at(k)) instead: the same functions of the step on every rank and
 every resume, for tasks that split a step by rows (pretraining); its metrics lines add window_sequences, the
 sequences of the steps since the line before.

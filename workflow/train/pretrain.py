@@ -5,7 +5,7 @@ API:
     pretrain(settings)     train (resuming from `run_dir/checkpoints`), evaluate on the fixed held-out set
                            (workflow/train/evaluation.py) every `eval_every` steps and at the end, export;
                            returns the summary dict
-    family(s.family)       the model family's build, fingerprint, FLOPs and export (workflow/train/family.py:
+    family(s.family)       the model family's build, fingerprint, FLOPs and export (workflow/train/models/family.py:
                            BERT from a preset / bert_config.json / HF directory / DLE checkpoint; ModernBERT)
     PretrainingTask        the engine's Task: global sequence order, MLM + NSP loss normalised over the global batch
 
@@ -28,10 +28,10 @@ Metrics: seq_per_s; tokens_per_s counts sequences x sequence length (padding inc
 real_tokens_per_s counts the tokens that are not padding (what packing raises). Optimizer: `pretrain.optimizer`, LAMB
 (the default; gradient clipping is its global-norm pre-normalisation, max_grad_norm, as in NVIDIA's recipe), AdamW
 (torch clipping to max_grad_norm) or StableAdamW (torch-optimi's; clipping only where max_grad_norm is set;
-workflow/train/optimizers.py). Phase 2 starts from phase 1's weights and, unless `pretrain.carry_optimizer_state` is
+workflow/train/optim/optimizers.py). Phase 2 starts from phase 1's weights and, unless `pretrain.carry_optimizer_state` is
 false, phase 1's optimizer moments with step and learning rate reset (a StableAdamW's step count continues:
 optimizers.carry_optimizer_state).
-Schedules (workflow/train/schedules.py): a phase's learning rate follows `schedule` (poly: NVIDIA's; wsd:
+Schedules (workflow/train/optim/schedules.py): a phase's learning rate follows `schedule` (poly: NVIDIA's; wsd:
 warm-up-stable-decay), and with `batch_size_warmup` its global batch grows from start_size to global_batch_size over
 the first `sequences` sequences (step k then trains on sequences [sequences_before(k), sequences_before(k) +
 batch_at(k)) of the global order); both count optimizer steps, total_steps included.
@@ -69,11 +69,11 @@ from workflow.data.tokenizer import Vocabulary
 from workflow.data.vocab import Normalization, vocab_file_type
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.evaluation import EvaluationSet
-from workflow.train.family import ModelSettings, family
-from workflow.train.optimizers import (HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer,
+from workflow.train.models.family import ModelSettings, family
+from workflow.train.optim.optimizers import (HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer,
                                        refuse_other_optimizer_keys, state_to_carry)
-from workflow.train.schedules import WSD_KEYS, BatchRamp, make_scheduler
-from workflow.train.model import (VARLEN_DEVICE_TYPES, count_parameters, next_sentence_terms, pretraining_loss,
+from workflow.train.optim.schedules import WSD_KEYS, BatchRamp, make_scheduler
+from workflow.train.models.bert import (VARLEN_DEVICE_TYPES, count_parameters, next_sentence_terms, pretraining_loss,
                                   unpadded_of)
 from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, datasets, list_shards
@@ -104,7 +104,7 @@ class TrainSettings:
     global_batch_size: int
     micro_batch_size: int
     max_steps: int | None = None
-    family: str = "bert"                # config model.family (workflow/train/family.py)
+    family: str = "bert"                # config model.family (workflow/train/models/family.py)
     preset: str | None = None           # None: the family's default preset
     architecture: dict | None = None    # config model.architecture: HF config keys over the preset
     bert_config: str | None = None

@@ -20,7 +20,7 @@ API (stable; the SQuAD stage builds on it):
                                     normalization)
     load_pretrained(directory) -> (config, state_dict)   an HF directory; state_dict in BertForPreTraining names
                                     (heads may be absent). NVIDIA DLE checkpoints in and out:
-                                    workflow/train/dle_checkpoint.py (which builds on this module)
+                                    workflow/train/models/dle_checkpoint.py (which builds on this module)
     encoder_state_dict(state_dict)  the `bert.*` entries with the prefix stripped, for BertModel.load_state_dict
     load_weights(model, state_dict) load what matches; returns (missing, unexpected) key lists
 
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workflow.cli import UserError
-from workflow.train.flash_varlen import flash_varlen, runs_flash_varlen
+from workflow.train.models.flash_varlen import flash_varlen, runs_flash_varlen
 
 _PRESETS = {
     "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
@@ -166,7 +166,7 @@ class RowAttention:
 class VarlenAttention:
     """Attention within each sequence of tokens laid end to end ([T, heads, head_size] q, k, v; sequence i is
     tokens offsets[i]..offsets[i+1]), with dropout: on CUDA in 16-bit torch's variable-length flash kernels called
-    once per layer (workflow.train.flash_varlen, while FLASH_VARLEN); otherwise nested jagged tensors, which SDPA
+    once per layer (workflow.train.models.flash_varlen, while FLASH_VARLEN); otherwise nested jagged tensors, which SDPA
     runs as variable-length memory-efficient attention on CUDA (fp32) and sequence by sequence elsewhere."""
 
     def __init__(self, offsets, min_seqlen: int, max_seqlen: int):

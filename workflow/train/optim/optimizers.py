@@ -6,7 +6,7 @@ API:
                                       (pretrain.lamb, pretrain.adamw, pretrain.stable_adamw) of HYPER_PARAMETERS and
                                       `fused` (stable_adamw: and decouple_lr)
     make_optimizer(kind, model, lr, weight_decay, max_grad_norm, betas, eps, fused, decouple_lr) -> (optimizer, name)
-        lamb: workflow.train.lamb.make_optimizer (apex FusedLAMB or the torch Lamb, clipping inside its step).
+        lamb: workflow.train.optim.lamb.make_optimizer (apex FusedLAMB or the torch Lamb, clipping inside its step).
         adamw: torch.optim.AdamW (decoupled weight decay, bias correction) on lamb.param_groups (no decay on
         biases and normalisation layers, either family), fused on CUDA where torch has it and `fused`.
         stable_adamw: torch-optimi's StableAdamW (the library, not a copy: AdamW with per-tensor update clipping,
@@ -40,7 +40,7 @@ from torch import nn
 
 from workflow.cli import UserError
 from workflow.config import optimizer_config_error
-from workflow.train import lamb
+from workflow.train.optim import lamb
 
 log = logging.getLogger(__name__)
 OPTIMIZERS = ("lamb", "adamw", "stable_adamw")

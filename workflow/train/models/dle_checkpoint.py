@@ -29,9 +29,9 @@ API:
     from_dle(dle_state, path) / to_dle(state)  the name mapping itself
     our_activation / dle_activation            the activation names, DLE's -> ours and back
 
-    python -m workflow.train.dle_checkpoint import --checkpoint ckpt_8601.pt --bert-config bert_config.json \
+    python -m workflow.train.models.dle_checkpoint import --checkpoint ckpt_8601.pt --bert-config bert_config.json \
         --vocab vocab.txt [--no-lowercase] [--gelu tanh|erf] --output DIR     (an HF directory, as our exports)
-    python -m workflow.train.dle_checkpoint export --model results/pretrain/phase2/model [--gelu tanh|erf] \
+    python -m workflow.train.models.dle_checkpoint export --model results/pretrain/phase2/model [--gelu tanh|erf] \
         --output ckpt.pt     (and ckpt.json, DLE's --config_file)
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, run
 from workflow.data.vocab import Normalization
-from workflow.train.model import (BertConfig, BertForPreTraining, load_pretrained, load_weights, read_config_json,
+from workflow.train.models.bert import (BertConfig, BertForPreTraining, load_pretrained, load_weights, read_config_json,
                                   save_pretrained)
 
 log = logging.getLogger(__name__)

@@ -137,7 +137,7 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.01, max_
                               max_grad_norm=max_grad_norm), "apex.FusedLAMB"
         except RuntimeError as error:  # apex built without its CUDA extensions ("requires cuda extensions")
             reason = f"apex FusedLAMB cannot start ({error})"
-    log.info("LAMB: the torch Lamb (workflow.train.lamb): %s", reason)
+    log.info("LAMB: the torch Lamb (workflow.train.optim.lamb): %s", reason)
     return Lamb(groups, lr=lr, betas=betas, eps=eps, max_grad_norm=max_grad_norm), "torch.Lamb"
 
 

@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from workflow.config import WSD_KEYS
-from workflow.train import lamb
+from workflow.train.optim import lamb
 
 LR_SCHEDULES = ("poly", "wsd")
 DECAY_SHAPES = ("linear", "1-sqrt")

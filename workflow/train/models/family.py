@@ -3,7 +3,7 @@
 A family reads its model config (a preset with `model.architecture` over it, a config file, or an HF directory to
 start from), builds the pretraining model, says what defines its math (the fingerprint), counts its FLOPs, prepares
 a batch's indices on the host and writes its exports. The engine, the data half and the pretraining task call either
-the same way; the models themselves are workflow/train/model.py (BERT) and workflow/train/modernbert.py.
+the same way; the models themselves are workflow/train/models/bert.py (BERT) and workflow/train/models/modernbert.py.
 
 API:
     family(name) -> Family               "bert" (NVIDIA's recipe, the default) | "modernbert"
@@ -132,7 +132,7 @@ def _preset(config_class, m: ModelSettings, **sized):
 
 
 def _load_weights(model, state: dict, init_from: str) -> None:
-    from workflow.train.model import load_weights
+    from workflow.train.models.bert import load_weights
 
     missing, unexpected = load_weights(model, state)
     log.info("initialised from %s (%d tensors)", init_from, len(state))
@@ -177,23 +177,23 @@ class _Family:
 
 
 class BertFamily(_Family):
-    """NVIDIA's BERT (workflow/train/model.py): NSP or not, DLE checkpoints in and out."""
+    """NVIDIA's BERT (workflow/train/models/bert.py): NSP or not, DLE checkpoints in and out."""
 
     name = "bert"
     model_type = "bert"
-    module_name, config_name, pretraining_name = "workflow.train.model", "BertConfig", "BertForPreTraining"
+    module_name, config_name, pretraining_name = "workflow.train.models.bert", "BertConfig", "BertForPreTraining"
     objectives = ("nsp", "full_sentences", "documents")
     unpads_in_fp32 = True  # its unpadded path (nested tensors) runs in any precision, on CPU too
 
     @staticmethod
     def load_directory(directory):
-        from workflow.train.model import load_pretrained
+        from workflow.train.models.bert import load_pretrained
 
         return load_pretrained(directory)
 
     @staticmethod
     def save_directory(model, config, vocab, directory, normalization) -> None:
-        from workflow.train.model import save_pretrained
+        from workflow.train.models.bert import save_pretrained
 
         save_pretrained(model, config, vocab, directory, normalization)
 
@@ -204,7 +204,7 @@ class BertFamily(_Family):
     @staticmethod
     def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:
         """Packed rows run unpadded on the devices of model.VARLEN_DEVICE_TYPES, in any precision."""
-        from workflow.train.model import VARLEN_DEVICE_TYPES
+        from workflow.train.models.bert import VARLEN_DEVICE_TYPES
 
         return packed and device_type in VARLEN_DEVICE_TYPES
 
@@ -219,8 +219,8 @@ class BertFamily(_Family):
     def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
         """Model from (in order of precedence) an HF directory or a DLE checkpoint (with its bert_config.json), a
         bert_config.json, or a preset sized to the vocab."""
-        from workflow.train import model as bert
-        from workflow.train.dle_checkpoint import load_checkpoint
+        from workflow.train.models import bert as bert
+        from workflow.train.models.dle_checkpoint import load_checkpoint
 
         state = None
         if m.init_from:
@@ -242,8 +242,8 @@ class BertFamily(_Family):
 
     def export(self, model, config, vocab, directory, normalization, next_sentence_prediction: bool,
                dle_gelu: str) -> None:
-        from workflow.train.dle_checkpoint import save_dle_export
-        from workflow.train.model import save_pretrained
+        from workflow.train.models.dle_checkpoint import save_dle_export
+        from workflow.train.models.bert import save_pretrained
 
         save_pretrained(model, config, vocab, directory, normalization=normalization,
                         next_sentence_prediction=next_sentence_prediction)
@@ -251,11 +251,11 @@ class BertFamily(_Family):
 
 
 class ModernBertFamily(_Family):
-    """ModernBERT (workflow/train/modernbert.py): masked LM only, HF directories in and out."""
+    """ModernBERT (workflow/train/models/modernbert.py): masked LM only, HF directories in and out."""
 
     name = "modernbert"
     model_type = "modernbert"
-    module_name, config_name, pretraining_name = ("workflow.train.modernbert", "ModernBertConfig",
+    module_name, config_name, pretraining_name = ("workflow.train.models.modernbert", "ModernBertConfig",
                                                   "ModernBertForMaskedLM")
     objectives = ("full_sentences", "documents")
     unpads_in_fp32 = False  # flash kernels only: 16-bit, CUDA
@@ -272,7 +272,7 @@ class ModernBertFamily(_Family):
     def rows_host_indices(batch: dict) -> dict:
         """The real tokens of a fine-tuning batch's rows (model.UNPADDED_KEYS), found on the host: this family runs
         every batch unpadded on the devices of model.VARLEN_DEVICE_TYPES."""
-        from workflow.train.model import UNPADDED_KEYS, unpad
+        from workflow.train.models.bert import UNPADDED_KEYS, unpad
 
         return {**batch, **dict(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))}
 
@@ -280,7 +280,7 @@ class ModernBertFamily(_Family):
     def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:
         """Every batch runs unpadded on the devices of model.VARLEN_DEVICE_TYPES in a 16-bit precision (the flash
         kernels'); fp32 runs rows with masks."""
-        from workflow.train.model import VARLEN_DEVICE_TYPES
+        from workflow.train.models.bert import VARLEN_DEVICE_TYPES
 
         return device_type in VARLEN_DEVICE_TYPES and precision in ("bf16", "fp16")
 
@@ -304,7 +304,7 @@ class ModernBertFamily(_Family):
         """Model from an HF ModernBERT directory (ModernBERT's, Ettin's, mmBERT's) or a preset sized to the vocab,
         with the vocab's special ids."""
         from workflow.data.tokenizer import Vocabulary
-        from workflow.train import modernbert
+        from workflow.train.models import modernbert
 
         if m.init_from:
             config, state = load_pretrained(m.init_from)
@@ -343,8 +343,8 @@ def load_pretrained(directory: str | Path, key: str | None = "model.init_from"):
     where = f"{key} {directory}" if key else str(directory)
     if not config_path.is_file():
         raise UserError(f"{where}: not a Hugging Face model directory (no config.json)")
-    from workflow.train import modernbert
-    from workflow.train.model import read_config_json
+    from workflow.train.models import modernbert
+    from workflow.train.models.bert import read_config_json
 
     fields = read_config_json(config_path)
     if fields.get("model_type") != "modernbert":
@@ -392,7 +392,7 @@ def family(name: str):
 def directory_family(directory: str | Path):
     """The family of the model an HF directory holds, by its config.json's model_type: ModernBERT's for modernbert
     (ModernBERT's, Ettin's, mmBERT's), else BERT's (whose loader reads BERT configs and judges the rest)."""
-    from workflow.train.model import read_config_json
+    from workflow.train.models.bert import read_config_json
 
     config_path = Path(directory) / "config.json"
     model_type = read_config_json(config_path).get("model_type") if config_path.is_file() else None

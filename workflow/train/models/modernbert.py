@@ -1,6 +1,6 @@
 """ModernBERT (encoder + masked-LM head) in one file, as Hugging Face's `ModernBertForMaskedLM` computes it.
 
-API (the BERT family's shape, workflow/train/model.py; the engine and the pretraining task call either the same way):
+API (the BERT family's shape, workflow/train/models/bert.py; the engine and the pretraining task call either the same way):
     ModernBertConfig                dataclass with HF's config.json key names; .preset("modernbert-base" |
                                     "modernbert-large" | "modernbert-tiny", **overrides), .from_dict/.from_json (both
                                     the 4.48-era keys global_rope_theta, local_rope_theta, global_attn_every_n_layers,
@@ -52,8 +52,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workflow.cli import UserError
-from workflow.train import model as bert
-from workflow.train.model import (_ACTIVATIONS, UNPADDED_KEYS, RowAttention, Unpadded, at_positions, read_config_json,
+from workflow.train.models import bert as bert
+from workflow.train.models.bert import (_ACTIVATIONS, UNPADDED_KEYS, RowAttention, Unpadded, at_positions, read_config_json,
                                   row_attention, unpad)
 
 try:  # torch >= 2.9; flash kernels with a window (CUDA only)

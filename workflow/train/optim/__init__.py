@@ -1,0 +1,1 @@
+"""Optimizers (LAMB, AdamW, StableAdamW) and learning-rate schedules (poly, WSD, the batch ramp)."""
