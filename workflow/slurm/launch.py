@@ -30,16 +30,6 @@ log = logging.getLogger(__name__)
 RANK_EXIT_WAIT_S = 300
 
 
-def first_host(nodelist: str) -> str | None:
-    """The first host of a Slurm node list (`node[01-04]` -> node01), as `scontrol show hostnames` expands it."""
-    try:
-        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
-                               text=True).stdout.split()
-    except (OSError, subprocess.CalledProcessError) as error:
-        raise UserError(f"SLURM_NODELIST={nodelist!r}: `scontrol show hostnames` failed: {error}") from None
-    return hosts[0] if hosts else None
-
-
 @dataclass(frozen=True)
 class SlurmJob:
     """The allocation a launcher runs in, from `scontrol show job -o` (the Snakemake Slurm plugin runs a job's

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import re
+import socket
+import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -59,13 +60,21 @@ def _int_env(environ, name: str) -> int:
         raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def first_host(nodelist: str) -> str | None:
+    """The first host of a Slurm node list (`node[01-04]` -> node01), as `scontrol show hostnames` expands it."""
+    try:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
+                               text=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError) as error:
+        raise UserError(f"SLURM_NODELIST={nodelist!r}: `scontrol show hostnames` failed: {error}") from None
+    return hosts[0] if hosts else None
+
+
 def _slurm_master_addr(environ) -> str:
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST") or environ.get(
         "SLURM_JOB_NODELIST")
     if not nodelist:
         return "127.0.0.1"
-    from workflow.slurm.launch import first_host  # only for ranks started by srun without our launcher
-
     return first_host(nodelist) or "127.0.0.1"
 
 
