@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workflow.train import accelerator  # noqa: E402
-from workflow.train.models.bert import unpadded_of  # noqa: E402
+from workflow.train.models.kit import unpadded_of  # noqa: E402
 from workflow.train.models.modernbert import (ModernBertConfig, ModernBertForMaskedLM, flops_per_sequence,  # noqa: E402
                                        host_indices)
 from workflow.train.precision import autocast  # noqa: E402

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import workflow.data.encode as encode_module  # noqa: E402
-import workflow.train.models.bert as model_module  # noqa: E402
+from workflow.train.models import kit  # noqa: E402
 from workflow.data.encode import EncodeSettings, encode_shard  # noqa: E402
 from workflow.data.hdf5 import read_encoded, write_shard  # noqa: E402
 from workflow.data.pack import (ALGORITHMS, PackSettings, fewest_packs, histogram_packing, pack_arrays,  # noqa: E402
@@ -168,7 +168,7 @@ def batches(arrays: dict, rows: int) -> list[dict]:
 
 def train_pass(model, data: list[dict], varlen: bool) -> float:
     """CPU seconds (one thread) of forward + loss + backward over all batches."""
-    model_module.VARLEN_DEVICE_TYPES = ("cpu",) if varlen else ()
+    kit.VARLEN_DEVICE_TYPES = ("cpu",) if varlen else ()
     start = time.process_time()
     for batch in data:
         pretraining_forward(model, batch)["loss"].backward()  # the training task's own forward and loss
@@ -190,7 +190,7 @@ def model_side(encoded: list[dict], length: int, vocab_size: int, n_instances: i
     for _ in range(passes):
         for name, (data, varlen, _) in sides.items():
             best[name] = min(best[name], train_pass(model, data, varlen))
-    model_module.VARLEN_DEVICE_TYPES = ("cuda",)
+    kit.VARLEN_DEVICE_TYPES = ("cuda",)
     print(f"  model: tiny, fp32, forward+loss+backward, {len(arrays['input_ids'])} instances ({real} real tokens), "
           f"{rows} rows per batch, best of {passes} passes")
     for name, (data, _, fill) in sides.items():

@@ -78,11 +78,11 @@ import numpy as np  # noqa: E402
 from workflow.config import load_config  # noqa: E402
 from workflow.data.pack import PackSettings, pack_arrays  # noqa: E402
 from workflow.train import accelerator  # noqa: E402
-import workflow.train.models.bert as model_module  # noqa: E402
+from workflow.train.models import kit  # noqa: E402
 from workflow.train.optim.lamb import Lamb, param_groups  # noqa: E402
 from workflow.train.pretraining_data import make_batch as data_batch, padded as padded_rows  # noqa: E402
-from workflow.train.models.bert import (BertConfig, BertForPreTraining, flops_per_sequence, host_indices,  # noqa: E402
-                                  pretraining_loss)
+from workflow.train.models.bert import BertConfig, BertForPreTraining, flops_per_sequence  # noqa: E402
+from workflow.train.models.kit import host_indices, pretraining_loss  # noqa: E402
 from workflow.train.precision import autocast as precision_autocast  # noqa: E402
 from workflow.train.pretrain import forward as pretraining_forward  # noqa: E402
 
@@ -354,12 +354,12 @@ class Device:
     def packed_path(self):
         """Packed rows on the unpadded varlen path the model takes on CUDA (model.VARLEN_DEVICE_TYPES), forced on
         CPU too so that a CPU run exercises the code a GPU run times."""
-        saved = model_module.VARLEN_DEVICE_TYPES
-        model_module.VARLEN_DEVICE_TYPES = tuple({*saved, self.type})
+        saved = kit.VARLEN_DEVICE_TYPES
+        kit.VARLEN_DEVICE_TYPES = tuple({*saved, self.type})
         try:
             yield "unpadded varlen"
         finally:
-            model_module.VARLEN_DEVICE_TYPES = saved
+            kit.VARLEN_DEVICE_TYPES = saved
 
 
 def compiled_graphs() -> int:
@@ -444,12 +444,12 @@ def gpu_benchmark(args) -> None:
         device.reset_peak_memory()
         with device.packed_path() as path:
             report("ours packed", packed, fill_packed, timed_steps(our_step, packed, our_warmup(packed), device))
-            model_module.FLASH_VARLEN = False  # the same packed rows through nested tensors' SDPA
+            kit.FLASH_VARLEN = False  # the same packed rows through nested tensors' SDPA
             try:
                 report("ours packed, nested SDPA", packed, fill_packed,
                        timed_steps(our_step, packed, our_warmup(packed), device))
             finally:
-                model_module.FLASH_VARLEN = True
+                kit.FLASH_VARLEN = True
         print(f"  {phase}: ours over HF (seq/s, = real tokens/s: same instances): padded "
               f"{seq_per_s['ours padded'] / seq_per_s['HF padded']:.2f}x, packed ({path}) "
               f"{seq_per_s['ours packed'] / seq_per_s['HF padded']:.2f}x (through nested SDPA "

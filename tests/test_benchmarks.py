@@ -10,12 +10,14 @@ import pytest
 import torch
 import torch.nested._internal.nested_tensor as nested_internals
 
-import workflow.train.models.bert as model_module
+
+from workflow.train.models import kit
 from benchmarks.train_step import Device, configured_phases, instances, ours_step, row_batches
 from tests.conftest import REPO
 from workflow.data.pack import PackSettings, pack_arrays
 from workflow.train.optim.lamb import Lamb, param_groups
-from workflow.train.models.bert import BertConfig, BertForPreTraining, pretraining_loss, unpad
+from workflow.train.models.bert import BertConfig, BertForPreTraining
+from workflow.train.models.kit import pretraining_loss, unpad
 from workflow.train.precision import autocast
 from workflow.train.pretrain import forward
 
@@ -92,14 +94,14 @@ def test_packed_rows_on_the_cpu_rehearsal_take_the_varlen_path_and_match_the_row
             mlm, nsp, labels = forward(model, batch)
             return pretraining_loss(mlm, nsp, labels, batch["next_sentence_labels"])["loss"].item()
 
-    varlen_call = model_module.VarlenAttention.__call__
-    with mock.patch.object(model_module.VarlenAttention, "__call__", autospec=True, side_effect=varlen_call) as varlen:
+    varlen_call = kit.VarlenAttention.__call__
+    with mock.patch.object(kit.VarlenAttention, "__call__", autospec=True, side_effect=varlen_call) as varlen:
         row_path = loss()
         assert varlen.call_count == 0
         with device.packed_path():
             varlen_path = loss()
         assert varlen.call_count == config.num_hidden_layers
-    assert model_module.VARLEN_DEVICE_TYPES == ("cuda",)  # restored
+    assert kit.VARLEN_DEVICE_TYPES == ("cuda",)  # restored
     assert varlen_path == pytest.approx(row_path, rel=2e-2)  # bf16 rounding only
 
     # A full training step of the benchmark, on that path: LAMB moves every weight the loss reaches.
@@ -115,7 +117,7 @@ def test_packed_rows_on_the_cpu_rehearsal_take_the_varlen_path_and_match_the_row
 def test_varlen_attention_hands_sdpa_both_sequence_length_extremes_so_cuda_never_reads_them_back():
     mask = torch.tensor([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0]])  # sequences of 3, 2 and 4 tokens
     unpadded = unpad(mask)
-    attention = model_module.VarlenAttention(unpadded.offsets, unpadded.min_seqlen, unpadded.max_seqlen)
+    attention = kit.VarlenAttention(unpadded.offsets, unpadded.min_seqlen, unpadded.max_seqlen)
     nested = attention._nested(torch.randn(len(unpadded.tokens), 2, 4))
     # CUDA's SDPA asks a nested tensor for both; computing one reads the lengths back from the device (a sync).
     with mock.patch.object(nested_internals, "_get_sdpa_extreme_seqlen", side_effect=AssertionError("device sync")):

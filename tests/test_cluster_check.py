@@ -20,7 +20,7 @@ from workflow.data.synthetic_shards import write_synthetic_shards
 from tests.test_pretrain import config_of, packed_data, settings  # noqa: F401  (the packed_data fixture)
 from workflow.slurm.cluster_check import (AGREEMENT, FAST_PATHS, check, disagreement, fast_paths, report,
                                           report_fast_paths, unpacked)
-from workflow.train.models import bert as model_module
+from workflow.train.models import kit
 from workflow.train.distributed import DistEnv
 from workflow.train.models.bert import BertConfig
 from workflow.train.pretraining_data import PretrainingSequences, list_shards, make_batch
@@ -80,7 +80,7 @@ CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), ba
 @pytest.fixture
 def gpu_paths_on_cpu(monkeypatch):
     """The paths a GPU rank takes, on CPU: apex's FusedLAMB (the stand-in) and packed rows unpadded."""
-    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
     return install_apex(monkeypatch)
 
 
@@ -149,8 +149,8 @@ def test_the_configured_optimizers_fused_step_is_checked_against_its_unfused_one
 
 def test_unpadded_attention_that_disagrees_with_the_masked_rows_stops_the_check_naming_the_key(
         packed_batch, tmp_path, gpu_paths_on_cpu, monkeypatch):
-    attention = model_module.VarlenAttention.__call__
-    monkeypatch.setattr(model_module.VarlenAttention, "__call__", lambda *a: attention(*a).flip(0))  # tokens swapped
+    attention = kit.VarlenAttention.__call__
+    monkeypatch.setattr(kit.VarlenAttention, "__call__", lambda *a: attention(*a).flip(0))  # tokens swapped
     error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "scratch")])
     assert re.match(r"rank 0: unpadded attention differs from the same packed rows with a block-diagonal mask \(fp32 "
                     r"logits\) by \S+ \(relative; at most 0.0001\) on this cluster; set encode.packing.enabled: false "
@@ -291,7 +291,7 @@ def test_a_modernbert_rank_checks_its_16_bit_unpadded_attention_against_dense_ma
     from workflow.train.models.family import family
     from workflow.train.models.modernbert import ModernBertConfig
 
-    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
     config = ModernBertConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                               num_attention_heads=2, local_attention=8, max_position_embeddings=64, pad_token_id=0,

@@ -15,7 +15,7 @@ from workflow.cli import UserError
 from workflow.data.encode import EncodeSettings, Vocab, encode_shard, plan_full_sentences
 from workflow.data.pack import PackSettings
 from workflow.data.tokenize import load_tokenized
-from workflow.train.models import bert as model_module
+from workflow.train.models import kit
 from workflow.train.models import modernbert
 from workflow.train.models.family import family
 from workflow.train.models.bert import BertConfig, BertForPreTraining
@@ -108,7 +108,7 @@ def logits_of(model, batch) -> torch.Tensor:
 def test_no_token_of_a_packed_row_attends_into_another_instance(packed_documents, name, path, monkeypatch):
     """New tokens in every row's last instance change its own logits and none of the other instances'."""
     if path == "unpadded":  # the CUDA path on CPU: varlen (BERT: nested jagged SDPA; ModernBERT: the stand-in)
-        monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
         monkeypatch.setattr(modernbert, "VARLEN_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
         monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
     batch, vocab_size = packed_documents

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tests.fixtures.gpu_standins import flash_varlen_standin
-from workflow.train.models import bert as model_module
-from workflow.train.models.bert import BertConfig, BertForPreTraining, host_indices
+from workflow.train.models import kit
+from workflow.train.models.bert import BertConfig, BertForPreTraining
+from workflow.train.models.kit import host_indices
 from workflow.train.precision import autocast
 from workflow.train.pretrain import forward
 
@@ -48,9 +49,9 @@ def test_a_packed_16_bit_forward_hands_each_layer_to_flash_varlen_and_equals_the
     indices = host_indices(packed_rows())
     with torch.no_grad(), autocast(torch.device("cpu"), "bf16"):
         expected, _, _ = forward(model, indices)  # rows with a block-diagonal mask (CPU is not a varlen device)
-    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(model_module, "flash_varlen", recording)
-    monkeypatch.setattr(model_module, "runs_flash_varlen", lambda q: q.dtype == torch.bfloat16)
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kit, "flash_varlen", recording)
+    monkeypatch.setattr(kit, "runs_flash_varlen", lambda q: q.dtype == torch.bfloat16)
     with torch.no_grad(), autocast(torch.device("cpu"), "bf16"):
         got, _, _ = forward(model, indices)
     assert calls == [([0, 5, 12, 16, 25, 31], 9, 0.0)] * CONFIG.num_hidden_layers
@@ -70,7 +71,7 @@ def test_a_packed_16_bit_forward_hands_each_layer_to_flash_varlen_and_equals_the
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flash_varlen_equals_nested_sdpa_forward_and_backward_without_dropout(dtype):
     from workflow.train.models.flash_varlen import flash_varlen
-    from workflow.train.models.bert import VarlenAttention
+    from workflow.train.models.kit import VarlenAttention
 
     offsets = torch.tensor([0, 100, 228, 300, 811, 1000], device="cuda")
     torch.manual_seed(0)
@@ -78,11 +79,11 @@ def test_flash_varlen_equals_nested_sdpa_forward_and_backward_without_dropout(dt
     grad = torch.randn(1000, 16, 64, device="cuda", dtype=dtype)
     results = []
     for flash in (True, False):
-        model_module.FLASH_VARLEN = flash
+        kit.FLASH_VARLEN = flash
         try:
             out = VarlenAttention(offsets, 72, 511)(q, k, v, 0.0)
         finally:
-            model_module.FLASH_VARLEN = True
+            kit.FLASH_VARLEN = True
         results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
     for ours, nested in zip(*results):
         assert (ours.float() - nested.float()).abs().max() <= 1e-2 * nested.float().abs().max()

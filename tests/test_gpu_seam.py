@@ -17,10 +17,11 @@ from tests.test_pretrain import bert_config, data, settings  # noqa: F401  (the 
 from workflow.cli import UserError
 from workflow.train import accelerator, engine
 from workflow.train import checkpoint as ckpt
-from workflow.train.models import bert as model_module
+from workflow.train.models import kit
 from workflow.train.distributed import DistEnv
 from workflow.train.optim.lamb import Lamb, make_optimizer, param_groups
-from workflow.train.models.bert import BertConfig, BertForPreTraining, host_indices
+from workflow.train.models.bert import BertConfig, BertForPreTraining
+from workflow.train.models.kit import host_indices
 from workflow.train.pretrain import PretrainingTask, check_token_ids, pretrain, refuse_compile
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
@@ -158,7 +159,7 @@ def test_rng_state_saved_with_8_visible_gpus_restores_exactly_with_4_or_1(monkey
 @pytest.fixture
 def varlen_on_cpu(monkeypatch):
     """Packed rows take the unpadded (CUDA) path on CPU too."""
-    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
 
 
 def tiny_model(tmp_path):
@@ -182,7 +183,7 @@ def test_a_rank_given_no_rows_trains_on_the_unpadded_path_with_the_steps_gradien
     task = PretrainingTask(PretrainingSequences(list_shards(tmp_path, "training"), seed=3, chunk_rows=8), 32)
     start, count, world = 0, 3, 4  # 3 sequences, at most 3 rows, over 4 ranks: one rank has none
     reference = step_gradients(model, task, [task.read(start, count)])  # one batch, on rows (the CPU path)
-    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
     split = [task.micro_batches(start, count, rank, world, 2) for rank in range(world)]
     empty = [mine for mine in split if all(not (b["attention_mask"] > 0).any() for b in mine)]
     assert empty and all(b["max_seqlen"] == 0 and len(b["unpadded_tokens"]) == 0 for mine in empty for b in mine)

@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-import workflow.train.models.bert as model_module
+
+from workflow.train.models import kit
 from workflow.cli import UserError
 from workflow.data.features import load_tokenizer
 from workflow.data.pack import pack_arrays
 from workflow.data.vocab import Normalization
-from workflow.train.models.bert import (BertConfig, BertForPreTraining, BertModel, encoder_state_dict, load_pretrained,
-                                  load_weights, pretraining_loss, row_attention, save_pretrained)
+from workflow.train.models.bert import (BertConfig, BertForPreTraining, BertModel, encoder_state_dict,
+                                        load_pretrained, save_pretrained)
+from workflow.train.models.kit import load_weights, pretraining_loss, row_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -184,7 +186,7 @@ NESTED_WARNING = "ignore:The PyTorch API of nested tensors is in prototype stage
 @pytest.fixture(params=["block_diagonal", "varlen"])
 def packed_attention(request, monkeypatch):
     """Both packed-attention paths run on CPU: the rows' block-diagonal mask, and unpadded variable-length."""
-    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cpu",) if request.param == "varlen" else ())
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cpu",) if request.param == "varlen" else ())
     return request.param
 
 
@@ -278,7 +280,7 @@ def test_the_mlm_head_at_real_slots_only_gives_the_loss_counts_and_gradients_of_
                                                                                             monkeypatch):
     from workflow.train.pretraining_data import make_batch
 
-    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", varlen_devices)
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", varlen_devices)
     torch.manual_seed(0)
     model = randomise(BertForPreTraining(tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
     arrays = encoded_instances(n=12, seed=6)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import workflow.train.models.bert as model_module
+
+from workflow.train.models import kit
 import workflow.train.models.modernbert as modernbert
 from workflow.cli import UserError
 from tests.fixtures.gpu_standins import varlen_attn_standin
@@ -111,7 +112,7 @@ def test_parameter_names_are_hfs_and_hf_loads_our_export_with_from_pretrained(tm
 @pytest.fixture
 def unpadded_on_cpu(monkeypatch):
     """Every batch takes the unpadded (CUDA) path on CPU, in fp32, through the varlen stand-in."""
-    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(modernbert, "VARLEN_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
     monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
 
@@ -193,12 +194,12 @@ def test_the_unpadded_varlen_path_trains_as_the_dense_masks_do(monkeypatch, pack
     batch = training_batch(*packed_batch()) if packed else training_batch(*padded_batch(33))
     dense = mlm_loss(model, batch, masked_lm_valid=batch["masked_lm_labels"] >= 0)
     calls = []
-    monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(modernbert, "VARLEN_DTYPES", (torch.float32,))
     monkeypatch.setattr(modernbert, "varlen_attn", lambda *a, **k: calls.append(k["window_size"]) or
                         varlen_attn_standin(*a, **k))
     unpadded = mlm_loss(model, batch, masked_lm_index=batch["masked_lm_index"],
-                        unpadded=model_module.unpadded_of(batch), mask_needed=batch["mask_needed"])
+                        unpadded=kit.unpadded_of(batch), mask_needed=batch["mask_needed"])
     assert calls == [(-1, -1) if kind == "full_attention" else (WINDOW // 2, WINDOW // 2)
                      for kind in model.config.layer_types]
     assert (unpadded[0] - dense[0]).abs().max() < 1e-5
@@ -213,7 +214,7 @@ def test_an_all_padding_micro_batch_runs_as_rows_on_the_unpadded_path(unpadded_o
                           "masked_lm_labels": torch.full((2, 3), -1)})
     assert batch["max_seqlen"] == 0
     logits, _ = model(zeros, None, zeros, zeros[:, :3], masked_lm_index=batch["masked_lm_index"],
-                      unpadded=model_module.unpadded_of(batch), mask_needed=batch["mask_needed"])
+                      unpadded=kit.unpadded_of(batch), mask_needed=batch["mask_needed"])
     assert logits.shape == (0, 97)
 
 

@@ -181,7 +181,7 @@ def test_a_directory_without_the_tasks_head_gets_a_fresh_one_or_is_refused_where
 
 @pytest.mark.parametrize("head", HEADS)
 def test_the_unpadded_path_takes_its_tokens_from_the_host_and_gives_the_rows_logits(inits, head, monkeypatch):
-    import workflow.train.models.bert as model_module
+    from workflow.train.models import kit
     import workflow.train.models.modernbert as modernbert
 
     model, _ = {"squad": lambda d: load_qa_model(d),
@@ -195,7 +195,7 @@ def test_the_unpadded_path_takes_its_tokens_from_the_host_and_gives_the_rows_log
     with torch.no_grad():
         rows = outputs(model, batch)
         # The unpadded (CUDA) path on CPU in fp32 through the varlen stand-in; unpad on the device would fail.
-        monkeypatch.setattr(model_module, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
         monkeypatch.setattr(modernbert, "VARLEN_DTYPES", (torch.float32,))
         monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
         monkeypatch.setattr(modernbert, "unpad", lambda *_: pytest.fail("unpadded on the device"))

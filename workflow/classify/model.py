@@ -21,7 +21,8 @@ from workflow.classify.task import SentenceTask
 from workflow.cli import UserError
 from workflow.train import finetune as finetuning
 from workflow.train.finetune import FeatureTask, FinetuneJob, load_head
-from workflow.train.models.bert import BertConfig, BertModel, at_positions
+from workflow.train.models.bert import BertConfig, BertModel
+from workflow.train.models.kit import at_positions
 from workflow.train.models.modernbert import ModernBertWithClassifier
 
 

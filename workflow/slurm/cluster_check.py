@@ -42,7 +42,7 @@ from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.train import engine
-from workflow.train.models import bert as model_module
+from workflow.train.models import kit
 from workflow.train.optim.optimizers import make_optimizer
 from workflow.train.precision import autocast, autocast_dtype, matmul_math, resolve_precision
 from workflow.train.models.family import family
@@ -144,13 +144,13 @@ def packed_unpacked_losses(s: TrainSettings, model_dir: Path, env, sequences: in
 @contextlib.contextmanager
 def attention_path(device: torch.device, unpadded: bool):
     """Packed rows on `device` take the unpadded (varlen) path, or the rows with a block-diagonal mask."""
-    saved = model_module.VARLEN_DEVICE_TYPES
+    saved = kit.VARLEN_DEVICE_TYPES
     others = tuple(kind for kind in saved if kind != device.type)
-    model_module.VARLEN_DEVICE_TYPES = (*others, device.type) if unpadded else others
+    kit.VARLEN_DEVICE_TYPES = (*others, device.type) if unpadded else others
     try:
         yield
     finally:
-        model_module.VARLEN_DEVICE_TYPES = saved
+        kit.VARLEN_DEVICE_TYPES = saved
 
 
 def relative(value: torch.Tensor, reference: torch.Tensor) -> float:

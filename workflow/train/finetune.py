@@ -35,7 +35,7 @@ from workflow.train import checkpoint, distributed
 from workflow.train.engine import LoopSettings, accumulation_steps, set_threads, train
 from workflow.train.optim.lamb import param_groups
 from workflow.train.models.family import directory_family, own_vocab
-from workflow.train.models.bert import load_weights, unpadded_of
+from workflow.train.models.kit import load_weights, unpadded_of
 from workflow.train.precision import resolve_precision
 
 log = logging.getLogger(__name__)

@@ -73,8 +73,8 @@ from workflow.train.models.family import ModelSettings, family
 from workflow.train.optim.optimizers import (HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer,
                                        refuse_other_optimizer_keys, state_to_carry)
 from workflow.train.optim.schedules import WSD_KEYS, BatchRamp, make_scheduler
-from workflow.train.models.bert import (VARLEN_DEVICE_TYPES, count_parameters, next_sentence_terms, pretraining_loss,
-                                  unpadded_of)
+from workflow.train.models.kit import (VARLEN_DEVICE_TYPES, count_parameters, next_sentence_terms, pretraining_loss,
+                                       unpadded_of)
 from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, datasets, list_shards
 from workflow.train.telemetry import merge_node_files

@@ -1,4 +1,6 @@
-"""BERT (encoder + pretraining heads) in one file, with Hugging Face-compatible import/export.
+"""BERT (encoder + pretraining heads) in one file, with Hugging Face-compatible import/export. What every family
+uses alike (attention and unpadding, host_indices, pretraining_loss, load_weights) is workflow/train/models/kit.py,
+re-exported here where BERT's API names it.
 
 API (stable; the SQuAD stage builds on it):
     BertConfig                      dataclass with Google bert_config.json field names;
@@ -44,14 +46,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workflow.cli import UserError
-from workflow.train.models.flash_varlen import flash_varlen, runs_flash_varlen
+from workflow.train.models import kit
+from workflow.train.models.kit import (ACTIVATIONS, Unpadded, VarlenAttention, at_positions, count_parameters,
+                                       gather_positions, host_indices, load_weights, pretraining_loss,
+                                       read_config_json, row_attention, unpad)
 
 _PRESETS = {
     "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
@@ -84,8 +88,8 @@ class BertConfig:
         if self.hidden_size % self.num_attention_heads:
             raise UserError(f"bert config: hidden_size {self.hidden_size} is not a multiple of "
                             f"num_attention_heads {self.num_attention_heads}")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise UserError(f"bert config: hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UserError(f"bert config: hidden_act {self.hidden_act!r} is not one of {sorted(ACTIVATIONS)}")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "BertConfig":
@@ -113,23 +117,6 @@ class BertConfig:
         Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def read_config_json(path: str | os.PathLike) -> dict:
-    """The fields of a bert_config.json or config.json, as written (an unreadable file refused in one line)."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise UserError(f"{path}: cannot read a bert config: {error}") from None
-
-
-def _gelu_tanh(x):
-    return F.gelu(x, approximate="tanh")
-
-
-# Hugging Face's names: "gelu" is the exact (erf) GELU, "gelu_pytorch_tanh" and "gelu_new" its tanh approximation.
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu,
-                "swish": F.silu, "tanh": torch.tanh}
-
-
 class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -145,124 +132,6 @@ class BertEmbeddings(nn.Module):
         x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids) + self.token_type_embeddings(
             token_type_ids)
         return self.dropout(self.LayerNorm(x))
-
-
-VARLEN_DEVICE_TYPES = ("cuda",)  # packed batches run unpadded there; elsewhere with a block-diagonal mask on rows
-FLASH_VARLEN = True  # 16-bit CUDA: flash_varlen (False: nested SDPA, benchmarks/train_step.py's comparison)
-
-
-class RowAttention:
-    """SDPA over rows ([B, L, heads, head_size] q, k, v), with a boolean mask (True = attend) or none."""
-
-    def __init__(self, mask=None):
-        self.mask = mask
-
-    def __call__(self, q, k, v, dropout_p):
-        context = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=self.mask, dropout_p=dropout_p)
-        return context.transpose(1, 2)
-
-
-class VarlenAttention:
-    """Attention within each sequence of tokens laid end to end ([T, heads, head_size] q, k, v; sequence i is
-    tokens offsets[i]..offsets[i+1]), with dropout: on CUDA in 16-bit torch's variable-length flash kernels called
-    once per layer (workflow.train.models.flash_varlen, while FLASH_VARLEN); otherwise nested jagged tensors, which SDPA
-    runs as variable-length memory-efficient attention on CUDA (fp32) and sequence by sequence elsewhere."""
-
-    def __init__(self, offsets, min_seqlen: int, max_seqlen: int):
-        self.offsets, self.min_seqlen, self.max_seqlen = offsets, min_seqlen, max_seqlen
-        self.offsets32 = offsets.to(torch.int32)  # the flash kernels' cu_seqlens
-
-    def _nested(self, x):
-        # Both extremes given: CUDA's SDPA asks for them, and would read each from the device (a host sync per call).
-        return torch.nested.nested_tensor_from_jagged(x, self.offsets, min_seqlen=self.min_seqlen,
-                                                      max_seqlen=self.max_seqlen).transpose(1, 2)
-
-    def __call__(self, q, k, v, dropout_p):
-        if FLASH_VARLEN and runs_flash_varlen(q):
-            return flash_varlen(q, k, v, self.offsets32, self.max_seqlen, dropout_p)
-        context = F.scaled_dot_product_attention(self._nested(q), self._nested(k), self._nested(v),
-                                                 dropout_p=dropout_p)
-        return context.transpose(1, 2).values()
-
-
-def row_attention(attention_mask, packed: bool, mask_needed: bool | None = None) -> RowAttention:
-    """The rows' attention: no mask when no token is padding and each row is one sequence (`mask_needed`: whether
-    some is, as host_indices found; else read from the mask, a host sync on CUDA)."""
-    if mask_needed is None and attention_mask is not None:
-        mask_needed = not bool((attention_mask == 1).all())
-    if not mask_needed:
-        return RowAttention()
-    if packed:
-        # Block diagonal: a token sees its own sequence only; padding (0) sees padding only, so no row is empty.
-        return RowAttention((attention_mask[:, :, None] == attention_mask[:, None, :])[:, None])
-    # [B, 1, 1, L]: padding queries still attend to real keys (as in HF).
-    return RowAttention(attention_mask.bool()[:, None, None, :])
-
-
-class Unpadded(NamedTuple):
-    """The real tokens of packed rows: their ascending row-major positions [T], the offsets of their sequences
-    (cu_seqlens [N + 1]) and the shortest and longest sequence (host ints: SDPA would read them from the device)."""
-    tokens: torch.Tensor
-    offsets: torch.Tensor
-    min_seqlen: int
-    max_seqlen: int
-
-
-def unpad(attention_mask) -> Unpadded:
-    """The real tokens of packed rows of sequence numbers (0 = padding). Reads the mask's values: on the host where the
-    batch is built (host_indices), or, given a device's mask, with host syncs."""
-    length = attention_mask.shape[1]
-    flat = attention_mask.flatten()
-    tokens = flat.nonzero().squeeze(1)
-    sequence = tokens // length * (length + 1) + flat[tokens]  # unique per (row, sequence number)
-    first = torch.ones_like(sequence, dtype=torch.bool)
-    first[1:] = sequence[1:] != sequence[:-1]
-    offsets = torch.cat([first.nonzero().squeeze(1), tokens.new_tensor([len(tokens)])])
-    lengths = offsets[1:] - offsets[:-1]
-    # An all-padding micro-batch (a rank given no rows of a step) has no sequence: no extremes to take.
-    shortest, longest = torch.stack([lengths.min(), lengths.max()]).tolist() if len(lengths) else (0, 0)
-    return Unpadded(tokens, offsets, shortest, longest)
-
-
-UNPADDED_KEYS = ("unpadded_tokens", "cu_seqlens", "min_seqlen", "max_seqlen")  # host_indices' entries of Unpadded
-
-
-def host_indices(batch: dict) -> dict:
-    """`batch` (on the host, as the loader builds it) plus every index its forward would otherwise read back from the
-    device, so that no host sync remains in the forward of a micro-batch: masked_lm_index [M] (row-major positions of
-    the real prediction slots in the [B, L] rows) and masked_lm_targets [M] (their labels); for packed rows also
-    Unpadded's fields (UNPADDED_KEYS; min_seqlen and max_seqlen as ints); mask_needed (a bool): whether some token is
-    padding or some row holds several sequences (else attention runs without a mask: SDPA may pick flash)."""
-    labels = batch["masked_lm_labels"]
-    valid = labels >= 0
-    length = batch["input_ids"].shape[1]
-    rows = torch.arange(len(labels)).unsqueeze(1) * length
-    extra = {"masked_lm_index": (batch["masked_lm_positions"].long() + rows)[valid], "masked_lm_targets": labels[valid],
-             "mask_needed": not bool((batch["attention_mask"] == 1).all())}
-    if "cls_positions" in batch:
-        extra.update(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))
-    return {**batch, **extra}
-
-
-def unpadded_of(batch: dict) -> Unpadded | None:
-    """The Unpadded that host_indices put into `batch` (None: not computed there)."""
-    return Unpadded(*(batch[key] for key in UNPADDED_KEYS)) if UNPADDED_KEYS[0] in batch else None
-
-
-def gather_positions(x, positions):
-    """x [B, L, H] at positions [B, P] -> [B, P, H]."""
-    return torch.gather(x, 1, positions.long().unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-
-
-def at_positions(hidden, tokens, flat):
-    """The encoder output at row-major positions `flat` (any shape) of the [B, L] rows -> [*flat.shape, H], from
-    rows (hidden [B, L, H], tokens None) or from the real tokens (hidden [T, H], tokens [T] their ascending row-major
-    positions); a padding position gives zeros there, as the re-padded rows would."""
-    if tokens is None:
-        return hidden.flatten(0, 1)[flat]
-    slot = torch.searchsorted(tokens, flat).clamp(max=len(tokens) - 1)
-    return torch.where((tokens[slot] == flat).unsqueeze(-1), hidden[slot], 0.0)
 
 
 class BertSelfAttention(nn.Module):
@@ -312,7 +181,7 @@ class BertIntermediate(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
         return self.act(self.dense(x))
@@ -405,9 +274,9 @@ class BertModel(nn.Module):
             token_type_ids = torch.zeros_like(input_ids)
         if packed and (attention_mask is None or position_ids is None):
             raise ValueError("packed rows need attention_mask (sequence numbers) and position_ids")
-        if packed and unpadded is None and input_ids.device.type in VARLEN_DEVICE_TYPES:
+        if packed and unpadded is None and input_ids.device.type in kit.VARLEN_DEVICE_TYPES:
             unpadded = unpad(attention_mask)
-        if packed and unpadded is not None and input_ids.device.type in VARLEN_DEVICE_TYPES and unpadded.max_seqlen:
+        if packed and unpadded is not None and input_ids.device.type in kit.VARLEN_DEVICE_TYPES and unpadded.max_seqlen:
             # Every layer runs on the real tokens only: [T, H].
             tokens = unpadded.tokens
             x = self.embeddings(*(t.flatten()[tokens] for t in (input_ids, token_type_ids, position_ids)))
@@ -421,7 +290,7 @@ class BertPredictionHeadTransform(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.act = ACTIVATIONS[config.hidden_act]
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x):
@@ -485,37 +354,6 @@ class BertForPreTraining(nn.Module):
         """(MLM logits of the `predicted` hidden states, NSP logits of the pooled outputs)."""
         mlm_logits = self.cls.predictions(predicted, self.bert.embeddings.word_embeddings.weight)
         return mlm_logits, self.cls.seq_relationship(pooled_output)
-
-
-def pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict:
-    """Summed MLM + NSP loss (as in BERT), each the mean over its labelled items, and accuracies. Labels of -1
-    (empty prediction slots, empty sequence slots of packed rows) are ignored."""
-    mlm_logits = mlm_logits.float().flatten(0, -2)
-    labels = masked_lm_labels.flatten()
-    mlm_loss = F.cross_entropy(mlm_logits, labels, ignore_index=-1)
-    with torch.no_grad():
-        valid = labels >= 0
-        mlm_correct = ((mlm_logits.argmax(-1) == labels) & valid).sum()
-    nsp = next_sentence_terms(nsp_logits, next_sentence_labels.flatten().long(), mlm_loss)
-    return {"loss": mlm_loss + nsp["nsp_loss"], "mlm_loss": mlm_loss, "mlm_correct": mlm_correct,
-            "mlm_count": valid.sum(), **nsp}
-
-
-def next_sentence_terms(nsp_logits, nsp_labels, mlm_loss, normaliser=None) -> dict:
-    """nsp_loss (summed / `normaliser`, else the mean), nsp_correct and nsp_count over the labels that are not -1;
-    a model without a next-sentence head (nsp_logits None: ModernBERT) has a zero loss and counts nothing."""
-    if nsp_logits is None:
-        zero = torch.zeros((), dtype=torch.long, device=mlm_loss.device)
-        return {"nsp_loss": mlm_loss * 0.0, "nsp_correct": zero, "nsp_count": zero}
-    nsp_logits = nsp_logits.float().flatten(0, -2)
-    if normaliser is None:
-        nsp_loss = F.cross_entropy(nsp_logits, nsp_labels, ignore_index=-1)
-    else:
-        nsp_loss = F.cross_entropy(nsp_logits, nsp_labels, ignore_index=-1, reduction="sum") / normaliser
-    with torch.no_grad():
-        nsp_valid = nsp_labels >= 0
-        nsp_correct = ((nsp_logits.argmax(-1) == nsp_labels) & nsp_valid).sum()
-    return {"nsp_loss": nsp_loss, "nsp_correct": nsp_correct, "nsp_count": nsp_valid.sum()}
 
 
 # ---------------------------------------------------------------- Hugging Face directories
@@ -584,21 +422,6 @@ def load_pretrained(directory: str | os.PathLike) -> tuple[BertConfig, dict]:
 def encoder_state_dict(state: dict) -> dict:
     """The encoder's entries (`bert.` stripped), ready for BertModel.load_state_dict."""
     return {k[len("bert."):]: v for k, v in state.items() if k.startswith("bert.")}
-
-
-def load_weights(model: nn.Module, state: dict) -> tuple[list[str], list[str]]:
-    """Load matching entries into `model`; shapes must agree. Returns (missing, unexpected) keys."""
-    own = model.state_dict()
-    for key, value in state.items():
-        if key in own and own[key].shape != value.shape:
-            raise UserError(f"weights {key}: shape {tuple(value.shape)} does not match the model's "
-                            f"{tuple(own[key].shape)}")
-    result = model.load_state_dict(state, strict=False)
-    return list(result.missing_keys), list(result.unexpected_keys)
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def flops_per_sequence(config: BertConfig, seq_length: int, max_predictions: float) -> float:

@@ -47,8 +47,8 @@ import torch
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, run
 from workflow.data.vocab import Normalization
-from workflow.train.models.bert import (BertConfig, BertForPreTraining, load_pretrained, load_weights, read_config_json,
-                                  save_pretrained)
+from workflow.train.models.bert import BertConfig, BertForPreTraining, load_pretrained, save_pretrained
+from workflow.train.models.kit import load_weights, read_config_json
 
 log = logging.getLogger(__name__)
 

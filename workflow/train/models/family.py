@@ -132,7 +132,7 @@ def _preset(config_class, m: ModelSettings, **sized):
 
 
 def _load_weights(model, state: dict, init_from: str) -> None:
-    from workflow.train.models.bert import load_weights
+    from workflow.train.models.kit import load_weights
 
     missing, unexpected = load_weights(model, state)
     log.info("initialised from %s (%d tensors)", init_from, len(state))
@@ -204,7 +204,7 @@ class BertFamily(_Family):
     @staticmethod
     def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:
         """Packed rows run unpadded on the devices of model.VARLEN_DEVICE_TYPES, in any precision."""
-        from workflow.train.models.bert import VARLEN_DEVICE_TYPES
+        from workflow.train.models.kit import VARLEN_DEVICE_TYPES
 
         return packed and device_type in VARLEN_DEVICE_TYPES
 
@@ -272,7 +272,7 @@ class ModernBertFamily(_Family):
     def rows_host_indices(batch: dict) -> dict:
         """The real tokens of a fine-tuning batch's rows (model.UNPADDED_KEYS), found on the host: this family runs
         every batch unpadded on the devices of model.VARLEN_DEVICE_TYPES."""
-        from workflow.train.models.bert import UNPADDED_KEYS, unpad
+        from workflow.train.models.kit import UNPADDED_KEYS, unpad
 
         return {**batch, **dict(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))}
 
@@ -280,7 +280,7 @@ class ModernBertFamily(_Family):
     def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:
         """Every batch runs unpadded on the devices of model.VARLEN_DEVICE_TYPES in a 16-bit precision (the flash
         kernels'); fp32 runs rows with masks."""
-        from workflow.train.models.bert import VARLEN_DEVICE_TYPES
+        from workflow.train.models.kit import VARLEN_DEVICE_TYPES
 
         return device_type in VARLEN_DEVICE_TYPES and precision in ("bf16", "fp16")
 
@@ -344,7 +344,7 @@ def load_pretrained(directory: str | Path, key: str | None = "model.init_from"):
     if not config_path.is_file():
         raise UserError(f"{where}: not a Hugging Face model directory (no config.json)")
     from workflow.train.models import modernbert
-    from workflow.train.models.bert import read_config_json
+    from workflow.train.models.kit import read_config_json
 
     fields = read_config_json(config_path)
     if fields.get("model_type") != "modernbert":
@@ -392,7 +392,7 @@ def family(name: str):
 def directory_family(directory: str | Path):
     """The family of the model an HF directory holds, by its config.json's model_type: ModernBERT's for modernbert
     (ModernBERT's, Ettin's, mmBERT's), else BERT's (whose loader reads BERT configs and judges the rest)."""
-    from workflow.train.models.bert import read_config_json
+    from workflow.train.models.kit import read_config_json
 
     config_path = Path(directory) / "config.json"
     model_type = read_config_json(config_path).get("model_type") if config_path.is_file() else None

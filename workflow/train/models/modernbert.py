@@ -52,9 +52,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from workflow.cli import UserError
-from workflow.train.models import bert as bert
-from workflow.train.models.bert import (_ACTIVATIONS, UNPADDED_KEYS, RowAttention, Unpadded, at_positions, read_config_json,
-                                  row_attention, unpad)
+from workflow.train.models import kit
+from workflow.train.models.kit import (ACTIVATIONS, UNPADDED_KEYS, RowAttention, Unpadded, at_positions,
+                                       read_config_json, row_attention, unpad)
 
 try:  # torch >= 2.9; flash kernels with a window (CUDA only)
     from torch.nn.attention.varlen import varlen_attn
@@ -113,8 +113,8 @@ class ModernBertConfig:
             raise UserError(f"modernbert config: hidden_size {self.hidden_size} is not a multiple of "
                             f"num_attention_heads {self.num_attention_heads}")
         for key in ("hidden_activation", "classifier_activation"):
-            if getattr(self, key) not in _ACTIVATIONS:
-                raise UserError(f"modernbert config: {key} {getattr(self, key)!r} is not one of {sorted(_ACTIVATIONS)}")
+            if getattr(self, key) not in ACTIVATIONS:
+                raise UserError(f"modernbert config: {key} {getattr(self, key)!r} is not one of {sorted(ACTIVATIONS)}")
         if self.global_attn_every_n_layers < 1 or self.local_attention < 0:
             raise UserError(f"modernbert config: global_attn_every_n_layers {self.global_attn_every_n_layers} must be "
                             f">= 1 and local_attention {self.local_attention} >= 0")
@@ -263,7 +263,7 @@ class ModernBertMLP(nn.Module):
     def __init__(self, config: ModernBertConfig):
         super().__init__()
         self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.act = _ACTIVATIONS[config.hidden_activation]
+        self.act = ACTIVATIONS[config.hidden_activation]
         self.drop = nn.Dropout(config.mlp_dropout)
         self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
@@ -359,7 +359,7 @@ class ModernBertModel(nn.Module):
     def _runs_unpadded(self, device) -> bool:
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
             self.embeddings.tok_embeddings.weight.dtype
-        return device.type in bert.VARLEN_DEVICE_TYPES and dtype in VARLEN_DTYPES
+        return device.type in kit.VARLEN_DEVICE_TYPES and dtype in VARLEN_DTYPES
 
     def _row_attention(self, attention_mask, length: int, mask_needed: bool | None) -> dict:
         """Each layer type's RowAttention: same sequence (equal mask values: padding sees padding only), and for
@@ -383,7 +383,7 @@ class ModernBertPredictionHead(nn.Module):
     def __init__(self, config: ModernBertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.classifier_bias)
-        self.act = _ACTIVATIONS[config.classifier_activation]
+        self.act = ACTIVATIONS[config.classifier_activation]
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
 
     def forward(self, x):
@@ -480,7 +480,7 @@ class ModernBertWithClassifier(nn.Module):
 
 def host_indices(batch: dict) -> dict:
     """model.host_indices, with the real tokens (model.UNPADDED_KEYS) of unpacked rows too."""
-    batch = bert.host_indices(batch)
+    batch = kit.host_indices(batch)
     if UNPADDED_KEYS[0] not in batch:
         batch.update(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))
     return batch

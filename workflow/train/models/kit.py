@@ -1,0 +1,212 @@
+"""The shared encoder kit: what every family's model uses alike.
+
+API:
+    ACTIVATIONS                     HF's activation names -> functions ("gelu" exact, "gelu_new" / "gelu_pytorch_tanh")
+    read_config_json(path) -> dict  a config.json / bert_config.json (an unreadable file refused in one line)
+    RowAttention, row_attention(attention_mask, packed, mask_needed)   SDPA over rows with the rows' mask
+    VarlenAttention(offsets, min_seqlen, max_seqlen)   attention within each sequence of tokens laid end to end
+    Unpadded, unpad(attention_mask), UNPADDED_KEYS, unpadded_of(batch)   packed rows' real tokens
+    host_indices(batch) -> batch    the indices a forward would read back from the device, computed on the host
+    gather_positions(x, positions), at_positions(hidden, tokens, flat)   the encoder output at given positions
+    pretraining_loss(...), next_sentence_terms(...)   the MLM (+ NSP) loss and accuracies
+    load_weights(model, state), count_parameters(model)
+
+VARLEN_DEVICE_TYPES: the devices where packed rows run unpadded (CUDA); FLASH_VARLEN: 16-bit CUDA takes
+workflow.train.models.flash_varlen (False: nested SDPA, benchmarks/train_step.py's comparison).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workflow.cli import UserError
+from workflow.train.models.flash_varlen import flash_varlen, runs_flash_varlen
+
+
+def read_config_json(path: str | os.PathLike) -> dict:
+    """The fields of a bert_config.json or config.json, as written (an unreadable file refused in one line)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(f"{path}: cannot read a bert config: {error}") from None
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+# Hugging Face's names: "gelu" is the exact (erf) GELU, "gelu_pytorch_tanh" and "gelu_new" its tanh approximation.
+ACTIVATIONS = {"gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "relu": F.relu,
+                "swish": F.silu, "tanh": torch.tanh}
+
+
+VARLEN_DEVICE_TYPES = ("cuda",)  # packed batches run unpadded there; elsewhere with a block-diagonal mask on rows
+
+
+FLASH_VARLEN = True  # 16-bit CUDA: flash_varlen (False: nested SDPA, benchmarks/train_step.py's comparison)
+
+
+class RowAttention:
+    """SDPA over rows ([B, L, heads, head_size] q, k, v), with a boolean mask (True = attend) or none."""
+
+    def __init__(self, mask=None):
+        self.mask = mask
+
+    def __call__(self, q, k, v, dropout_p):
+        context = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=self.mask, dropout_p=dropout_p)
+        return context.transpose(1, 2)
+
+
+class VarlenAttention:
+    """Attention within each sequence of tokens laid end to end ([T, heads, head_size] q, k, v; sequence i is
+    tokens offsets[i]..offsets[i+1]), with dropout: on CUDA in 16-bit torch's variable-length flash kernels called
+    once per layer (workflow.train.models.flash_varlen, while FLASH_VARLEN); otherwise nested jagged tensors, which SDPA
+    runs as variable-length memory-efficient attention on CUDA (fp32) and sequence by sequence elsewhere."""
+
+    def __init__(self, offsets, min_seqlen: int, max_seqlen: int):
+        self.offsets, self.min_seqlen, self.max_seqlen = offsets, min_seqlen, max_seqlen
+        self.offsets32 = offsets.to(torch.int32)  # the flash kernels' cu_seqlens
+
+    def _nested(self, x):
+        # Both extremes given: CUDA's SDPA asks for them, and would read each from the device (a host sync per call).
+        return torch.nested.nested_tensor_from_jagged(x, self.offsets, min_seqlen=self.min_seqlen,
+                                                      max_seqlen=self.max_seqlen).transpose(1, 2)
+
+    def __call__(self, q, k, v, dropout_p):
+        if FLASH_VARLEN and runs_flash_varlen(q):
+            return flash_varlen(q, k, v, self.offsets32, self.max_seqlen, dropout_p)
+        context = F.scaled_dot_product_attention(self._nested(q), self._nested(k), self._nested(v),
+                                                 dropout_p=dropout_p)
+        return context.transpose(1, 2).values()
+
+
+def row_attention(attention_mask, packed: bool, mask_needed: bool | None = None) -> RowAttention:
+    """The rows' attention: no mask when no token is padding and each row is one sequence (`mask_needed`: whether
+    some is, as host_indices found; else read from the mask, a host sync on CUDA)."""
+    if mask_needed is None and attention_mask is not None:
+        mask_needed = not bool((attention_mask == 1).all())
+    if not mask_needed:
+        return RowAttention()
+    if packed:
+        # Block diagonal: a token sees its own sequence only; padding (0) sees padding only, so no row is empty.
+        return RowAttention((attention_mask[:, :, None] == attention_mask[:, None, :])[:, None])
+    # [B, 1, 1, L]: padding queries still attend to real keys (as in HF).
+    return RowAttention(attention_mask.bool()[:, None, None, :])
+
+
+class Unpadded(NamedTuple):
+    """The real tokens of packed rows: their ascending row-major positions [T], the offsets of their sequences
+    (cu_seqlens [N + 1]) and the shortest and longest sequence (host ints: SDPA would read them from the device)."""
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    min_seqlen: int
+    max_seqlen: int
+
+
+def unpad(attention_mask) -> Unpadded:
+    """The real tokens of packed rows of sequence numbers (0 = padding). Reads the mask's values: on the host where the
+    batch is built (host_indices), or, given a device's mask, with host syncs."""
+    length = attention_mask.shape[1]
+    flat = attention_mask.flatten()
+    tokens = flat.nonzero().squeeze(1)
+    sequence = tokens // length * (length + 1) + flat[tokens]  # unique per (row, sequence number)
+    first = torch.ones_like(sequence, dtype=torch.bool)
+    first[1:] = sequence[1:] != sequence[:-1]
+    offsets = torch.cat([first.nonzero().squeeze(1), tokens.new_tensor([len(tokens)])])
+    lengths = offsets[1:] - offsets[:-1]
+    # An all-padding micro-batch (a rank given no rows of a step) has no sequence: no extremes to take.
+    shortest, longest = torch.stack([lengths.min(), lengths.max()]).tolist() if len(lengths) else (0, 0)
+    return Unpadded(tokens, offsets, shortest, longest)
+
+
+UNPADDED_KEYS = ("unpadded_tokens", "cu_seqlens", "min_seqlen", "max_seqlen")  # host_indices' entries of Unpadded
+
+
+def host_indices(batch: dict) -> dict:
+    """`batch` (on the host, as the loader builds it) plus every index its forward would otherwise read back from the
+    device, so that no host sync remains in the forward of a micro-batch: masked_lm_index [M] (row-major positions of
+    the real prediction slots in the [B, L] rows) and masked_lm_targets [M] (their labels); for packed rows also
+    Unpadded's fields (UNPADDED_KEYS; min_seqlen and max_seqlen as ints); mask_needed (a bool): whether some token is
+    padding or some row holds several sequences (else attention runs without a mask: SDPA may pick flash)."""
+    labels = batch["masked_lm_labels"]
+    valid = labels >= 0
+    length = batch["input_ids"].shape[1]
+    rows = torch.arange(len(labels)).unsqueeze(1) * length
+    extra = {"masked_lm_index": (batch["masked_lm_positions"].long() + rows)[valid], "masked_lm_targets": labels[valid],
+             "mask_needed": not bool((batch["attention_mask"] == 1).all())}
+    if "cls_positions" in batch:
+        extra.update(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))
+    return {**batch, **extra}
+
+
+def unpadded_of(batch: dict) -> Unpadded | None:
+    """The Unpadded that host_indices put into `batch` (None: not computed there)."""
+    return Unpadded(*(batch[key] for key in UNPADDED_KEYS)) if UNPADDED_KEYS[0] in batch else None
+
+
+def gather_positions(x, positions):
+    """x [B, L, H] at positions [B, P] -> [B, P, H]."""
+    return torch.gather(x, 1, positions.long().unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def at_positions(hidden, tokens, flat):
+    """The encoder output at row-major positions `flat` (any shape) of the [B, L] rows -> [*flat.shape, H], from
+    rows (hidden [B, L, H], tokens None) or from the real tokens (hidden [T, H], tokens [T] their ascending row-major
+    positions); a padding position gives zeros there, as the re-padded rows would."""
+    if tokens is None:
+        return hidden.flatten(0, 1)[flat]
+    slot = torch.searchsorted(tokens, flat).clamp(max=len(tokens) - 1)
+    return torch.where((tokens[slot] == flat).unsqueeze(-1), hidden[slot], 0.0)
+
+
+def pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict:
+    """Summed MLM + NSP loss (as in BERT), each the mean over its labelled items, and accuracies. Labels of -1
+    (empty prediction slots, empty sequence slots of packed rows) are ignored."""
+    mlm_logits = mlm_logits.float().flatten(0, -2)
+    labels = masked_lm_labels.flatten()
+    mlm_loss = F.cross_entropy(mlm_logits, labels, ignore_index=-1)
+    with torch.no_grad():
+        valid = labels >= 0
+        mlm_correct = ((mlm_logits.argmax(-1) == labels) & valid).sum()
+    nsp = next_sentence_terms(nsp_logits, next_sentence_labels.flatten().long(), mlm_loss)
+    return {"loss": mlm_loss + nsp["nsp_loss"], "mlm_loss": mlm_loss, "mlm_correct": mlm_correct,
+            "mlm_count": valid.sum(), **nsp}
+
+
+def next_sentence_terms(nsp_logits, nsp_labels, mlm_loss, normaliser=None) -> dict:
+    """nsp_loss (summed / `normaliser`, else the mean), nsp_correct and nsp_count over the labels that are not -1;
+    a model without a next-sentence head (nsp_logits None: ModernBERT) has a zero loss and counts nothing."""
+    if nsp_logits is None:
+        zero = torch.zeros((), dtype=torch.long, device=mlm_loss.device)
+        return {"nsp_loss": mlm_loss * 0.0, "nsp_correct": zero, "nsp_count": zero}
+    nsp_logits = nsp_logits.float().flatten(0, -2)
+    if normaliser is None:
+        nsp_loss = F.cross_entropy(nsp_logits, nsp_labels, ignore_index=-1)
+    else:
+        nsp_loss = F.cross_entropy(nsp_logits, nsp_labels, ignore_index=-1, reduction="sum") / normaliser
+    with torch.no_grad():
+        nsp_valid = nsp_labels >= 0
+        nsp_correct = ((nsp_logits.argmax(-1) == nsp_labels) & nsp_valid).sum()
+    return {"nsp_loss": nsp_loss, "nsp_correct": nsp_correct, "nsp_count": nsp_valid.sum()}
+
+
+def load_weights(model: nn.Module, state: dict) -> tuple[list[str], list[str]]:
+    """Load matching entries into `model`; shapes must agree. Returns (missing, unexpected) keys."""
+    own = model.state_dict()
+    for key, value in state.items():
+        if key in own and own[key].shape != value.shape:
+            raise UserError(f"weights {key}: shape {tuple(value.shape)} does not match the model's "
+                            f"{tuple(own[key].shape)}")
+    result = model.load_state_dict(state, strict=False)
+    return list(result.missing_keys), list(result.unexpected_keys)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
