@@ -1,14 +1,16 @@
 """A small learning-parity run (benchmarks/learning_parity.py): snakebert's data half and engine against Hugging
 Face's run_mlm recipe (Trainer, DataCollatorForLanguageModeling, AdamW) on the text the project ships, scored on one
-held-out set by one function. Both sides must learn well above the unigram-frequency baseline and agree.
+held-out set by one function.
 
-Tolerance: the benchmark at this test's settings (`python benchmarks/learning_parity.py --text <these books>
---rows parity ` + SMALL + ` --seeds 3`) measured the seeds' standard deviation of the final held-out accuracy,
-SEED_STD (the larger side's). One seed per side gives a difference of two independent draws, standard deviation
-sqrt(2) x SEED_STD; snakebert may fall behind the reference by at most 3 of those (a false alarm < 0.2% for normal
-draws), the goal's "within the seed spread, or above". "Well above" the unigram-frequency baseline: 0.02 above it,
-past the baseline by more than one seed standard deviation. At this size the reference's seeds 1 and 2 stayed
-near the baseline (its 3-seed mean 0.0585); seed 0, the test's, learns (0.079), and CPU runs are deterministic.
+Float kernels differ between CPUs, so a one-seed run on another machine is another draw: every threshold here is
+judged by the spread of seeds, never by one seed's value on one machine. The benchmark at each test's settings, 6
+seeds per side (`python benchmarks/learning_parity.py --text <these books> --seeds 6 ...`), measured each side's
+mean and standard deviation of the final held-out accuracy (below, with the baseline). A side "learns" when it ends
+above the unigram-frequency baseline by its 6-seed mean less 3 standard deviations (a false alarm < 0.2% for normal
+draws, on any CPU); one seed per side differs from another by sqrt(2) x the seeds' deviation, and snakebert may fall
+behind the reference (or packed behind unpacked) by at most 3 of those. At BERT's size HF's reference stays near the
+baseline on most seeds (6-seed mean +0.005), so only snakebert's sides are held to learn there; the ModernBERT run
+(lr 2e-3, where every side's seeds agree within ±0.03; at 5e-3 its seeds spread ±0.06) holds all three.
 """
 import glob
 import json
@@ -31,11 +33,12 @@ from workflow.cli import UserError  # noqa: E402
 
 SMALL = ["--steps", "400", "--points", "2", "--batch", "16", "--seq", "32", "--hidden", "64", "--layers", "2",
          "--vocab-size", "1000", "--held-out", "64", "--lr", "5e-3", "--threads", "1"]
-# Measured on a 2-core CPU machine, 3 seeds per side: final accuracy 0.0585 +- 0.0177 (reference) and
-# 0.1038 +- 0.0183 (snakebert); unigram-frequency baseline 0.0482.
-SEED_STD = 0.0183
+# 6 seeds per side: final accuracy 0.0534 ± 0.0125 (reference), 0.1213 ± 0.0205 (packed), 0.1294 ± 0.0220
+# (unpacked); unigram-frequency baseline 0.0482.
+SEED_STD = 0.0220  # the larger side's
 TOLERANCE = 3 * math.sqrt(2) * SEED_STD
-MODERNBERT_SMALL = [*SMALL[2:], "--steps", "800"]  # twice BERT's steps: both sides well above the baseline
+LEARNS = 0.01  # above the baseline: min over snakebert's sides of (mean - 3 std - baseline) = 0.0116
+MODERNBERT_SMALL = [*SMALL[2:-4], "--lr", "2e-3", "--threads", "1", "--steps", "800"]  # twice BERT's steps
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def test_snakebert_and_the_hf_reference_learn_well_above_unigram_frequency_and_a
     result = json.loads(out.read_text())
     baseline = result["unigram_baseline"]
     reference, packed, unpacked = (result["results"][side][-1]["mean"] for side in ("reference", "parity", "unpacked"))
-    assert min(reference, packed, unpacked) > baseline + 0.02, (baseline, reference, packed, unpacked)
+    assert min(packed, unpacked) > baseline + LEARNS, (baseline, packed, unpacked)
     assert packed >= reference - TOLERANCE, (reference, packed, TOLERANCE)
     assert abs(packed - unpacked) <= TOLERANCE, (packed, unpacked, TOLERANCE)  # packing changes no learning
     # The trainer's own held-out set measures what the shared one does: padding counted as tokens to predict (a
@@ -64,10 +67,8 @@ def test_snakebert_and_the_hf_reference_learn_well_above_unigram_frequency_and_a
     for row in ("parity", "unpacked"):
         assert re.search(rf"^{row} own held-out vs shared: .*: within the noise$", printed, re.M), printed
     assert [r["sequences"] for r in result["results"]["parity"]] == [3200, 6400]
-    # The cross-check form (run_mlm's blocks of the same held-out documents): both sides learn there too, above the
-    # baseline (from half-way to the end the parity row rises by less than this small set's binomial noise, ±0.013).
-    for side in ("reference", "parity"):
-        assert result["results"][side][-1]["blocks_mean"] > baseline + 0.01, (side, result["results"][side])
+    # The cross-check form (run_mlm's blocks of the same held-out documents) is not judged here: its 6-seed spread at
+    # this size (±0.013 around +0.018 over the baseline) is too wide to judge one seed by.
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 
@@ -87,9 +88,9 @@ def test_modernbert_and_the_hf_reference_learn_well_above_unigram_frequency_with
     assert re.search(r"^text: .*; model: ModernBERT 2 layers x 64, window 16; ", printed, re.M), printed
     baseline, final = measured["unigram_baseline"], {side: rows[-1]["mean"] for side, rows in
                                                      measured["results"].items()}
-    # Every side learns, past the baseline by more than twice the shared set's binomial noise at this size (~±0.05
-    # at 95%): measured 0.2450 (reference), 0.2329 (parity), 0.3092 (mask30), baseline 0.0602.
-    assert min(final.values()) > baseline + 0.1, (baseline, final)
+    # Every side learns: 6 seeds gave 0.1981 ± 0.0172 (reference), 0.2015 ± 0.0291 (parity), 0.2523 ± 0.0391
+    # (mask30), baseline 0.0602; min over the sides of (mean - 3 std - baseline) = 0.0539.
+    assert min(final.values()) > baseline + 0.05, (baseline, final)
     sides = ["parity", "mask30"]
     assert sorted(final) == sorted(["reference", *sides]), final
     for side in sides:
