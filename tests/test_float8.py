@@ -6,11 +6,24 @@ from torch import nn
 
 from workflow.train.float8 import convert_to_float8, float8_error, float8_module_filter
 from workflow.train.models.bert import BertConfig, BertForPreTraining
+from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMaskedLM
 
 
 def tiny_bert():
     return BertForPreTraining(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                          intermediate_size=64))
+
+
+def tiny_modernbert():
+    # intermediate_size 40: the feed-forward's Wo (40 -> 32) is not a multiple of 16, its Wi (32 -> 2 x 40) is.
+    return ModernBertForMaskedLM(ModernBertConfig(vocab_size=40, hidden_size=32, intermediate_size=40,
+                                                  num_hidden_layers=2, num_attention_heads=2, pad_token_id=0,
+                                                  eos_token_id=1, bos_token_id=2, cls_token_id=2, sep_token_id=1))
+
+
+# Per family: the tiny model and the nn.Linear layers the filter must leave alone.
+FAMILIES = {"bert": (tiny_bert, {"cls.seq_relationship"}),  # 2 outputs
+            "modernbert": (tiny_modernbert, {"model.layers.0.mlp.Wo", "model.layers.1.mlp.Wo"})}
 
 
 def test_float8_is_refused_on_cpu_naming_the_key():
@@ -35,28 +48,32 @@ def converted_names(model: nn.Module) -> set[str]:
     return {name for name, module in model.named_modules() if float8_module_filter(module, name)}
 
 
-def test_the_filter_picks_the_encoder_matmuls_and_skips_embeddings_decoder_and_small_layers():
-    model = tiny_bert()
-    picked = converted_names(model)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_filter_picks_every_linear_but_those_with_dims_not_multiples_of_16(family):
+    build, skipped = FAMILIES[family]
+    model = build()
     linears = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
-    assert picked == linears - {"cls.seq_relationship"}  # 2 outputs: not a multiple of 16
-    assert all(".attention." in n or ".intermediate." in n or ".output." in n for n in picked
-               if n.startswith("bert.encoder."))
-    assert {"bert.pooler.dense", "cls.predictions.transform.dense"} <= picked
-    assert not float8_module_filter(nn.Linear(32, 32), "cls.predictions.decoder")  # HF's untied decoder
+    assert converted_names(model) == linears - skipped and skipped < linears
+    assert not any("embeddings" in name or "decoder" in name for name in linears)  # tied: F.linear, no module
+
+
+def test_the_filter_skips_embeddings_and_an_untied_decoder_by_name():
+    assert float8_module_filter(nn.Linear(32, 32), "bert.encoder.layer.0.intermediate.dense")
+    assert not float8_module_filter(nn.Linear(32, 32), "cls.predictions.decoder")  # HF's BERT: an nn.Linear
     assert not float8_module_filter(nn.Linear(32, 32), "bert.embeddings.projection")
-    assert not float8_module_filter(nn.Linear(24, 32), "bert.encoder.layer.0.intermediate.dense")
-    assert not float8_module_filter(model.bert.embeddings.word_embeddings, "bert.embeddings.word_embeddings")
+    assert not float8_module_filter(nn.Embedding(40, 32), "bert.embeddings.word_embeddings")
 
 
-def test_convert_to_float8_swaps_exactly_the_picked_linears_and_keeps_the_state_dict_keys():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_convert_to_float8_swaps_exactly_the_picked_linears_and_keeps_the_state_dict_keys(family):
     float8_linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
-    model = tiny_bert()
+    build, skipped = FAMILIES[family]
+    model = build()
     picked, keys = converted_names(model), set(model.state_dict())
     assert convert_to_float8(model) is model
-    swapped = {name for name, module in model.named_modules() if isinstance(module, float8_linear)}
-    assert swapped == picked
-    assert type(model.cls.seq_relationship) is nn.Linear
+    modules = dict(model.named_modules())
+    assert {name for name, module in modules.items() if isinstance(module, float8_linear)} == picked
+    assert all(type(modules[name]) is nn.Linear for name in skipped)
     assert set(model.state_dict()) == keys
 
 

@@ -1,9 +1,16 @@
 """mlm_loss (workflow/train/models/fused_loss.py) equals pretraining_loss's MLM half, ignores label -1, and is finite
 on an all-ignored batch; on CUDA, liger's fused path equals the reference within bf16's rounding."""
+import ast
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from workflow.train.models import fused_loss
 from workflow.train.models.fused_loss import fused_mlm_loss_reason, mlm_loss, reference_mlm_loss
 from workflow.train.models.kit import pretraining_loss
 
@@ -76,6 +83,43 @@ def test_no_bias_is_a_decoder_without_bias():
     loss, correct = mlm_loss(hidden, weight, None, labels)
     want = F.cross_entropy(hidden @ weight.T, labels, ignore_index=-1)
     torch.testing.assert_close(loss, want, rtol=0, atol=1e-6)
+
+
+def liger_parameters() -> set[str]:
+    """The parameters of liger's liger_fused_linear_cross_entropy, read from its source (importing it needs Triton)."""
+    spec = importlib.util.find_spec("liger_kernel")
+    if spec is None:
+        pytest.skip("liger-kernel is not installed")
+    source = Path(spec.submodule_search_locations[0], "transformers", "functional.py").read_text(encoding="utf-8")
+    function = next(node for node in ast.parse(source).body
+                    if isinstance(node, ast.FunctionDef) and node.name == "liger_fused_linear_cross_entropy")
+    return {argument.arg for argument in function.args.args}
+
+
+def stand_in_liger(input, weight, target, bias=None, **options):
+    """liger_fused_linear_cross_entropy's contract in torch: the loss summed over the rows whose target is not
+    ignore_index (reduction "sum"), and each row's argmax (-1 where ignored) as predicted_tokens."""
+    assert {"input", "weight", "target", "bias", *options} <= liger_parameters(), options
+    assert options["reduction"] == "sum" and options["return_predicted_tokens"]
+    logits = F.linear(input, weight, bias).float()
+    ignored = target == options["ignore_index"]
+    loss = F.cross_entropy(logits, target, ignore_index=options["ignore_index"], reduction="sum")
+    return types.SimpleNamespace(loss=loss, predicted_tokens=torch.where(ignored, -1, logits.argmax(-1)))
+
+
+@pytest.mark.parametrize("ignored", [(1, 5, 6), tuple(range(12))], ids=["some-ignored", "all-ignored"])
+def test_the_liger_path_turns_its_summed_loss_and_predictions_into_the_mean_and_the_count(monkeypatch, ignored):
+    """The glue of the CUDA path, on CPU: liger's call as its source declares it, with a stand-in of its kernel."""
+    inputs = head_inputs(ignored=ignored)
+    want_loss, want_correct, want_grads = loss_and_grads(reference_mlm_loss, *inputs)
+    monkeypatch.setattr(fused_loss, "fused_mlm_loss_reason", lambda device: None)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional",
+                        types.SimpleNamespace(liger_fused_linear_cross_entropy=stand_in_liger))
+    loss, correct, grads = loss_and_grads(mlm_loss, *inputs)
+    torch.testing.assert_close(loss, want_loss, rtol=0, atol=1e-6)
+    assert int(correct) == int(want_correct)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
