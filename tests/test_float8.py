@@ -65,12 +65,13 @@ def test_the_filter_skips_embeddings_and_an_untied_decoder_by_name():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_convert_to_float8_swaps_exactly_the_picked_linears_and_keeps_the_state_dict_keys(family):
+def test_convert_to_float8_swaps_exactly_the_picked_linears_and_keeps_parameters_and_state_dict_keys(family):
     float8_linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
     build, skipped = FAMILIES[family]
     model = build()
-    picked, keys = converted_names(model), set(model.state_dict())
+    picked, keys, parameters = converted_names(model), set(model.state_dict()), list(model.parameters())
     assert convert_to_float8(model) is model
+    assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))  # an optimizer built before holds
     modules = dict(model.named_modules())
     assert {name for name, module in modules.items() if isinstance(module, float8_linear)} == picked
     assert all(type(modules[name]) is nn.Linear for name in skipped)

@@ -13,12 +13,16 @@ autocast dtype for their accuracy. So in BERT the attention, feed-forward, poole
 float8; the next-sentence classifier (2 outputs) and the tied decoder (F.linear on the word embeddings) are not.
 torchao's default recipe (tensorwise scales, computed each step) is used; its speed needs torch.compile.
 
-Where it is called: pretrain.py, right after the model is built, its weights loaded and moved to its CUDA device,
-and before DDP wraps it and torch.compile compiles it (DDP then buckets Float8Linear's ordinary parameters):
-    if settings.float8:
-        error = float8_error(device)
-        if error:
-            raise UserError(error)
+Where it is called (workflow/train/pretrain.py, `pretrain`): the check beside refuse_compile, with the other config
+refusals before any work; the conversion right after `model.to(env.device)` and before make_optimizer, so before the
+checkpoint is loaded into the model and before the engine wraps it in DDP and torch.compile (Float8Linear keeps the
+nn.Linear's own weight and bias Parameters, so the optimizer, DDP's buckets and checkpoints see the same tensors):
+    error = float8_error(env.device) if s.float8 else None
+    if error:
+        raise UserError(error)
+    ...
+    model.to(env.device)
+    if s.float8:
         convert_to_float8(model)
 """
 from __future__ import annotations
