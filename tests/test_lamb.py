@@ -1,4 +1,5 @@
 """LAMB equals the published update formula; poly-warmup schedule; NVIDIA's weight-decay split."""
+import copy
 import math
 
 import pytest
@@ -8,13 +9,15 @@ from workflow.train.optim.lamb import Lamb, PolyWarmup, make_scheduler, param_gr
 from workflow.train.models.bert import BertConfig, BertForPreTraining
 
 
-def reference_lamb(params, grads_per_step, lr, weight_decays, beta1=0.9, beta2=0.999, eps=1e-6, max_grad_norm=1.0):
-    """LAMB (You et al. 2019) as apex FusedLAMB computes it, written out tensor by tensor."""
-    params = [p.clone().double() for p in params]
+def reference_lamb(params, grads_per_step, lr, weight_decays, beta1=0.9, beta2=0.999, eps=1e-6, max_grad_norm=1.0,
+                   dtype=torch.float64):
+    """LAMB (You et al. 2019) as apex FusedLAMB computes it, written out tensor by tensor (a loop over the
+    parameters, in `dtype`): the reference of Lamb's multi-tensor step."""
+    params = [p.clone().to(dtype) for p in params]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
     for t, grads in enumerate(grads_per_step, start=1):
-        grads = [g.double() for g in grads]
+        grads = [g.to(dtype) for g in grads]
         global_norm = math.sqrt(sum(float((g * g).sum()) for g in grads))
         divisor = max(1.0, global_norm / max_grad_norm)
         for i, (p, g, wd) in enumerate(zip(params, grads, weight_decays)):
@@ -54,9 +57,68 @@ def test_lamb_step_equals_the_formula_with_clipping_decay_and_trust_ratio():
     assert abs(float(optimizer.last_grad_norm) - math.sqrt(sum(float((g * g).sum()) for g in steps[-1]))) < 1e-5
 
 
+def tiny_bert():
+    return BertForPreTraining(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32))
+
+
+def random_grads(parameters, steps, seed=1):
+    """Per step, a gradient for each parameter; the first step's global norm above 1 (clipped), the others below."""
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=generator) * scale for p in parameters]
+            for scale in (1.0, 0.01, 0.02, 0.005, 0.01)[:steps]]
+
+
+def step_with(optimizer, parameters, grads_per_step):
+    for grads in grads_per_step:
+        for p, g in zip(parameters, grads):
+            p.grad = g.clone()
+        optimizer.step()
+
+
+def test_the_multi_tensor_step_equals_the_per_parameter_loop_in_fp32_on_a_model_with_both_groups():
+    torch.manual_seed(0)
+    model = tiny_bert()
+    groups = param_groups(model, 0.01)
+    parameters = [p for group in groups for p in group["params"]]
+    decays = [group["weight_decay"] for group in groups for _ in group["params"]]
+    initial = [p.detach().clone() for p in parameters]
+    grads_per_step = random_grads(parameters, steps=5)
+    assert math.sqrt(sum(float(g.pow(2).sum()) for g in grads_per_step[0])) > 1.0  # step 1 is clipped
+
+    step_with(Lamb(groups, lr=0.01), parameters, grads_per_step)
+    expected = reference_lamb(initial, grads_per_step, lr=0.01, weight_decays=decays, dtype=torch.float32)
+    for got, want in zip(parameters, expected):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-7, atol=1e-7)
+
+
+def test_a_resumed_lamb_steps_exactly_as_one_never_stopped_with_apex_fusedlamb_state_layout():
+    torch.manual_seed(0)
+    model = tiny_bert()
+    parameters = list(model.parameters())
+    grads_per_step = random_grads(parameters, steps=4)
+    straight = Lamb(param_groups(model, 0.01), lr=0.01)
+    initial = [p.detach().clone() for p in parameters]
+    step_with(straight, parameters, grads_per_step)
+    finished = [p.detach().clone() for p in parameters]
+
+    with torch.no_grad():
+        for p, value in zip(parameters, initial):
+            p.copy_(value)
+    first = Lamb(param_groups(model, 0.01), lr=0.01)
+    step_with(first, parameters, grads_per_step[:2])
+    saved = copy.deepcopy(first.state_dict())
+    assert all(set(state) == {"exp_avg", "exp_avg_sq"} for state in saved["state"].values())  # apex's keys
+    assert [group["step"] for group in saved["param_groups"]] == [2, 2]  # the count lives in the groups, as apex's
+    resumed = Lamb(param_groups(model, 0.01), lr=0.01)
+    resumed.load_state_dict(saved)
+    step_with(resumed, parameters, grads_per_step[2:])
+    for got, want in zip(parameters, finished):
+        assert torch.equal(got.detach(), want)
+
+
 def test_no_weight_decay_on_biases_and_layernorm():
-    model = BertForPreTraining(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                          intermediate_size=32))
+    model = tiny_bert()
     decay, no_decay = param_groups(model, 0.01)
     names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
