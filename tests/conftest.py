@@ -2,6 +2,7 @@
 Snakemake report embeds, and a real loopback HTTP server (with Range support and a one-shot connection cut)."""
 import base64
 import collections
+import inspect
 import os
 import re
 import shutil
@@ -41,10 +42,54 @@ def pytest_xdist_make_scheduler(config, log):
     return ClusterTestsTogether(config, log)
 
 
+# The suite's kinds, each test marked at collection (`pytest -m "not dag and not cluster"`: the unit tests alone).
+MARKERS = {
+    "dag": "runs Snakemake (the real DAG or a dry run), in the test or in a fixture it uses",
+    "cluster": "needs the Slurm test cluster (docs/test-cluster.md; CLUSTER_TESTS)",
+    "gpu": "needs a CUDA device (skipped without one)",
+    "slow": "over 20 s alone on the 2-core development machine (SLOW_TESTS)",
+}
+# By nodeid prefix under tests/, as measured by `make test`'s --durations.
+SLOW_TESTS = ("test_learning_parity.py::test_snakebert_and", "test_learning_parity.py::test_modernbert_and",
+              "test_demo_dag.py::", "test_multinode.py::", "test_long_context.py::", "test_modernbert_dag.py::",
+              "test_glue_rules.py::", "test_squad_rules.py::", "test_slurm.py::", "test_scaling.py::",
+              "test_documents.py::", "test_corpora.py::", "test_tasks.py::")
+RUNS_SNAKEMAKE = re.compile(r"""["']snakemake["']|\bsnakemake\w*\(""")
+
+
+def pytest_configure(config):
+    for name, meaning in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+
+
+def runs_snakemake(item) -> bool:
+    """Whether the test's function or a fixture it uses calls Snakemake."""
+    functions = [item.function] + [definition.func for definitions in item._fixtureinfo.name2fixturedefs.values()
+                                   for definition in definitions]
+    for function in functions:
+        try:
+            source = inspect.getsource(function)
+        except (OSError, TypeError):
+            continue
+        if RUNS_SNAKEMAKE.search(source):
+            return True
+    return False
+
+
+def needs_cuda(item) -> bool:
+    return any("CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif"))
+
+
 def pytest_collection_modifyitems(items):
     strays = [item.nodeid for item in items if "cluster" in item.fixturenames and not is_cluster_test(item.nodeid)]
     if strays:
         raise pytest.UsageError(f"tests using the Slurm cluster but not in tests/conftest.py CLUSTER_TESTS: {strays}")
+    for item in items:
+        nodeid = item.nodeid.removeprefix("tests/")
+        kinds = {"cluster": is_cluster_test(item.nodeid), "dag": runs_snakemake(item), "gpu": needs_cuda(item),
+                 "slow": nodeid.startswith(SLOW_TESTS)}
+        for kind in (kind for kind, applies in kinds.items() if applies):
+            item.add_marker(getattr(pytest.mark, kind))
 
 
 # The workflow's sources: what a user's checkout holds before any run (`slurm` is the bare-name profile link).
