@@ -166,6 +166,21 @@ def pypy_pins_match_the_tested_pypy(pins: dict[str, str]) -> None:
     assert (f"{language[1]}.{language[2]}", pins[interpreter], pins["wikiextractor"]) == (python, version, wikiextractor)
 
 
+REQUIREMENTS = ("requirements.txt", "requirements-test.txt", "requirements-gpu.txt")
+GPU_ONLY = "requirements-gpu.txt"  # pinned for envs/train.yaml, not installed in the CPU test venv
+
+
+def requirement_pins(*files: str) -> dict[str, str]:
+    """{normalized name: version} of the `name==version` lines of requirements files."""
+    pins = {}
+    for file in files:
+        for line in (REPO / file).read_text(encoding="utf-8").splitlines():
+            match = re.match(r"([A-Za-z0-9_.\-]+)==(\S+)", line)
+            if match:
+                pins[normalize(match[1])] = match[2]
+    return pins
+
+
 @pytest.mark.parametrize("env_file", sorted(str(p) for p in (REPO / "envs").glob("*.yaml")))
 def test_env_pins_are_exact_and_match_the_tested_versions(env_file):
     pins = env_packages(env_file)
@@ -173,12 +188,27 @@ def test_env_pins_are_exact_and_match_the_tested_versions(env_file):
         pypy_pins_match_the_tested_pypy(pins)
     else:
         assert pins.get("python") == f"{sys.version_info.major}.{sys.version_info.minor}", pins.get("python")
+    gpu_only = requirement_pins(GPU_ONLY)
     for name, version in pins.items():
-        if name in ("python", "pip") or name.startswith("pypy"):
+        if name in ("python", "pip") or name.startswith("pypy") or name in gpu_only:
             continue
         assert re.fullmatch(r"\d+(\.\d+)*", version), f"{Path(env_file).name}: {name} is not pinned exactly"
         installed = importlib.metadata.version(name).split("+")[0]  # 2.13.0+cpu here, the CUDA build there
         assert version == installed, f"{Path(env_file).name}: {name}={version}, tests run with {installed}"
+
+
+@pytest.mark.parametrize("env_file", sorted(str(p) for p in (REPO / "envs").glob("*.yaml")))
+def test_env_pins_are_the_requirements_files_pins_and_no_deprecated_channel(env_file):
+    """One source of pins: every package an env pins (but its interpreter) is pinned alike in a requirements file;
+    PyPy's env pins its own wikiextractor build, the same version. No conda `pytorch`/`nvidia` channel (deprecated:
+    torch comes from pip)."""
+    required = requirement_pins(*REQUIREMENTS)
+    pins = env_packages(env_file)
+    differing = {name: (version, required.get(name)) for name, version in pins.items()
+                 if name not in ("python", "pip") and not name.startswith("pypy") and required.get(name) != version}
+    assert not differing, f"{Path(env_file).name}: (env, requirements) pins differ: {differing}"
+    channels = yaml.safe_load(Path(env_file).read_text(encoding="utf-8")).get("channels", [])
+    assert not {"pytorch", "nvidia"} & set(channels), channels
 
 
 def test_gpu_rules_use_the_cuda_env():
