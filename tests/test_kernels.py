@@ -12,6 +12,7 @@ import torch
 from tests.fixtures.gpu_standins import flash_varlen_standin, varlen_attn_standin
 from tests.test_flash_varlen import CONFIG as BERT_CONFIG, packed_rows
 from tests.test_modernbert import packed_batch, small_config, training_batch
+from tests.test_pretrain import packed_data, settings  # noqa: F401  (the packed_data fixture)
 from workflow.train import accelerator
 from workflow.train.models import kernels, kit, modernbert
 from workflow.train.models.bert import BertForPreTraining
@@ -227,3 +228,21 @@ def test_the_reported_bert_kernel_is_the_one_that_trains(platform):
     assert trained_path("bert", torch.device("cuda"), torch.float32) == NESTED_SDPA
     assert accelerator.attention_kernel(CPU, torch.bfloat16, 64) == "math"  # nested SDPA off CUDA
 
+
+
+def test_a_job_below_its_floor_warns_where_it_starts_before_the_first_step(platform, packed_data, tmp_path,  # noqa: F811
+                                                                          monkeypatch, caplog):
+    from workflow.train import pretrain
+    from workflow.train.distributed import DistEnv
+
+    platform(capability=T4)
+    s = settings(packed_data, tmp_path / "out", precision="bf16")
+
+    def stop(*args):  # the model is built: stop before any data is read or step taken
+        raise SystemExit("stopped before training")
+
+    monkeypatch.setattr(pretrain, "check_token_ids", stop)
+    with pytest.raises(SystemExit):
+        pretrain.train_phase(s, DistEnv(rank=0, world_size=1, local_rank=0, device=CPU, backend=None))
+    [warning] = floor_warnings(caplog)
+    assert warning.startswith("BERT's varlen flash attention with dropout needs torch >= 2.7")

@@ -76,7 +76,7 @@ from workflow.train.optim.optimizers import (HYPER_PARAMETERS, carry_optimizer_s
 from workflow.train.optim.schedules import WSD_KEYS, BatchRamp, make_scheduler
 from workflow.train.models.kit import (VARLEN_DEVICE_TYPES, count_parameters, next_sentence_terms, pretraining_loss,
                                        unpadded_of)
-from workflow.train.precision import autocast, autocast_dtype, resolve_precision
+from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, datasets, list_shards
 from workflow.train.telemetry import merge_node_files
 
@@ -405,8 +405,8 @@ def train_phase(s: TrainSettings, env) -> dict:
     torch.manual_seed(s.seed)  # identical initial weights on every rank
     model_family = family(s.family)
     model_family.check_objective(train_shards[0].objective)
-    if model_family.trains_unpadded(env.device.type, train_shards[0].packed, precision):  # below its floor: a warning
-        kernels.trained_path(model_family.name, env.device, autocast_dtype(precision))
+    if model_family.trains_unpadded(env.device.type, train_shards[0].packed, precision) and precision != "fp32":
+        kernels.fast_kernel(model_family.name, env.device)  # below its torch or GPU floor: one warning, here
     config, model = model_family.build(s.model_settings, s.vocab, read_vocab_size(s.vocab), seq_length)
     check_token_ids(train_shards + test_shards, s.vocab, config.vocab_size)
     model.to(env.device)
