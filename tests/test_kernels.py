@@ -246,3 +246,14 @@ def test_a_job_below_its_floor_warns_where_it_starts_before_the_first_step(platf
         pretrain.train_phase(s, DistEnv(rank=0, world_size=1, local_rank=0, device=CPU, backend=None))
     [warning] = floor_warnings(caplog)
     assert warning.startswith("BERT's varlen flash attention with dropout needs torch >= 2.7")
+
+
+def test_a_compiled_forward_takes_the_kernel_choice_as_a_constant(platform):
+    platform(torch_version="2.10.0", flash_attn=flash_attn_standin([]))  # an import inside would break the graph
+
+    def attention(x):
+        kernel = kernels.windowed_varlen_kernel(x.device, None)
+        return x * 2 if kernel is None else x * 3
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(attention, fullgraph=True, backend="eager")(torch.ones(3)), torch.full((3,), 3.0))

@@ -98,6 +98,7 @@ def forget() -> None:
     _warned.clear()
 
 
+@torch.compiler.assume_constant_result  # a compiled forward takes it as the constant it is (no import traced)
 def fast_kernel(family: str, device: torch.device) -> str:
     """See the module docstring."""
     fast, floor, exact, what = FAST_PATHS[family]
