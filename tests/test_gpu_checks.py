@@ -16,8 +16,12 @@ def run_steps(tmp_path, steps: str, **env) -> subprocess.CompletedProcess:
 
 
 def table(stdout: str) -> list[list[str]]:
-    rows = [line for line in stdout.splitlines() if line.startswith("|")]
-    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+    """The verdict's rows, each [step, result, log]; its header first; every seconds cell a whole number."""
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in stdout.splitlines()
+            if line.startswith("|")]
+    assert rows[:2] == [["step", "result", "seconds", "log"], ["---"] * 4]
+    assert all(row[2].isdigit() for row in rows[2:])
+    return [[step, result, log] for step, result, _, log in rows[2:]]
 
 
 def test_the_verdict_is_a_table_of_every_step_and_a_failure_or_a_timeout_fails_the_run(tmp_path):
@@ -26,18 +30,16 @@ def test_the_verdict_is_a_table_of_every_step_and_a_failure_or_a_timeout_fails_t
     assert ran.returncode == 1, ran.stderr
     log = str(tmp_path / "out")
     assert table(ran.stdout) == [
-        ["step", "result", "seconds", "log"], ["---", "---", "---", "---"],
-        ["ok", "passed", "0", f"{log}/ok.log"],
-        ["broken", "failed (exit 1)", "0", f"{log}/broken.log"],
-        ["slow", "failed (timeout after 1 s)", "1", f"{log}/slow.log"],
-        ["on_gpu", "passed", "0", f"{log}/on_gpu.log"]]
+        ["ok", "passed", f"{log}/ok.log"],
+        ["broken", "failed (exit 1)", f"{log}/broken.log"],
+        ["slow", "failed (timeout after 1 s)", f"{log}/slow.log"],
+        ["on_gpu", "passed", f"{log}/on_gpu.log"]]
 
 
 def test_every_step_passed_or_skipped_exits_zero_and_the_cpu_rehearsal_skips_gpu_only_steps(tmp_path):
     ran = run_steps(tmp_path, "step ok 5 echo hello\ngpu_step on_gpu 5 false\n", GPU_CHECKS_CPU="1")
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert table(ran.stdout)[2:] == [["ok", "passed", "0", f"{tmp_path}/out/ok.log"],
-                                     ["on_gpu", "skipped (no GPU)", "0", "-"]]
+    assert table(ran.stdout) == [["ok", "passed", f"{tmp_path}/out/ok.log"], ["on_gpu", "skipped (no GPU)", "-"]]
     assert (tmp_path / "out" / "ok.log").read_text() == "hello\n"
 
 
@@ -48,7 +50,21 @@ def test_a_step_whose_synthetic_data_were_not_made_fails_naming_them_and_does_no
     ran = run_steps(tmp_path, f"made check_a {tmp_path}/data && step check_a 5 true\n"
                               f"made check_b {tmp_path}/data {tmp_path}/empty && step check_b 5 true\n")
     assert ran.returncode == 1
-    assert table(ran.stdout)[2:] == [
-        ["check_a", "passed", "0", f"{tmp_path}/out/check_a.log"],
-        ["check_b", f"failed (no synthetic data: {tmp_path}/empty is missing or empty)", "0", "-"]]
+    assert table(ran.stdout) == [
+        ["check_a", "passed", f"{tmp_path}/out/check_a.log"],
+        ["check_b", f"failed (no synthetic data: {tmp_path}/empty is missing or empty)", "-"]]
     assert not (tmp_path / "out" / "check_b.log").exists()
+
+
+def test_without_a_gpu_the_checks_stop_at_once_pointing_to_the_cpu_rehearsal(tmp_path):
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        return  # a GPU machine runs the checks themselves
+    env = {k: v for k, v in os.environ.items() if k not in ("GPU_CHECKS_STEPS", "GPU_CHECKS_CPU")}
+    ran = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**env, "PYTHON": sys.executable})
+    assert ran.returncode == 2 and ran.stderr.splitlines() == [
+        "error: gpu_checks: no CUDA device here; GPU_CHECKS_CPU=1 rehearses the steps on CPU at tiny sizes"]
