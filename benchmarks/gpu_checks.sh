@@ -81,15 +81,17 @@ cluster_check() {  # cluster_check FAMILY: its synthetic data, then the check on
         --output-data "$data/hdf5" --output-vocab "$data/vocab.txt" \
         --training-instances "$training" --test-instances "$test"
     made "cluster_check_$family" "$data/hdf5" "$data/vocab.txt" || return
-    # 8 ranks of BERT-large: > 80 s on one H200 for 10 steps, most of it start-up and the fast-path checks
-    step "cluster_check_$family" "${CHECK_LIMIT_S:-900}" "$py" -m workflow.slurm.launch --run-dir "$work/run_$family" -- \
+    # BERT-large took > 80 s on one H200 (one rank, 10 steps); 8 ranks start, check and gather more
+    step "cluster_check_$family" "${CHECK_LIMIT_S:-900}" \
+        "$py" -m workflow.slurm.launch --run-dir "$work/run_$family" -- \
         "$py" -m workflow.slurm.cluster_check --config "$(config "$family" seed,model,pretrain)" \
         --data-dir "$data/hdf5" --vocab "$data/vocab.txt" --run-dir "$work/run_$family" \
         --output "$out/cluster_check_$family.json" --steps "$steps"
 }
 
 gpu_steps() {  # the checks, in order
-    "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
+    "$py" -c "import torch; print('torch', torch.__version__, 'cuda',
+                                  torch.cuda.is_available() and torch.cuda.get_device_name())"
     if [ "$cpu" = 1 ]; then
         training=${CHECK_TRAINING:-2000} test=${CHECK_TEST:-500} steps=${CHECK_STEPS:-2}
     else

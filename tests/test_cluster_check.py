@@ -335,9 +335,8 @@ def test_the_check_ends_with_one_line_saying_it_passed_on_how_many_ranks_and_wha
         "loss)")
 
 
-def test_a_failed_check_ends_with_one_error_line_naming_the_key_that_turns_the_path_off(packed_data, tmp_path,  # noqa: F811
-                                                                                         gpu_paths_on_cpu,
-                                                                                         monkeypatch, capsys):
+def test_a_failed_check_ends_with_one_error_line_naming_the_key_that_turns_the_path_off(
+        packed_data, tmp_path, gpu_paths_on_cpu, monkeypatch, capsys):  # noqa: F811
     from workflow.cli import run
     from workflow.slurm import cluster_check
 
@@ -388,7 +387,8 @@ def test_fp32_comparisons_run_without_tf32_and_the_settings_before_are_restored(
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, True  # as the trainer sets them
         torch.set_float32_matmul_precision("high")
         check(config_of(s), s.data_dir, s.vocab, tmp_path / "scratch", steps=2, allreduce_mb=1, threads=1)
-        assert seen == [("fast_paths", (False, False, "highest")), ("packed_unpacked_losses", (False, False, "highest"))]
+        full = (False, False, "highest")
+        assert seen == [("fast_paths", full), ("packed_unpacked_losses", full)]
         assert flags() == (True, True, "high")
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[:2]

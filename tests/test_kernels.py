@@ -230,8 +230,8 @@ def test_the_reported_bert_kernel_is_the_one_that_trains(platform):
 
 
 
-def test_a_job_below_its_floor_warns_where_it_starts_before_the_first_step(platform, packed_data, tmp_path,  # noqa: F811
-                                                                          monkeypatch, caplog):
+def test_a_job_below_its_floor_warns_where_it_starts_before_the_first_step(
+        platform, packed_data, tmp_path, monkeypatch, caplog):  # noqa: F811
     from workflow.train import pretrain
     from workflow.train.distributed import DistEnv
 

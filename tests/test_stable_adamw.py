@@ -1,5 +1,6 @@
 """pretrain.optimizer: stable_adamw is torch-optimi's StableAdamW wired right: its own step on the same gradients, the
 weight-decay groups, fully decoupled decay, its state carried into phase 2, its name in the fingerprint."""
+import contextlib
 import copy
 
 import optimi
@@ -205,6 +206,18 @@ def triton_on_cpu(monkeypatch, compiles: bool) -> list:
     return made
 
 
+@contextlib.contextmanager
+def deterministic(enabled: bool):
+    """torch.use_deterministic_algorithms(enabled) within the block (another test may have left it on)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@deterministic(False)
 def test_a_triton_kernel_that_cannot_compile_is_one_error_line_naming_the_key(monkeypatch):
     triton_on_cpu(monkeypatch, compiles=False)
     with pytest.raises(UserError, match=r"^config pretrain.stable_adamw.fused: torch-optimi's Triton kernel does not "
@@ -218,13 +231,11 @@ def test_a_triton_kernel_that_cannot_compile_is_one_error_line_naming_the_key(mo
 
 def test_the_triton_path_is_tried_once_before_training_and_deterministic_runs_take_foreach(monkeypatch):
     made = triton_on_cpu(monkeypatch, compiles=True)
-    optimizer, name = make_optimizer("stable_adamw", tiny_bert(), lr=1e-3, fused=True)
+    with deterministic(False):
+        optimizer, name = make_optimizer("stable_adamw", tiny_bert(), lr=1e-3, fused=True)
     assert name == "optimi.StableAdamW (triton, decouple_lr)" and optimizer.triton
     assert len(made) == 2 and made[0].param_groups[0]["params"][0].shape == (16,)  # the throwaway step, then ours
     made.clear()
-    torch.use_deterministic_algorithms(True)
-    try:  # --deterministic: the kernel's atomic adds sum in any order
+    with deterministic(True):  # --deterministic: the kernel's atomic adds sum in any order
         optimizer, name = make_optimizer("stable_adamw", tiny_bert(), lr=1e-3, fused=True)
-    finally:
-        torch.use_deterministic_algorithms(False)
     assert name == "optimi.StableAdamW (foreach, decouple_lr)" and not optimizer.triton and made == []

@@ -17,10 +17,11 @@ device, on a few sequences of the phase-1 data and the configured model (no drop
 (when it runs here) against the torch LAMB for one step, the unpadded (varlen) attention of packed rows against the
 same rows with a block-diagonal mask, the training precision's loss against fp32's, a checkpoint's save -> load
 (identical weights and optimizer state), the RNG state's restore, and (on CUDA) a packed forward with no host sync.
-Each rank prints which optimizer, attention kernel (flash / efficient / math) and precision it uses; a
-fast path that disagrees with its reference stops the check with one `error:` line naming the config key that turns
-it off (FAST_PATHS). Comparisons in fp32 run in full fp32 (TF32 off, restored after). The check ends with one line:
-`cluster_check: passed on N ranks (what was checked)` or `error: cluster_check: what failed`.
+Each rank prints which optimizer, attention kernel (the one that trains: workflow/train/models/kernels.py) and
+precision it uses; a fast path that disagrees with its reference stops the check with one `error:` line naming the
+config key that turns it off (FAST_PATHS). Comparisons in fp32 run in full fp32 (TF32 off, restored after). The
+check ends with one line: `cluster_check: passed on N ranks (what was checked)` or `error: cluster_check: what
+failed`.
 """
 from __future__ import annotations
 

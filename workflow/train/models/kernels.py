@@ -23,10 +23,10 @@ API:
     trained_path(family, device, dtype) -> name   attention_path of this process and `device`
     fast_kernel(family, device) -> name   where the family's fast path is asked for (16-bit on a varlen device): that
         path, flash_attn_varlen_func or the exact one, warning once below the floor
-    bert_flash_kernel(device, flash_varlen) -> callable | None   kit's 16-bit kernel: `flash_varlen` itself, flash-attn's
-        with its signature, or None (nested SDPA)
-    windowed_varlen_kernel(device, varlen_attn) -> callable | None   ModernBERT's: `varlen_attn` itself, flash-attn's with
-        its signature, or None (rows with masks)
+    bert_flash_kernel(device, flash_varlen) -> callable | None   kit's 16-bit kernel: `flash_varlen` itself,
+        flash-attn's with its signature, or None (nested SDPA)
+    windowed_varlen_kernel(device, varlen_attn) -> callable | None   ModernBERT's: `varlen_attn` itself, flash-attn's
+        with its signature, or None (rows with masks)
     forget()   drop what this process found (tests change torch.__version__ and flash-attn between cases)
 """
 from __future__ import annotations
@@ -63,8 +63,12 @@ def attention_path(family: str, torch_version: tuple, device_type: str, capabili
     return _fallback(fast, floor, exact, capability, torch_version, flash_attn)
 
 
+def _no_flash_gpu(capability) -> bool:
+    return capability is not None and tuple(capability) < FLASH_CAPABILITY
+
+
 def _fallback(fast: str, floor: tuple, exact: str, capability, torch_version: tuple, flash_attn: bool) -> str:
-    if capability is not None and tuple(capability) < FLASH_CAPABILITY:
+    if _no_flash_gpu(capability):
         return exact
     if tuple(torch_version) >= floor:
         return fast
@@ -106,7 +110,7 @@ def fast_kernel(family: str, device: torch.device) -> str:
     name = _fallback(fast, floor, exact, capability, version, flash_attn_varlen_func() is not None)
     if name != fast and (family, name) not in _warned:
         _warned.add((family, name))
-        if capability is not None and tuple(capability) < FLASH_CAPABILITY:
+        if _no_flash_gpu(capability):
             why, upgrade = (f"this GPU (compute capability {capability[0]}.{capability[1]}) has no flash kernels",
                             "a GPU of compute capability >= 8.0 (A100, L4, H100 or newer) runs it")
         else:
