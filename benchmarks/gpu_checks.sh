@@ -1,68 +1,140 @@
 #!/usr/bin/env bash
-# The first checks on a GPU machine, in one run (docs/gpu.md, docs/benchmarks.md), each under its own time limit,
-# each log in OUT_DIR (default gpu_checks/):
-#   0. the GPU-only tests (tests/test_flash_varlen.py: BERT's varlen flash kernels with dropout)
-#   1. cluster_check on one node, synthetic data: BERT (config.yaml's recipe: LAMB) and ModernBERT-base
-#      (StableAdamW, full-sentence rows): every fast path against its reference, then the real trainer's steps
-#   2. benchmarks/train_step.py --gpu: BERT-large phase 1 and phase 2 steps, seq/s and MFU
-#   3. benchmarks/modernbert_step.py --gpu at 1,024 and 8,192 tokens: ours against HF's ModernBertForMaskedLM, at
-#      vocabularies of 8,192 and 50,368 (ModernBERT's)
-#   4. (LEARNING=1) benchmarks/learning_parity.py --device cuda, each family, the texts in $TEXTS
+# The first checks on a GPU machine, in one run (docs/gpu.md, docs/benchmarks.md), each a `step` under its own time
+# limit with its own log in OUT_DIR (default gpu_checks/), then a verdict: a Markdown table
+# `| step | result | seconds | log |` and exit status 1 when any step failed (a timeout is a failure, named so).
+#   gpu_tests                     the GPU-only tests (tests/test_flash_varlen.py: BERT's varlen flash kernels, dropout)
+#   data_FAMILY                   synthetic shards for the check below (checked non-empty before it runs)
+#   cluster_check_FAMILY          cluster_check on one node: BERT (config.yaml's recipe: LAMB) and ModernBERT-base
+#                                 (StableAdamW, full-sentence rows): every fast path against its reference, the trainer
+#   train_step                    benchmarks/train_step.py --gpu: BERT-large phase 1 and 2 steps, seq/s and MFU
+#   modernbert_step_SEQ_VOCAB     benchmarks/modernbert_step.py --gpu at 1,024 and 8,192 tokens, vocab 8,192 and 50,368
+#   learning_parity_FAMILY_TEXT   (LEARNING=1) benchmarks/learning_parity.py --device cuda on the texts in $TEXTS
 #
 #     bash benchmarks/gpu_checks.sh [OUT_DIR]
-# Without a CUDA device every step says so and the script exits 0 (the Python benchmarks' own behaviour).
+#     GPU_CHECKS_CPU=1 bash benchmarks/gpu_checks.sh    a rehearsal on CPU: the same steps at tiny sizes, the GPU-only
+#                                                       ones "skipped (no GPU)"
+#     GPU_CHECKS_STEPS=FILE ...                         the steps FILE declares (bash, `step` lines) instead of these
+# A new check is one more `step NAME LIMIT_S COMMAND...` line in gpu_steps (or `gpu_step` for a GPU-only one).
 set -u
 out=${1:-gpu_checks}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-limit=${STEP_LIMIT_S:-120}
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+rows=()
+failed=0
+cpu=${GPU_CHECKS_CPU:-0}
 
-step() {  # step NAME COMMAND...: run under the time limit, log to $out/NAME.log, print its tail
-    local name=$1; shift
-    local start=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
-    echo "== $name: exit $? in $((SECONDS - start)) s"
+record() {  # record NAME RESULT SECONDS LOG: one row of the verdict
+    rows+=("| $1 | $2 | $3 | $4 |")
+    case $2 in failed*) failed=1 ;; esac
+    echo "== $1: $2 in $3 s"
+}
+
+step() {  # step NAME LIMIT_S COMMAND...: run COMMAND under LIMIT_S seconds, log to $out/NAME.log, print its tail
+    local name=$1 limit=$2 start=$SECONDS status result
+    shift 2
+    timeout --kill-after=30 "$limit" "$@" >"$out/$name.log" 2>&1
+    status=$?
+    case $status in
+        0) result=passed ;;
+        124 | 137) result="failed (timeout after $limit s)" ;;
+        *) result="failed (exit $status)" ;;
+    esac
+    record "$name" "$result" $((SECONDS - start)) "$out/$name.log"
     grep -v " INFO \|Warning\|warn(" "$out/$name.log" | tail -n "${TAIL:-12}"
 }
 
-config() {  # config FAMILY SECTIONS: the JSON a rule would hand over, from config.yaml
+gpu_step() {  # gpu_step NAME LIMIT_S COMMAND...: a step that needs a GPU (skipped in the CPU rehearsal)
+    if [ "$cpu" = 1 ]; then record "$1" "skipped (no GPU)" 0 -; else step "$@"; fi
+}
+
+made() {  # made NAME PATH...: each PATH is a non-empty file or a directory holding one; else NAME fails, saying so
+    local name=$1 path
+    shift
+    for path; do
+        if [ -z "$(find "$path" -type f -size +0c 2>/dev/null | head -n 1)" ]; then
+            record "$name" "failed (no synthetic data: $path is missing or empty)" 0 -
+            return 1
+        fi
+    done
+}
+
+config() {  # config FAMILY SECTIONS: the JSON a rule would hand over, from config.yaml (tiny models in the rehearsal)
     "$py" - "$@" <<'EOF'
-import json, sys, yaml
+import json, os, sys, yaml
 config = yaml.safe_load(open("config.yaml"))
 family, sections = sys.argv[1], sys.argv[2].split(",")
 if family == "modernbert":
     config["model"]["family"] = "modernbert"
     config["pretrain"]["optimizer"] = "stable_adamw"
     config["encode"].update(objective="full_sentences", masking="dynamic", dupe_factor=1)
+if os.environ.get("GPU_CHECKS_CPU") == "1":
+    config["model"]["preset"] = "tiny" if family == "bert" else "modernbert-tiny"
 print(json.dumps({key: config[key] for key in sections}))
 EOF
 }
 
-"$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
-step gpu_tests "$py" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_flash_varlen.py
-for family in bert modernbert; do
-    "$py" -m workflow.data.synthetic_shards --config "$(config $family seed,vocab,encode)" \
-        --output-data "$work/$family/hdf5" --output-vocab "$work/$family/vocab.txt" \
-        --training-instances "${CHECK_TRAINING:-40000}" --test-instances "${CHECK_TEST:-10000}" >"$out/data_$family.log" 2>&1
-    step "cluster_check_$family" "$py" -m workflow.slurm.launch --run-dir "$work/run_$family" -- \
-        "$py" -m workflow.slurm.cluster_check --config "$(config $family seed,model,pretrain)" \
-        --data-dir "$work/$family/hdf5" --vocab "$work/$family/vocab.txt" --run-dir "$work/run_$family" \
-        --output "$out/cluster_check_$family.json" --steps "${CHECK_STEPS:-10}"
-done
-step train_step "$py" benchmarks/train_step.py --gpu
-for vocab in ${VOCABS:-8192 50368}; do  # the benchmark's default and ModernBERT's own
-    step "modernbert_step_1024_$vocab" "$py" benchmarks/modernbert_step.py --gpu --gpu-seq 1024 --micro-batch 64 --vocab "$vocab"
-    step "modernbert_step_8192_$vocab" "$py" benchmarks/modernbert_step.py --gpu --gpu-seq 8192 --micro-batch 8 --vocab "$vocab"
-done
-if [ "${LEARNING:-0}" = 1 ]; then
-    for text in ${TEXTS:-python-docs wikipedia}; do
-        for family in ${FAMILIES:-bert}; do
-            limit=${LEARNING_LIMIT_S:-600} TAIL=40 step "learning_parity_${family}_$text" "$py" \
-                benchmarks/learning_parity.py --device cuda --text "$text" $([ "$family" = bert ] || echo --family "$family") \
-                --json "$out/learning_parity_${family}_$text.json" --png "$out/learning_parity_${family}_$text.png"
-        done
+cluster_check() {  # cluster_check FAMILY: its synthetic data, then the check on them
+    local family=$1 data=$work/$1
+    step "data_$family" 600 "$py" -m workflow.data.synthetic_shards --config "$(config "$family" seed,vocab,encode)" \
+        --output-data "$data/hdf5" --output-vocab "$data/vocab.txt" \
+        --training-instances "$training" --test-instances "$test"
+    made "cluster_check_$family" "$data/hdf5" "$data/vocab.txt" || return
+    # BERT-large took > 80 s on one H200 (one rank, 10 steps); 8 ranks start, check and gather more
+    step "cluster_check_$family" "${CHECK_LIMIT_S:-900}" \
+        "$py" -m workflow.slurm.launch --run-dir "$work/run_$family" -- \
+        "$py" -m workflow.slurm.cluster_check --config "$(config "$family" seed,model,pretrain)" \
+        --data-dir "$data/hdf5" --vocab "$data/vocab.txt" --run-dir "$work/run_$family" \
+        --output "$out/cluster_check_$family.json" --steps "$steps"
+}
+
+gpu_steps() {  # the checks, in order
+    "$py" -c "import torch; print('torch', torch.__version__, 'cuda',
+                                  torch.cuda.is_available() and torch.cuda.get_device_name())"
+    if [ "$cpu" = 1 ]; then
+        training=${CHECK_TRAINING:-2000} test=${CHECK_TEST:-500} steps=${CHECK_STEPS:-2}
+    else
+        training=${CHECK_TRAINING:-40000} test=${CHECK_TEST:-10000} steps=${CHECK_STEPS:-10}
+    fi
+    gpu_step gpu_tests 600 "$py" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_flash_varlen.py
+    for family in ${FAMILIES:-bert modernbert}; do
+        cluster_check "$family"
     done
+    gpu_step train_step 900 "$py" benchmarks/train_step.py --gpu
+    for vocab in ${VOCABS:-8192 50368}; do  # the benchmark's default and ModernBERT's own
+        gpu_step "modernbert_step_1024_$vocab" 600 "$py" benchmarks/modernbert_step.py --gpu --gpu-seq 1024 \
+            --micro-batch 64 --vocab "$vocab"
+        gpu_step "modernbert_step_8192_$vocab" 600 "$py" benchmarks/modernbert_step.py --gpu --gpu-seq 8192 \
+            --micro-batch 8 --vocab "$vocab"
+    done
+    if [ "${LEARNING:-0}" = 1 ]; then
+        for text in ${TEXTS:-python-docs wikipedia}; do
+            for family in ${FAMILIES:-bert}; do
+                TAIL=40 gpu_step "learning_parity_${family}_$text" "${LEARNING_LIMIT_S:-1800}" "$py" \
+                    benchmarks/learning_parity.py --device cuda --text "$text" \
+                    $([ "$family" = bert ] || echo --family "$family") \
+                    --json "$out/learning_parity_${family}_$text.json" --png "$out/learning_parity_${family}_$text.png"
+            done
+        done
+    fi
+}
+
+verdict() {  # the table of every step; the exit status: 1 when one failed
+    echo
+    echo "| step | result | seconds | log |"
+    echo "|---|---|---|---|"
+    printf '%s\n' "${rows[@]}"
+    exit "$failed"
+}
+
+if [ -n "${GPU_CHECKS_STEPS:-}" ]; then
+    # shellcheck source=/dev/null
+    source "$GPU_CHECKS_STEPS"
+elif [ "$cpu" != 1 ] && ! "$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    echo "error: gpu_checks: no CUDA device here; GPU_CHECKS_CPU=1 rehearses the steps on CPU at tiny sizes" >&2
+    exit 2
+else
+    gpu_steps
 fi
-rm -rf "$work"
-exit 0
+verdict

@@ -310,3 +310,86 @@ def test_a_modernbert_rank_checks_its_16_bit_unpadded_attention_against_dense_ma
     error = disagreement([fast_paths(config, packed_batch, CPU, "bf16", True, tmp_path / "s3", family("modernbert"))])
     assert str(error).startswith("rank 0: unpadded attention (16-bit) differs from the same rows with dense masks")
     assert "set pretrain.precision: fp32 until it is fixed" in str(error)
+
+
+# ---------------------------------------------------------------- its last line, and full fp32 where it compares
+
+
+def check_argv(s, tmp_path) -> list[str]:
+    import json
+
+    return ["--config", json.dumps(config_of(s)), "--data-dir", s.data_dir, "--vocab", s.vocab, "--run-dir",
+            str(tmp_path / "scratch"), "--output", str(tmp_path / "check.json"), "--steps", "2", "--allreduce-mb", "1",
+            "--threads", "1"]
+
+
+def test_the_check_ends_with_one_line_saying_it_passed_on_how_many_ranks_and_what(packed_data, tmp_path,  # noqa: F811
+                                                                                  capsys):
+    from workflow.slurm.cluster_check import main
+
+    s = settings(packed_data, tmp_path / "out", eval_max_sequences=16, micro_batch_size=4)
+    main(check_argv(s, tmp_path))
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "cluster_check: passed on 1 rank (unpadded attention, checkpoint, rng restore against their references, "
+        "attention rows (SDPA with a mask); 2 steps of the trainer in fp32 with torch.Lamb and packed vs unpacked "
+        "loss)")
+
+
+def test_a_failed_check_ends_with_one_error_line_naming_the_key_that_turns_the_path_off(
+        packed_data, tmp_path, gpu_paths_on_cpu, monkeypatch, capsys):  # noqa: F811
+    from workflow.cli import run
+    from workflow.slurm import cluster_check
+
+    s = settings(packed_data, tmp_path / "out", eval_max_sequences=16, micro_batch_size=4)
+    attention = kit.VarlenAttention.__call__
+    monkeypatch.setattr(kit.VarlenAttention, "__call__", lambda *a: attention(*a).flip(0))  # tokens swapped
+    with pytest.raises(SystemExit):
+        run(cluster_check.main, check_argv(s, tmp_path))
+    assert re.match(r"error: cluster_check: rank 0: unpadded attention differs from the same packed rows with a "
+                    r"block-diagonal mask \(fp32 logits\) by \S+ \(relative; at most 0.0001\) on this cluster; set "
+                    r"encode.packing.enabled: false until it is fixed$", capsys.readouterr().err.splitlines()[-1])
+
+    def lost(env, megabytes):  # a collective that crashes: its traceback, then the one line
+        raise RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error\nLast error: ...")
+
+    monkeypatch.setattr(cluster_check, "allreduce_bus_gbps", lost)
+    with pytest.raises(SystemExit):
+        run(cluster_check.main, check_argv(s, tmp_path))
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.splitlines()[-1] == (
+        "error: cluster_check: RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error (the "
+        "traceback above says where)")
+
+
+def test_fp32_comparisons_run_without_tf32_and_the_settings_before_are_restored(packed_data, tmp_path,  # noqa: F811
+                                                                                 monkeypatch):
+    """The trainer in fp32 leaves TF32 on (sm80+): 1e-3 rounding against the 1e-4 packed/unpacked agreement. On CPU
+    the flags are torch's own; what each comparison ran under is recorded by a stand-in around it."""
+    from workflow.slurm import cluster_check
+
+    def flags():
+        return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                torch.get_float32_matmul_precision())
+
+    seen = []
+
+    def recording(function):
+        def run(*args, **kwargs):
+            seen.append((function.__name__, flags()))
+            return function(*args, **kwargs)
+        return run
+
+    for name in ("fast_paths", "packed_unpacked_losses"):
+        monkeypatch.setattr(cluster_check, name, recording(getattr(cluster_check, name)))
+    before = flags()
+    s = settings(packed_data, tmp_path / "out", eval_max_sequences=16, micro_batch_size=4)
+    try:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, True  # as the trainer sets them
+        torch.set_float32_matmul_precision("high")
+        check(config_of(s), s.data_dir, s.vocab, tmp_path / "scratch", steps=2, allreduce_mb=1, threads=1)
+        full = (False, False, "highest")
+        assert seen == [("fast_paths", full), ("packed_unpacked_losses", full)]
+        assert flags() == (True, True, "high")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[:2]
+        torch.set_float32_matmul_precision(before[2])

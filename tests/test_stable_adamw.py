@@ -1,5 +1,6 @@
 """pretrain.optimizer: stable_adamw is torch-optimi's StableAdamW wired right: its own step on the same gradients, the
 weight-decay groups, fully decoupled decay, its state carried into phase 2, its name in the fingerprint."""
+import contextlib
 import copy
 
 import optimi
@@ -174,3 +175,67 @@ def test_a_modernbert_trains_with_no_decay_on_its_norms_and_biases():
     assert exempt == {n for n in names.values() if "norm" in n or n.endswith("bias")} and exempt
     assert "model.embeddings.tok_embeddings.weight" in decayed
     assert [g["weight_decay"] for g in optimizer.param_groups] == [1e-5, 0.0]
+
+
+# ---------------------------------------------------------------- the Triton path, on CPU through a stand-in
+
+
+def triton_on_cpu(monkeypatch, compiles: bool) -> list:
+    """torch-optimi's StableAdamW with a triton=True path that runs on CPU (its foreach arithmetic), or, when the
+    kernel does not compile, raises at its first step what Triton raises without a C compiler; the Triton
+    optimizers made, in a list."""
+    import optimi.utils
+
+    made = []
+
+    class TritonOnCpu(optimi.StableAdamW):
+        def __init__(self, params, *, triton=None, foreach=None, **kwargs):
+            super().__init__(params, triton=False, foreach=bool(triton or foreach), **kwargs)
+            self.triton = triton
+            if triton:
+                made.append(self)
+
+        def step(self, closure=None):
+            if self.triton and not compiles:
+                raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+            return super().step(closure)
+
+    monkeypatch.setattr(optimi.utils, "HAS_TRITON", True)
+    monkeypatch.setattr(optimi, "StableAdamW", TritonOnCpu)
+    monkeypatch.setattr("workflow.train.optim.optimizers.TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+    return made
+
+
+@contextlib.contextmanager
+def deterministic(enabled: bool):
+    """torch.use_deterministic_algorithms(enabled) within the block (another test may have left it on)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@deterministic(False)
+def test_a_triton_kernel_that_cannot_compile_is_one_error_line_naming_the_key(monkeypatch):
+    triton_on_cpu(monkeypatch, compiles=False)
+    with pytest.raises(UserError, match=r"^config pretrain.stable_adamw.fused: torch-optimi's Triton kernel does not "
+                                        r"compile or run here \(Failed to find C compiler. Please specify via CC "
+                                        r"environment variable.\); give the job a C compiler \(CC\) and libcuda, or "
+                                        r"set pretrain.stable_adamw.fused: false$"):
+        make_optimizer("stable_adamw", tiny_bert(), lr=1e-3, fused=True)
+    _, name = make_optimizer("stable_adamw", tiny_bert(), lr=1e-3, fused=False)  # the way out: its for-loop
+    assert name == "optimi.StableAdamW (for-loop, decouple_lr)"
+
+
+def test_the_triton_path_is_tried_once_before_training_and_deterministic_runs_take_foreach(monkeypatch):
+    made = triton_on_cpu(monkeypatch, compiles=True)
+    with deterministic(False):
+        optimizer, name = make_optimizer("stable_adamw", tiny_bert(), lr=1e-3, fused=True)
+    assert name == "optimi.StableAdamW (triton, decouple_lr)" and optimizer.triton
+    assert len(made) == 2 and made[0].param_groups[0]["params"][0].shape == (16,)  # the throwaway step, then ours
+    made.clear()
+    with deterministic(True):  # --deterministic: the kernel's atomic adds sum in any order
+        optimizer, name = make_optimizer("stable_adamw", tiny_bert(), lr=1e-3, fused=True)
+    assert name == "optimi.StableAdamW (foreach, decouple_lr)" and not optimizer.triton and made == []

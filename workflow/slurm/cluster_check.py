@@ -17,9 +17,11 @@ device, on a few sequences of the phase-1 data and the configured model (no drop
 (when it runs here) against the torch LAMB for one step, the unpadded (varlen) attention of packed rows against the
 same rows with a block-diagonal mask, the training precision's loss against fp32's, a checkpoint's save -> load
 (identical weights and optimizer state), the RNG state's restore, and (on CUDA) a packed forward with no host sync.
-Each rank prints which optimizer, attention kernel (flash / efficient / math) and precision it uses; a
-fast path that disagrees with its reference stops the check with one `error:` line naming the config key that turns
-it off (FAST_PATHS).
+Each rank prints which optimizer, attention kernel (the one that trains: workflow/train/models/kernels.py) and
+precision it uses; a fast path that disagrees with its reference stops the check with one `error:` line naming the
+config key that turns it off (FAST_PATHS). Comparisons in fp32 run in full fp32 (TF32 off, restored after). The
+check ends with one line: `cluster_check: passed on N ranks (what was checked)` or `error: cluster_check: what
+failed`.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import shutil
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -42,7 +45,7 @@ from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.train import engine
-from workflow.train.models import kit
+from workflow.train.models import kernels, kit
 from workflow.train.optim.optimizers import make_optimizer
 from workflow.train.precision import autocast, autocast_dtype, matmul_math, resolve_precision
 from workflow.train.models.family import family
@@ -200,7 +203,10 @@ def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: P
     task = PretrainingTask(None, batch["input_ids"].shape[1], host_indices=model_family.host_indices)
     host = model_family.host_indices(batch)
     on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in host.items()}
+    head_size = config.hidden_size // config.num_attention_heads
     training_path = model_family.trains_unpadded(device.type, packed, precision)
+    if training_path and not model_family.unpads_in_fp32:  # below its torch or GPU floor ModernBERT trains as rows
+        training_path = kernels.fast_kernel(model_family.name, device) != kernels.ROWS
     torch.manual_seed(0)
     model = model_family.pretraining_model(config).to(device).eval()
 
@@ -248,9 +254,8 @@ def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: P
     first = torch.rand(64, device=device)
     ckpt.set_rng_state(state, device)
     paths["rng restore"] = 0.0 if torch.equal(torch.rand(64, device=device), first) else float("inf")
-    kernel = (accelerator.attention_kernel(device, autocast_dtype(precision),
-                                           config.hidden_size // config.num_attention_heads)
-              if training_path else "rows (SDPA with a mask)")
+    kernel = (accelerator.attention_kernel(device, autocast_dtype(precision), head_size, family=model_family.name)
+              if training_path else kernels.ROWS)
     return {"rank": env.rank, "optimizer": name, "attention": kernel, "precision": precision, "paths": paths,
             "syncs": accelerator.host_syncs(device, lambda: loss(model, training_path, precision))}
 
@@ -304,8 +309,9 @@ def check_fast_paths(s: TrainSettings, shards, env, scratch: Path, sequences: in
         batch = reader.read(env.rank * sequences, sequences)
     finally:
         reader.close()
-    return fast_paths(config, batch, env, resolve_precision(s.precision, env.device, "pretrain.precision"),
-                      s.fused, scratch, family(s.family), s.optimizer)
+    with accelerator.full_fp32():
+        return fast_paths(config, batch, env, resolve_precision(s.precision, env.device, "pretrain.precision"),
+                          s.fused, scratch, family(s.family), s.optimizer)
 
 
 def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, allreduce_mb: int,
@@ -338,7 +344,8 @@ def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, al
         with engine.measured_host_syncs() as syncs:
             summary = train_phase(s, env)
         distributed.barrier()  # rank 0 has exported the model the comparison loads
-        losses = packed_unpacked_losses(s, scratch / "model", env, sequences=16)
+        with accelerator.full_fp32():  # the trainer in fp32 left TF32 on: its rounding is beyond AGREEMENT
+            losses = packed_unpacked_losses(s, scratch / "model", env, sequences=16)
         gathered = gather(env, losses)
         result = None
         if env.is_main:
@@ -417,10 +424,28 @@ def main(argv=None) -> None:
     parser.add_argument("--allreduce-mb", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
     args = parser.parse_args(argv)
-    result = check(args.config, args.data_dir, args.vocab, args.run_dir, args.steps, args.allreduce_mb, args.threads)
-    if result is not None:
-        write_text(args.output, json.dumps(result, indent=1) + "\n")
-        report(result)
+    try:
+        result = check(args.config, args.data_dir, args.vocab, args.run_dir, args.steps, args.allreduce_mb,
+                       args.threads)
+        if result is not None:
+            write_text(args.output, json.dumps(result, indent=1) + "\n")
+            report(result)
+            print(passed(result), file=sys.stderr, flush=True)
+    except UserError as error:
+        raise UserError(f"cluster_check: {error}") from None
+    except Exception as error:  # a kernel or a collective that crashed: its traceback, then the one line
+        traceback.print_exc()
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise UserError(f"cluster_check: {type(error).__name__}: {reason} (the traceback above says where)") from None
+
+
+def passed(result: dict) -> str:
+    """The check's last line when every rank passed: what was checked, on how many ranks."""
+    fast = result["fast_paths"][0]
+    packed = " and packed vs unpacked loss" if result["packed_vs_unpacked"][0]["packed"] else ""
+    return (f"cluster_check: passed on {result['world_size']} rank{'s' if result['world_size'] != 1 else ''} "
+            f"({', '.join(fast['paths'])} against their references, attention {fast['attention']}; "
+            f"{_steps(result['steps'])} of the trainer in {result['precision']} with {result['optimizer']}{packed})")
 
 
 if __name__ == "__main__":

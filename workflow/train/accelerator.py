@@ -8,8 +8,11 @@ API:
                                   count changes every micro-batch), and for deterministic runs CUBLAS_WORKSPACE_CONFIG
                                   plus torch.use_deterministic_algorithms; a value the user set wins
     available() / device_count() / set_device(device) / device_name(device) / bf16_native(device)
+    compute_capability(device) -> (major, minor) | None   None off CUDA
     tf32_native(device) / allow_tf32(enabled)   TF32 tensor cores (compute capability >= 8.0); fp32 matmuls and
                                   convolutions on them
+    full_fp32()                   a context in which fp32 matmuls and convolutions run in full fp32 (no TF32), as a
+                                  comparison of fp32 results needs; the settings before it restored after
     rng_state(device) / set_rng_state(state, device)   the CUDA generator of this rank's own device only: a
                                   checkpoint restores onto any number of visible devices
     synchronize(device)           wait for the queued kernels (nothing on CPU)
@@ -20,8 +23,10 @@ API:
                                   (DeviceReads, a torch function mode)
     reset_peak_memory(device) / peak_memory_bytes(device)
     fused_lamb(device) -> (class | None, reason)   apex FusedLAMB where it can run (CUDA, apex importable)
-    attention_kernel(device, dtype, head_size) -> "flash" | "efficient" | "math"   SDPA's first usable kernel
-                                  for nested (varlen) attention on `device`; "math" off CUDA
+    attention_kernel(device, dtype, head_size, family="bert") -> str   the unpadded attention kernel that trains
+                                  (workflow.train.models.kernels: its torch and GPU floors); for nested SDPA, SDPA's
+                                  first usable kernel for nested (varlen) q, k, v: "flash" | "efficient" | "math"
+                                  ("math" off CUDA)
     peak_flops(device_name, math) -> float | None   the card's datasheet dense peak (FLOP/s) for the matmuls' math
                                   (bf16, fp16, tf32, fp32), by NVML's exact device name; None: unknown
     host_syncs(device, run) -> str | None   what made `run()` wait for the device (CUDA's sync debug mode "error"):
@@ -101,15 +106,34 @@ def bf16_native(device: torch.device) -> bool:
     return device.type == "cuda" and cuda.is_bf16_supported(including_emulation=False)
 
 
+def compute_capability(device: torch.device) -> tuple[int, int] | None:
+    return tuple(cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
 def tf32_native(device: torch.device) -> bool:
     """TF32 tensor cores: Ampere and newer (compute capability >= 8.0)."""
-    return device.type == "cuda" and cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cuda" and compute_capability(device) >= (8, 0)
 
 
 def allow_tf32(enabled: bool) -> None:
     """fp32 matmuls (cuBLAS) and convolutions (cuDNN) on TF32 tensor cores: fp32's range, a 10-bit mantissa."""
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
+
+
+@contextlib.contextmanager
+def full_fp32():
+    """fp32 matmuls and convolutions in full fp32 within the block (a trainer in fp32 leaves TF32 on: 1e-3 relative
+    rounding, beyond a 1e-4 comparison); the settings before it restored after."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
+    allow_tf32(False)
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
 
 
 def rng_state(device: torch.device):
@@ -170,9 +194,20 @@ def fused_lamb(device: torch.device):
     return FusedLAMB, ""
 
 
-def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, heads: int = 2) -> str:
-    """The first kernel SDPA can run for nested (variable-length) q, k, v of this dtype and head size on `device`,
-    in the order nested tensors' SDPA prefers them (torch/nested/_internal/sdpa.py): what the unpadded path runs on."""
+def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, heads: int = 2,
+                     family: str = "bert") -> str:
+    """The kernel the unpadded attention of `family` trains with on `device` (workflow.train.models.kernels); for
+    nested SDPA the first kernel SDPA can run for nested (variable-length) q, k, v of this dtype and head size, in the
+    order nested tensors' SDPA prefers them (torch/nested/_internal/sdpa.py)."""
+    from workflow.train.models import kernels  # (here: kernels reads the device's capability through this module)
+    from workflow.train.models.flash_varlen import runs_flash_varlen
+
+    path = kernels.trained_path(family, device, dtype)
+    if path == kernels.FLASH_VARLEN and not runs_flash_varlen(torch.empty(0, heads, head_size, device=device,
+                                                                          dtype=dtype)):
+        path = kernels.NESTED_SDPA  # a head size the flash kernels do not take
+    if path != kernels.NESTED_SDPA:
+        return path
     if device.type != "cuda":
         return "math"
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -69,6 +69,7 @@ from workflow.data.tokenizer import Vocabulary
 from workflow.data.vocab import Normalization, vocab_file_type
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.evaluation import EvaluationSet
+from workflow.train.models import kernels
 from workflow.train.models.family import ModelSettings, family
 from workflow.train.optim.optimizers import (HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer,
                                        refuse_other_optimizer_keys, state_to_carry)
@@ -404,6 +405,8 @@ def train_phase(s: TrainSettings, env) -> dict:
     torch.manual_seed(s.seed)  # identical initial weights on every rank
     model_family = family(s.family)
     model_family.check_objective(train_shards[0].objective)
+    if model_family.trains_unpadded(env.device.type, train_shards[0].packed, precision) and precision != "fp32":
+        kernels.fast_kernel(model_family.name, env.device)  # below its torch or GPU floor: one warning, here
     config, model = model_family.build(s.model_settings, s.vocab, read_vocab_size(s.vocab), seq_length)
     check_token_ids(train_shards + test_shards, s.vocab, config.vocab_size)
     model.to(env.device)

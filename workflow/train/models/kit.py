@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workflow.cli import UserError
+from workflow.train.models import kernels
 from workflow.train.models.flash_varlen import flash_varlen, runs_flash_varlen
 
 
@@ -80,8 +81,8 @@ class VarlenAttention:
                                                       max_seqlen=self.max_seqlen).transpose(1, 2)
 
     def __call__(self, q, k, v, dropout_p):
-        if FLASH_VARLEN and runs_flash_varlen(q):
-            return flash_varlen(q, k, v, self.offsets32, self.max_seqlen, dropout_p)
+        if FLASH_VARLEN and runs_flash_varlen(q) and (kernel := kernels.bert_flash_kernel(q.device, flash_varlen)):
+            return kernel(q, k, v, self.offsets32, self.max_seqlen, dropout_p)
         context = F.scaled_dot_product_attention(self._nested(q), self._nested(k), self._nested(v),
                                                  dropout_p=dropout_p)
         return context.transpose(1, 2).values()

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workflow.cli import UserError
-from workflow.train.models import kit
+from workflow.train.models import kernels, kit
 from workflow.train.models.kit import (ACTIVATIONS, UNPADDED_KEYS, RowAttention, Unpadded, at_positions,
                                        read_config_json, row_attention, unpad)
 
@@ -236,8 +236,8 @@ class WindowedVarlenAttention:
         if dropout_p:
             raise UserError(f"modernbert config: attention_dropout {dropout_p} on the unpadded GPU path, whose varlen "
                             "attention has no dropout; set attention_dropout: 0.0")
-        return varlen_attn(q, k, v, self.offsets, self.offsets, self.max_seqlen, self.max_seqlen,
-                           window_size=self.window_size)
+        return kernels.windowed_varlen_kernel(q.device, varlen_attn)(
+            q, k, v, self.offsets, self.offsets, self.max_seqlen, self.max_seqlen, window_size=self.window_size)
 
 
 class ModernBertAttention(nn.Module):
@@ -359,7 +359,8 @@ class ModernBertModel(nn.Module):
     def _runs_unpadded(self, device) -> bool:
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
             self.embeddings.tok_embeddings.weight.dtype
-        return device.type in kit.VARLEN_DEVICE_TYPES and dtype in VARLEN_DTYPES
+        return (device.type in kit.VARLEN_DEVICE_TYPES and dtype in VARLEN_DTYPES
+                and kernels.windowed_varlen_kernel(device, varlen_attn) is not None)
 
     def _row_attention(self, attention_mask, length: int, mask_needed: bool | None) -> dict:
         """Each layer type's RowAttention: same sequence (equal mask values: padding sees padding only), and for

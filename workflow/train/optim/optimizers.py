@@ -11,8 +11,11 @@ API:
         biases and normalisation layers, either family), fused on CUDA where torch has it and `fused`.
         stable_adamw: torch-optimi's StableAdamW (the library, not a copy: AdamW with per-tensor update clipping,
         decoupled weight decay, with decouple_lr fully decoupled: p <- p (1 - wd lr / peak lr)) on
-        lamb.param_groups; `fused`: its Triton kernel on CUDA where Triton imports, else its foreach path;
-        not `fused`: its for-loop. Clipping by the engine only where max_grad_norm is set (ModernBERT's: none).
+        lamb.param_groups; `fused`: its Triton kernel on CUDA where Triton imports (one step of a throwaway
+        parameter first: a kernel that cannot compile or run is one error line naming pretrain.stable_adamw.fused),
+        else, and under deterministic algorithms (--deterministic: the kernel's atomic adds sum in any order), its
+        foreach path; not `fused`: its for-loop. Clipping by the engine only where max_grad_norm is set (ModernBERT's:
+        none).
     lamb.param_groups(model, weight_decay)   every optimizer's two groups, by what a parameter is: decayed
         (matrices, embeddings), and without decay the parameters of normalisation layers and every bias
     engine_clip(kind, max_grad_norm)   the engine's torch clipping norm before the step: AdamW's and StableAdamW's
@@ -48,6 +51,7 @@ HYPER_PARAMETERS = ("weight_decay", "beta1", "beta2", "eps", "max_grad_norm")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # every optimizer's per-parameter state; AdamW adds its step count
 STABLE_ADAMW_STATE = ("eps_sq", "kahan_comp", "mean_square")  # StableAdamW's own, beside the moments
 OPTIMI = "torch-optimi==0.3.3"  # requirements.txt, envs/train.yaml
+TRITON_DEVICE_TYPES = ("cuda",)  # torch-optimi's Triton kernel; a test adds "cpu" beside a stand-in StableAdamW
 
 
 def make_optimizer(kind: str, model: nn.Module, lr: float, weight_decay: float = 0.01, max_grad_norm: float = 1.0,
@@ -77,7 +81,10 @@ def make_stable_adamw(model: nn.Module, lr: float, weight_decay: float, betas, e
     except ImportError:
         raise UserError(f"config pretrain.optimizer: stable_adamw needs torch-optimi (pip install {OPTIMI})") from None
     device = next(model.parameters()).device
-    triton = fused and HAS_TRITON and device.type == "cuda"
+    triton = (fused and HAS_TRITON and device.type in TRITON_DEVICE_TYPES
+              and not torch.are_deterministic_algorithms_enabled())
+    if triton:
+        check_triton_step(optimi.StableAdamW, device)
     with warnings.catch_warnings():  # optimi deprecates foreach for its Triton kernel, which the CPU lacks
         warnings.simplefilter("ignore", DeprecationWarning)
         optimizer = optimi.StableAdamW(lamb.param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
@@ -85,6 +92,20 @@ def make_stable_adamw(model: nn.Module, lr: float, weight_decay: float, betas, e
                                        foreach=fused and not triton)
     path = "triton" if triton else "foreach" if fused else "for-loop"
     return optimizer, f"optimi.StableAdamW ({path}{', decouple_lr' if decouple_lr else ''})"
+
+
+def check_triton_step(stable_adamw, device: torch.device) -> None:
+    """One Triton step of a throwaway parameter on `device`: the kernel compiles (Triton builds its launcher with a C
+    compiler and links libcuda the first time) and runs here, else one error line naming the key."""
+    parameter = torch.zeros(16, device=device, requires_grad=True)
+    parameter.grad = torch.ones_like(parameter)
+    try:
+        stable_adamw([parameter], lr=1e-3, triton=True, foreach=False).step()
+    except Exception as error:  # Triton's failures are of many kinds (RuntimeError, CalledProcessError, ImportError)
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UserError(f"config pretrain.stable_adamw.fused: torch-optimi's Triton kernel does not compile or run "
+                        f"here ({reason}); give the job a C compiler (CC) and libcuda, or set "
+                        f"pretrain.stable_adamw.fused: false") from None
 
 
 def is_stable_adamw(optimizer) -> bool:

@@ -1,0 +1,259 @@
+"""Each attention path names the torch and GPU it needs (workflow.train.models.kernels); below its floor a job trains
+on the next path with one warning naming what to upgrade, never a crash at the first step. On CPU through stand-ins
+that keep the real API at each boundary: varlen_attn without window_size (torch 2.9, 2.10) or absent (2.8), a GPU of
+compute capability 7.5, the flash-attn package's flash_attn_varlen_func."""
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from tests.fixtures.gpu_standins import flash_varlen_standin, varlen_attn_standin
+from tests.test_flash_varlen import CONFIG as BERT_CONFIG, packed_rows
+from tests.test_modernbert import packed_batch, small_config, training_batch
+from tests.test_pretrain import packed_data, settings  # noqa: F401  (the packed_data fixture)
+from workflow.train import accelerator
+from workflow.train.models import kernels, kit, modernbert
+from workflow.train.models.bert import BertForPreTraining
+from workflow.train.models.kernels import (FLASH_ATTN, FLASH_VARLEN, NESTED_SDPA, ROWS, VARLEN_ATTN, attention_path,
+                                           trained_path)
+from workflow.train.models.modernbert import ModernBertForMaskedLM
+from workflow.train.precision import autocast
+from workflow.train.pretrain import forward
+
+CPU = torch.device("cpu")
+H100, T4 = (9, 0), (7, 5)
+
+
+@pytest.mark.parametrize("family, version, capability, flash_attn, expected", [
+    ("modernbert", (2, 11), H100, False, VARLEN_ATTN),
+    ("modernbert", (2, 10), H100, False, ROWS),          # varlen_attn without window_size
+    ("modernbert", (2, 10), H100, True, FLASH_ATTN),
+    ("modernbert", (2, 8), H100, True, FLASH_ATTN),      # no varlen_attn at all
+    ("modernbert", (2, 13), T4, True, ROWS),             # no flash kernels below sm80, flash-attn 2's neither
+    ("bert", (2, 7), H100, False, FLASH_VARLEN),
+    ("bert", (2, 6), H100, False, NESTED_SDPA),          # its flash backward takes philox_seed, not rng_state
+    ("bert", (2, 6), H100, True, FLASH_ATTN),
+    ("bert", (2, 13), T4, True, NESTED_SDPA),
+])
+def test_each_path_trains_at_its_torch_and_gpu_floor_and_falls_back_below_it(family, version, capability,
+                                                                             flash_attn, expected):
+    assert attention_path(family, version, "cuda", capability, torch.bfloat16, flash_attn) == expected
+    exact = {"bert": NESTED_SDPA, "modernbert": ROWS}[family]
+    assert attention_path(family, version, "cuda", capability, torch.float32, flash_attn) == exact  # fp32
+    assert attention_path(family, version, "cpu", None, torch.bfloat16, flash_attn) == exact
+
+
+@pytest.fixture
+def platform(monkeypatch):
+    """This process as another: set(torch=..., capability=..., flash_attn=...); what kernels found is forgotten
+    before and after."""
+    kernels.forget()
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+
+    def set_(torch_version: str = torch.__version__, capability=H100, flash_attn=None):
+        monkeypatch.setattr(torch, "__version__", torch_version)
+        monkeypatch.setattr(accelerator, "compute_capability", lambda device: capability)
+        if flash_attn is not None:
+            package = types.ModuleType("flash_attn")
+            package.flash_attn_varlen_func = flash_attn
+            monkeypatch.setitem(sys.modules, "flash_attn", package)
+        else:
+            monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` raises ImportError
+        kernels.forget()
+
+    yield set_
+    kernels.forget()
+
+
+def flash_attn_standin(calls: list):
+    """flash-attn 2's flash_attn_varlen_func (flash_attn/flash_attn_interface.py): its signature and limits (16-bit,
+    int32 offsets, window_size (left, right), -1 unbounded) on CPU, each call recorded."""
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        assert q.dtype in (torch.float16, torch.bfloat16) and not causal and not return_attn_probs
+        calls.append((tuple(window_size), dropout_p))
+        if dropout_p:
+            return flash_varlen_standin(q, k, v, cu_seqlens_q, max_seqlen_q, dropout_p)
+        return varlen_attn_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   window_size=tuple(window_size))
+
+    return flash_attn_varlen_func
+
+
+def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None):
+    """torch 2.9 and 2.10's varlen_attn: no window_size (a call with it raises TypeError, as Python does)."""
+    return varlen_attn_standin(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux,
+                               scale=scale)
+
+
+def modernbert_logits(model, batch):
+    with torch.no_grad(), autocast(CPU, "bf16"):
+        logits, _ = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
+                          batch["masked_lm_positions"], batch.get("position_ids"), batch.get("cls_positions"),
+                          masked_lm_index=batch["masked_lm_index"], unpadded=kit.unpadded_of(batch),
+                          mask_needed=batch["mask_needed"])
+    return logits.float()
+
+
+def floor_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == kernels.__name__ and r.levelno == logging.WARNING]
+
+
+@pytest.fixture
+def modernbert_rows(monkeypatch):
+    """A tiny ModernBERT, a packed training batch, and its logits as rows with dense masks (bf16)."""
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(small_config()).eval()
+    batch = training_batch(*packed_batch())
+    with monkeypatch.context() as rows_only:
+        rows_only.setattr(kit, "VARLEN_DEVICE_TYPES", ())
+        return model, batch, modernbert_logits(model, batch)
+
+
+@pytest.mark.parametrize("version, varlen_attn", [("2.10.0+cu128", varlen_attn_2_10), ("2.8.0", None)])
+def test_modernbert_below_torch_2_11_trains_as_rows_with_one_warning_naming_the_upgrade(
+        platform, modernbert_rows, monkeypatch, caplog, version, varlen_attn):
+    model, batch, rows = modernbert_rows
+    platform(torch_version=version)
+    monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn)
+    for _ in range(2):
+        assert torch.equal(modernbert_logits(model, batch), rows)
+    assert floor_warnings(caplog) == [
+        f"ModernBERT's windowed varlen attention (varlen_attn's window_size) needs torch >= 2.11 and compute "
+        f"capability >= 8.0; torch {version} lacks it: training with rows with masks (exact, slower) instead; "
+        f"upgrade torch to >= 2.11 (or pip install flash-attn)"]
+    assert trained_path("modernbert", torch.device("cuda"), torch.bfloat16) == ROWS
+    assert accelerator.attention_kernel(torch.device("cuda"), torch.bfloat16, 64, family="modernbert") == ROWS
+
+
+def test_modernbert_below_torch_2_11_trains_with_flash_attns_windowed_kernel_where_installed(
+        platform, modernbert_rows, monkeypatch, caplog):
+    model, batch, rows = modernbert_rows
+    calls = []
+    platform(torch_version="2.10.0", flash_attn=flash_attn_standin(calls))
+    monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_2_10)
+    unpadded = modernbert_logits(model, batch)
+    window = model.config.sliding_window
+    assert calls == [((-1, -1) if kind == "full_attention" else (window, window), 0.0)
+                     for kind in model.config.layer_types]
+    assert (unpadded - rows).abs().max() <= 0.03 * rows.abs().max()  # bf16 rounding of another summation order
+    assert [m.split("; ")[1:] for m in floor_warnings(caplog)] == [[
+        "torch 2.10.0 lacks it: training with flash-attn's flash_attn_varlen_func instead",
+        "upgrade torch to >= 2.11"]]
+    assert accelerator.attention_kernel(torch.device("cuda"), torch.bfloat16, 64, family="modernbert") == FLASH_ATTN
+
+
+def test_modernbert_at_torch_2_11_calls_torchs_varlen_attn_with_its_window(platform, modernbert_rows, monkeypatch,
+                                                                          caplog):
+    model, batch, _ = modernbert_rows
+    calls = []
+    platform(torch_version="2.11.0", flash_attn=flash_attn_standin(calls))
+    monkeypatch.setattr(modernbert, "varlen_attn", lambda *a, **k: calls.append(k["window_size"]) or
+                        varlen_attn_standin(*a, **k))
+    modernbert_logits(model, batch)
+    assert len(calls) == model.config.num_hidden_layers and floor_warnings(caplog) == []
+    assert accelerator.attention_kernel(torch.device("cuda"), torch.bfloat16, 64, family="modernbert") == VARLEN_ATTN
+
+
+def test_modernbert_on_a_gpu_below_sm80_trains_as_rows(platform, modernbert_rows, monkeypatch, caplog):
+    model, batch, rows = modernbert_rows
+    platform(capability=T4, flash_attn=flash_attn_standin([]))
+    monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
+    assert torch.equal(modernbert_logits(model, batch), rows)
+    assert floor_warnings(caplog)[0].endswith(
+        "this GPU (compute capability 7.5) has no flash kernels: training with rows with masks (exact, slower) "
+        "instead; a GPU of compute capability >= 8.0 (A100, L4, H100 or newer) runs it")
+
+
+def bert_loss(model, batch):
+    with autocast(CPU, "bf16"):
+        return forward(model, batch)[0].float().sum()
+
+
+@pytest.fixture
+def bert_flash_on_cpu(monkeypatch):
+    """BERT's 16-bit packed path on CPU: flash_varlen's stand-in, recording its calls."""
+    calls = []
+
+    def recording(q, k, v, offsets, max_seqlen, dropout_p=0.0):
+        calls.append(dropout_p)
+        return flash_varlen_standin(q, k, v, offsets, max_seqlen, dropout_p)
+
+    monkeypatch.setattr(kit, "flash_varlen", recording)
+    monkeypatch.setattr(kit, "runs_flash_varlen", lambda q: q.dtype == torch.bfloat16)
+    return calls
+
+
+@pytest.mark.parametrize("version, capability, why", [
+    ("2.13.0", T4, "this GPU (compute capability 7.5) has no flash kernels"),
+    ("2.6.0", H100, "torch 2.6.0 lacks it")])
+def test_bert_below_its_flash_floor_trains_with_nested_sdpa_and_one_warning(platform, bert_flash_on_cpu, caplog,
+                                                                           version, capability, why):
+    platform(torch_version=version, capability=capability)
+    torch.manual_seed(0)
+    model = BertForPreTraining(BERT_CONFIG).eval()
+    batch = kit.host_indices(packed_rows())
+    with torch.no_grad():
+        bert_loss(model, batch)
+        bert_loss(model, batch)
+    assert bert_flash_on_cpu == []
+    [warning] = floor_warnings(caplog)
+    assert warning.startswith("BERT's varlen flash attention with dropout needs torch >= 2.7 and compute capability "
+                              f">= 8.0; {why}: training with nested SDPA (exact, ~4x slower) instead")
+
+
+def test_bert_below_torch_2_7_trains_with_flash_attns_kernel_and_its_dropout_where_installed(platform,
+                                                                                           bert_flash_on_cpu):
+    calls = []
+    platform(torch_version="2.6.0", flash_attn=flash_attn_standin(calls))
+    torch.manual_seed(0)
+    model = BertForPreTraining(BERT_CONFIG).train()
+    bert_loss(model, kit.host_indices(packed_rows())).backward()
+    assert calls == [((-1, -1), BERT_CONFIG.attention_probs_dropout_prob)] * BERT_CONFIG.num_hidden_layers
+    assert bert_flash_on_cpu == []
+    platform(torch_version="2.7.0", flash_attn=flash_attn_standin(calls))  # at the floor: torch's own kernels
+    bert_loss(model, kit.host_indices(packed_rows()))
+    assert bert_flash_on_cpu == [BERT_CONFIG.attention_probs_dropout_prob] * BERT_CONFIG.num_hidden_layers
+
+
+def test_the_reported_bert_kernel_is_the_one_that_trains(platform):
+    platform(capability=T4)
+    assert trained_path("bert", torch.device("cuda"), torch.float16) == NESTED_SDPA
+    platform(capability=H100)
+    assert trained_path("bert", torch.device("cuda"), torch.bfloat16) == FLASH_VARLEN
+    assert trained_path("bert", torch.device("cuda"), torch.float32) == NESTED_SDPA
+    assert accelerator.attention_kernel(CPU, torch.bfloat16, 64) == "math"  # nested SDPA off CUDA
+
+
+
+def test_a_job_below_its_floor_warns_where_it_starts_before_the_first_step(
+        platform, packed_data, tmp_path, monkeypatch, caplog):  # noqa: F811
+    from workflow.train import pretrain
+    from workflow.train.distributed import DistEnv
+
+    platform(capability=T4)
+    s = settings(packed_data, tmp_path / "out", precision="bf16")
+
+    def stop(*args):  # the model is built: stop before any data is read or step taken
+        raise SystemExit("stopped before training")
+
+    monkeypatch.setattr(pretrain, "check_token_ids", stop)
+    with pytest.raises(SystemExit):
+        pretrain.train_phase(s, DistEnv(rank=0, world_size=1, local_rank=0, device=CPU, backend=None))
+    [warning] = floor_warnings(caplog)
+    assert warning.startswith("BERT's varlen flash attention with dropout needs torch >= 2.7")
+
+
+def test_a_compiled_forward_takes_the_kernel_choice_as_a_constant(platform):
+    platform(torch_version="2.10.0", flash_attn=flash_attn_standin([]))  # an import inside would break the graph
+
+    def attention(x):
+        kernel = kernels.windowed_varlen_kernel(x.device, None)
+        return x * 2 if kernel is None else x * 3
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(attention, fullgraph=True, backend="eager")(torch.ones(3)), torch.full((3,), 3.0))

@@ -1,0 +1,151 @@
+"""Which attention kernel trains, and the torch and GPU each needs (docs/gpu.md's table). Below a path's floor the
+next one trains, with one warning naming what to upgrade; nothing crashes at the first step.
+
+    BERT, packed rows, CUDA, 16-bit (kit.VarlenAttention):
+        flash_varlen            torch's varlen flash kernels with dropout (workflow.train.models.flash_varlen): torch
+                                >= 2.7, whose aten._flash_attention_backward takes the forward's rng_state (before,
+                                philox_seed and philox_offset: pytorch commit 3ecfe6b, 2025-02-25); compute capability
+                                >= 8.0
+        flash_attn_varlen_func  the flash-attn package's varlen kernel (NGC containers ship it), where importable;
+                                compute capability >= 8.0 (flash-attn 2)
+        nested SDPA             exact, ~4x slower (SDPA's memory-efficient kernel; any GPU)
+    ModernBERT, CUDA, 16-bit (modernbert.WindowedVarlenAttention; every batch unpadded):
+        varlen_attn             torch.nn.attention.varlen.varlen_attn(..., window_size=): torch >= 2.11 (2.9 and 2.10
+                                have varlen_attn without window_size, older torch none); compute capability >= 8.0
+        flash_attn_varlen_func  the flash-attn package's, with its window_size, where importable
+        rows (SDPA with a mask) exact, slower (padding computed, dense masks)
+    fp32, or off CUDA: the exact path of the family (BERT nested SDPA, ModernBERT rows).
+
+API:
+    attention_path(family, torch_version, device_type, capability, dtype, flash_attn) -> name   the kernel that
+        trains for these facts (family "bert" | "modernbert"; capability (major, minor) or None; flash_attn: the
+        package importable)
+    trained_path(family, device, dtype) -> name   attention_path of this process and `device`
+    fast_kernel(family, device) -> name   where the family's fast path is asked for (16-bit on a varlen device): that
+        path, flash_attn_varlen_func or the exact one, warning once below the floor
+    bert_flash_kernel(device, flash_varlen) -> callable | None   kit's 16-bit kernel: `flash_varlen` itself,
+        flash-attn's with its signature, or None (nested SDPA)
+    windowed_varlen_kernel(device, varlen_attn) -> callable | None   ModernBERT's: `varlen_attn` itself, flash-attn's
+        with its signature, or None (rows with masks)
+    forget()   drop what this process found (tests change torch.__version__ and flash-attn between cases)
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import re
+
+import torch
+
+from workflow.train import accelerator
+
+log = logging.getLogger(__name__)
+
+FLASH_VARLEN, VARLEN_ATTN, FLASH_ATTN = "flash_varlen", "varlen_attn", "flash_attn_varlen_func"
+NESTED_SDPA, ROWS = "nested SDPA", "rows (SDPA with a mask)"
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_CAPABILITY = (8, 0)  # flash kernels (torch's and flash-attn 2's): Ampere and newer; T4 / RTX 20xx are (7, 5)
+# family: (its fast path, the torch it needs, its exact path, what the fast path is)
+FAST_PATHS = {
+    "bert": (FLASH_VARLEN, (2, 7), NESTED_SDPA, "BERT's varlen flash attention with dropout"),
+    "modernbert": (VARLEN_ATTN, (2, 11), ROWS, "ModernBERT's windowed varlen attention (varlen_attn's window_size)"),
+}
+SLOWER = {NESTED_SDPA: "nested SDPA (exact, ~4x slower)", ROWS: "rows with masks (exact, slower)",
+          FLASH_ATTN: "flash-attn's flash_attn_varlen_func"}
+
+
+def attention_path(family: str, torch_version: tuple, device_type: str, capability: tuple | None,
+                   dtype: torch.dtype, flash_attn: bool) -> str:
+    """See the module docstring."""
+    fast, floor, exact, _ = FAST_PATHS[family]
+    if device_type != "cuda" or dtype not in FLASH_DTYPES:
+        return exact
+    return _fallback(fast, floor, exact, capability, torch_version, flash_attn)
+
+
+def _no_flash_gpu(capability) -> bool:
+    return capability is not None and tuple(capability) < FLASH_CAPABILITY
+
+
+def _fallback(fast: str, floor: tuple, exact: str, capability, torch_version: tuple, flash_attn: bool) -> str:
+    if _no_flash_gpu(capability):
+        return exact
+    if tuple(torch_version) >= floor:
+        return fast
+    return FLASH_ATTN if flash_attn else exact
+
+
+@functools.cache
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the torch imported (torch.__version__, e.g. "2.10.0+cu128" -> (2, 10))."""
+    major, minor = re.match(r"(\d+)\.(\d+)", str(torch.__version__)).groups()
+    return int(major), int(minor)
+
+
+@functools.cache
+def flash_attn_varlen_func():
+    """The flash-attn package's flash_attn_varlen_func, None where it does not import (absent, or built for another
+    torch or CUDA)."""
+    try:
+        from flash_attn import flash_attn_varlen_func as function
+    except (ImportError, OSError):
+        return None
+    return function
+
+
+_warned: set = set()
+
+
+def forget() -> None:
+    torch_version.cache_clear()
+    flash_attn_varlen_func.cache_clear()
+    _warned.clear()
+
+
+@torch.compiler.assume_constant_result  # a compiled forward takes it as the constant it is (no import traced)
+def fast_kernel(family: str, device: torch.device) -> str:
+    """See the module docstring."""
+    fast, floor, exact, what = FAST_PATHS[family]
+    version, capability = torch_version(), accelerator.compute_capability(device)
+    name = _fallback(fast, floor, exact, capability, version, flash_attn_varlen_func() is not None)
+    if name != fast and (family, name) not in _warned:
+        _warned.add((family, name))
+        if _no_flash_gpu(capability):
+            why, upgrade = (f"this GPU (compute capability {capability[0]}.{capability[1]}) has no flash kernels",
+                            "a GPU of compute capability >= 8.0 (A100, L4, H100 or newer) runs it")
+        else:
+            why = f"torch {torch.__version__} lacks it"
+            upgrade = (f"upgrade torch to >= {floor[0]}.{floor[1]}" +
+                       ("" if name == FLASH_ATTN else " (or pip install flash-attn)"))
+        log.warning("%s needs torch >= %d.%d and compute capability >= 8.0; %s: training with %s instead; %s",
+                    what, *floor, why, SLOWER[name], upgrade)
+    return name
+
+
+def trained_path(family: str, device: torch.device, dtype: torch.dtype) -> str:
+    """See the module docstring."""
+    if device.type != "cuda" or dtype not in FLASH_DTYPES:
+        return FAST_PATHS[family][2]
+    return fast_kernel(family, device)
+
+
+def bert_flash_kernel(device: torch.device, flash_varlen):
+    """See the module docstring."""
+    return {FLASH_VARLEN: flash_varlen, FLASH_ATTN: _flash_attn_as_flash_varlen}.get(fast_kernel("bert", device))
+
+
+def windowed_varlen_kernel(device: torch.device, varlen_attn):
+    """See the module docstring."""
+    return {VARLEN_ATTN: varlen_attn, FLASH_ATTN: _flash_attn_as_varlen_attn}.get(fast_kernel("modernbert", device))
+
+
+def _flash_attn_as_flash_varlen(q, k, v, offsets, max_seqlen: int, dropout_p: float = 0.0):
+    """flash_varlen's call through flash-attn (its own dropout RNG and backward)."""
+    return flash_attn_varlen_func()(q, k, v, offsets, offsets, max_seqlen, max_seqlen, dropout_p=dropout_p)
+
+
+def _flash_attn_as_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q: int, max_k: int, *,
+                               window_size=(-1, -1)):
+    """varlen_attn's call (as ModernBERT makes it) through flash-attn, whose window_size means the same."""
+    return flash_attn_varlen_func()(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                                    window_size=tuple(window_size))
