@@ -22,7 +22,7 @@ from workflow.train.distributed import DistEnv
 from workflow.train.optim.lamb import Lamb, make_optimizer, param_groups
 from workflow.train.models.bert import BertConfig, BertForPreTraining
 from workflow.train.models.kit import host_indices
-from workflow.train.pretrain import PretrainingTask, check_token_ids, pretrain, refuse_compile
+from workflow.train.pretrain import PretrainingTask, check_token_ids, pretrain
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
 
@@ -239,15 +239,6 @@ def test_no_host_sync_remains_in_the_forward_of_a_training_micro_batch(tmp_path,
 
 
 # ---------------------------------------------------------------- smaller GPU settings
-
-
-def test_compile_is_refused_for_packed_data_on_the_unpadded_path_naming_the_key(data, tmp_path):  # noqa: F811
-    s = settings(data, tmp_path, compile=True)
-    with pytest.raises(UserError, match=r"^config pretrain.compile: true cannot run on packed data on a GPU: .*"
-                                        r"set pretrain.compile: false"):
-        refuse_compile(s, packed=True, device=torch.device("cuda", 0))
-    refuse_compile(s, packed=False, device=torch.device("cuda", 0))  # static rows: allowed
-    refuse_compile(s, packed=True, device=torch.device("cpu"))       # rows with a block-diagonal mask: allowed
 
 
 def test_deterministic_runs_set_cublas_workspace_and_the_allocator_grows_segments(monkeypatch):

@@ -250,14 +250,8 @@ class BertModel(nn.Module):
                 mask_needed: bool | None = None):
         """(sequence_output [B, L, H], pooled_output [B, H], or [B, S, H] for packed rows: see the module doc; None
         without a pooler). `mask_needed`: see encode."""
-        hidden, tokens = self.encode(input_ids, token_type_ids, attention_mask, position_ids, cls_positions is not None,
-                                     mask_needed=mask_needed)
-        if tokens is None:
-            sequence_output = hidden
-        else:
-            batch, length = input_ids.shape
-            sequence_output = hidden.new_zeros(batch * length, hidden.shape[-1]).index_copy(0, tokens, hidden).view(
-                batch, length, -1)
+        sequence_output = self.encode(input_ids, token_type_ids, attention_mask, position_ids,
+                                      cls_positions is not None, mask_needed=mask_needed)
         if self.pooler is None:
             return sequence_output, None
         first = sequence_output[:, 0] if cls_positions is None else gather_positions(sequence_output, cls_positions)
@@ -265,25 +259,20 @@ class BertModel(nn.Module):
 
     def encode(self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None, packed=False,
                unpadded: Unpadded | None = None, mask_needed: bool | None = None):
-        """The last layer's output (hidden, tokens): rows [B, L, H] and None, or, for packed rows on the devices of
-        VARLEN_DEVICE_TYPES, the real tokens [T, H] and their ascending row-major positions [T] in the rows
-        (`unpadded`: those tokens as host_indices computed them, else computed here with host syncs; `mask_needed`
-        likewise, see row_attention). Rows holding no token at all (an empty micro-batch) run as rows: every parameter
-        still takes part (DDP needs it), with nothing to unpad."""
+        """The last layer's output [B, L, H]. Packed rows on the devices of VARLEN_DEVICE_TYPES run laid end to end,
+        [B * L, H], through VarlenAttention (`unpadded`: their sequences as host_indices found them, else found here
+        with host syncs); other rows with row_attention (`mask_needed`: see there). Every shape is the rows'."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         if packed and (attention_mask is None or position_ids is None):
             raise ValueError("packed rows need attention_mask (sequence numbers) and position_ids")
-        if packed and unpadded is None and input_ids.device.type in kit.VARLEN_DEVICE_TYPES:
-            unpadded = unpad(attention_mask)
-        if packed and unpadded is not None and input_ids.device.type in kit.VARLEN_DEVICE_TYPES and unpadded.max_seqlen:
-            # Every layer runs on the real tokens only: [T, H].
-            tokens = unpadded.tokens
-            x = self.embeddings(*(t.flatten()[tokens] for t in (input_ids, token_type_ids, position_ids)))
-            attention = VarlenAttention(unpadded.offsets, unpadded.min_seqlen, unpadded.max_seqlen)
-            return self.encoder(x, attention), tokens
         x = self.embeddings(input_ids, token_type_ids, position_ids)
-        return self.encoder(x, row_attention(attention_mask, packed, mask_needed)), None
+        if packed and input_ids.device.type in kit.VARLEN_DEVICE_TYPES:
+            if unpadded is None:
+                unpadded = unpad(attention_mask)
+            attention = VarlenAttention(unpadded.offsets, unpadded.min_seqlen, unpadded.max_seqlen)
+            return self.encoder(x.flatten(0, 1), attention).view_as(x)
+        return self.encoder(x, row_attention(attention_mask, packed, mask_needed))
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -342,11 +331,11 @@ class BertForPreTraining(nn.Module):
             predicted = masked_lm_index
         else:  # M depends on the data: without masked_lm_index the selection syncs once with the host on CUDA
             predicted = flat.flatten() if masked_lm_valid is None else flat[masked_lm_valid]
-        hidden, tokens = self.bert.encode(input_ids, token_type_ids, attention_mask, position_ids,
-                                          cls_positions is not None, unpadded, mask_needed)
+        hidden = self.bert.encode(input_ids, token_type_ids, attention_mask, position_ids, cls_positions is not None,
+                                  unpadded, mask_needed)
         first = rows.squeeze(1) if cls_positions is None else cls_positions.long() + rows
-        mlm_logits, nsp_logits = self._heads(at_positions(hidden, tokens, predicted),
-                                             self.bert.pooler(at_positions(hidden, tokens, first)))
+        mlm_logits, nsp_logits = self._heads(at_positions(hidden, predicted),
+                                             self.bert.pooler(at_positions(hidden, first)))
         selected = masked_lm_valid is not None or masked_lm_index is not None
         return (mlm_logits if selected else mlm_logits.view(*flat.shape, -1)), nsp_logits
 

@@ -270,11 +270,11 @@ class ModernBertFamily(_Family):
 
     @staticmethod
     def rows_host_indices(batch: dict) -> dict:
-        """The real tokens of a fine-tuning batch's rows (model.UNPADDED_KEYS), found on the host: this family runs
+        """The sequences of a fine-tuning batch's rows (model.UNPADDED_KEYS), found on the host: this family runs
         every batch unpadded on the devices of model.VARLEN_DEVICE_TYPES."""
         from workflow.train.models.kit import UNPADDED_KEYS, unpad
 
-        return {**batch, **dict(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))}
+        return {**batch, **dict(zip(UNPADDED_KEYS, unpad(batch["attention_mask"], 1)))}
 
     @staticmethod
     def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:
