@@ -145,7 +145,8 @@ def compare(name: str, config: ModernBertConfig, args, device: torch.device) -> 
                 cpu_times[side].append(cpu_elapsed)
                 losses[side], peaks[side] = float(loss.detach()), peak_memory(device)
     mean_length = float(batch["attention_mask"].float().sum(1).mean())
-    flops = flops_per_sequence(config, round(mean_length), int((batch["masked_lm_targets"] >= 0).sum()) / args.micro_batch)
+    predictions = int((batch["masked_lm_targets"] >= 0).sum()) / args.micro_batch
+    flops = flops_per_sequence(config, round(mean_length), predictions)
     baseline = statistics.median(times["hf"])
     where = (f"GPU {accelerator.device_name(device)}" if device.type == "cuda" else
              f"CPU {platform.machine()}, {torch.get_num_threads()} threads")

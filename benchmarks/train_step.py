@@ -460,8 +460,8 @@ def gpu_benchmark(args) -> None:
         def over_hf(side):
             return f"{seq_per_s[side] / seq_per_s['HF padded']:.2f}x"
 
-        compiled_speedups = f"; compiled: padded {over_hf('ours compiled padded')}, packed {over_hf('ours compiled packed')}" \
-            if args.compile else ""
+        compiled_speedups = (f"; compiled: padded {over_hf('ours compiled padded')}, "
+                             f"packed {over_hf('ours compiled packed')}") if args.compile else ""
         print(f"  {phase}: ours over HF (seq/s, = real tokens/s: same instances): padded {over_hf('ours padded')}, "
               f"packed ({path}) {over_hf('ours packed')} (through nested SDPA {over_hf('ours packed, nested SDPA')})"
               f"{compiled_speedups}")

@@ -284,7 +284,7 @@ def test_synthetic_check_data_name_a_vocab_they_cannot_make_or_read(tmp_path):
 
 def test_a_modernbert_rank_checks_its_16_bit_unpadded_attention_against_dense_masks(packed_batch, tmp_path,
                                                                                     monkeypatch):
-    """ModernBERT unpads every batch on a GPU in 16-bit (flash kernels): on CPU through the varlen op's CPU reference, its
+    """ModernBERT unpads every batch on a GPU in 16-bit (flash kernels): on CPU through the varlen op's reference, its
     path is held against the dense-mask rows in the same precision, and a wrong window stops the check."""
     from workflow.train.models.flash_varlen import flash_varlen
     from workflow.train.models import modernbert

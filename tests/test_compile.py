@@ -15,7 +15,7 @@ from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMask
 from workflow.train.pretrain import pretraining_forward
 
 ROWS, LENGTH, SEQUENCES_PER_ROW, PREDICTIONS = 2, 16, 3, 4
-BACKEND = "aot_eager"
+BACKEND = "inductor"
 FAMILIES = {
     "bert": (lambda: BertForPreTraining(BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
@@ -118,6 +118,25 @@ def test_micro_batches_of_different_packings_reuse_one_graph_without_a_break(nam
         step(compiled, batch)
     assert counter.frame_count == 1
     assert dict(counters["graph_break"]) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernels need a CUDA device")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_on_cuda_in_bf16_one_inductor_graph_trains_as_eager_over_every_packing(name):
+    from workflow.train.precision import autocast
+
+    build, host_indices = FAMILIES[name]
+    torch.manual_seed(0)
+    model = build().cuda().train()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, dynamic=False)
+    for seed in range(4):
+        batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v
+                 for k, v in host_indices(micro_batch(seed, packed=True)).items()}
+        with autocast(torch.device("cuda"), "bf16"):
+            (eager_loss, _), (compiled_loss, _) = step(model, batch), step(compiled, batch)
+        assert torch.allclose(compiled_loss.float(), eager_loss.float(), rtol=2e-2)
+    assert counter.frame_count == 1 and dict(counters["graph_break"]) == {}
 
 
 def test_the_varlen_custom_ops_pass_opcheck():

@@ -110,3 +110,24 @@ def test_flash_varlens_backward_applies_the_forwards_dropout_mask():
     kept = flash_varlen(q, k, ones, offsets, 512, 0.1).float().mean()
     assert abs(float(kept) - 1.0) < 0.01
     assert not torch.equal(flash_varlen(q, k, v, offsets, 512, 0.1), flash_varlen(q, k, v, offsets, 512, 0.1))
+
+
+@CUDA
+@pytest.mark.parametrize("window", [None, 64])
+def test_empty_sequences_and_a_padding_run_leave_the_real_tokens_outputs_and_gradients_as_they_were(window):
+    """The static-shape layout (kit.unpad): a padding run as a sequence of its own, empty sequences up to a fixed
+    count, max_seqlen the row length; the real tokens' results equal those of their own offsets alone."""
+    from workflow.train.models.flash_varlen import flash_varlen
+
+    real = [0, 100, 228, 300, 811, 1000]
+    padded = torch.tensor(real + [1024] * 6, device="cuda", dtype=torch.int32)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1024, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1024, 16, 64, device="cuda", dtype=torch.bfloat16)
+    out = flash_varlen(q, k, v, padded, 1024, 0.0, window)
+    alone = flash_varlen(q[:1000], k[:1000], v[:1000], torch.tensor(real, device="cuda", dtype=torch.int32), 511, 0.0,
+                         window)
+    assert torch.isfinite(out).all() and torch.equal(out[:1000], alone)
+    for ours, reference in zip(torch.autograd.grad(out, (q, k, v), grad),
+                               torch.autograd.grad(alone, (q, k, v), grad[:1000])):
+        assert torch.equal(ours[:1000], reference[:1000])

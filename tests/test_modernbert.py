@@ -330,7 +330,8 @@ def test_the_head_runs_at_the_prediction_slots_as_berts_does():
                          mask_needed=batch["mask_needed"])[0]
     expected = torch.gather(every, 1, positions.unsqueeze(-1).expand(-1, -1, every.shape[-1]))
     assert at_slots.shape == (*positions.shape, 97) and torch.allclose(at_slots, expected, atol=1e-6)
-    assert torch.allclose(at_valid, expected[valid], atol=1e-6) and torch.allclose(at_index, at_slots.flatten(0, 1), atol=1e-6)
+    assert torch.allclose(at_valid, expected[valid], atol=1e-6)
+    assert torch.allclose(at_index, at_slots.flatten(0, 1), atol=1e-6)
 
 
 def test_weights_start_as_hfs_initialisation_draws_them():

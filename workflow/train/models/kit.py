@@ -70,8 +70,8 @@ class VarlenAttention:
     """Attention within each sequence of tokens laid end to end ([T, heads, head_size] q, k, v; sequence i is
     tokens offsets[i]..offsets[i+1], possibly empty), with dropout: on CUDA in 16-bit torch's variable-length flash
     kernels called once per layer, on CPU their exact reference (workflow.train.models.flash_varlen's custom ops,
-    while FLASH_VARLEN); otherwise nested jagged tensors, which SDPA runs as variable-length memory-efficient
-    attention on CUDA (fp32; not for torch.compile)."""
+    while FLASH_VARLEN); otherwise nested jagged tensors' SDPA (CUDA fp32, eager only; its fused kernels take no
+    empty sequence, so with the fixed-count offsets it falls back to its math kernel: train in 16-bit)."""
 
     def __init__(self, offsets, min_seqlen: int, max_seqlen: int):
         self.offsets, self.min_seqlen, self.max_seqlen = offsets, min_seqlen, max_seqlen
