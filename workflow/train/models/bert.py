@@ -9,13 +9,15 @@ API (stable; the SQuAD stage builds on it):
                                     cls_positions=None) -> (sequence_output [B, L, H], pooled_output [B, H])
     BertForPreTraining(config)      .bert is the BertModel; forward(input_ids, token_type_ids, attention_mask,
                                     masked_lm_positions, position_ids=None, cls_positions=None,
-                                    masked_lm_valid=None) -> (mlm_logits, nsp_logits); mlm_logits are [B, P, V] at
-                                    the given positions only, or, with masked_lm_valid [B, P] (True = a real
-                                    prediction slot; what training passes), [M, V] at the M real slots only, in
-                                    row-major slot order (= masked_lm_labels[masked_lm_valid])
-    host_indices(batch) -> batch    plus the indices the forward would read back from the device (real prediction
-                                    slots, packed rows' real tokens and sequence offsets), computed where the batch is
-                                    built: no host sync remains in the forward (what the training task passes)
+                                    masked_lm_valid=None, masked_lm_index=None, ...) -> (mlm_logits, nsp_logits);
+                                    mlm_logits are [B, P, V] at the given positions only, or, with masked_lm_valid
+                                    [B, P] (True = a real prediction slot), [M, V] at the M real slots only, in
+                                    row-major slot order (= masked_lm_labels[masked_lm_valid]), or with
+                                    masked_lm_index [N] (row-major positions; training's: every slot) [N, V]
+    host_indices(batch) -> batch    plus the indices the forward would read back from the device (every prediction
+                                    slot, packed rows' sequence offsets), computed where the batch is built, in shapes
+                                    fixed by the batch's: no host sync remains in the forward, and a compiled graph is
+                                    reused (what the training task passes)
     pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict of loss/accuracy tensors
     save_pretrained(model, config, vocab_path, out_dir, normalization=None)   HF directory: model.safetensors +
                                     config.json + vocab.txt (+ tokenizer_config.json for AutoTokenizer, with
@@ -32,9 +34,9 @@ Parameter names equal Hugging Face `BertForPreTraining`'s, except the two tied a
 Packed batches (rows holding several sequences, workflow.data.pack): pass `cls_positions` [B, S] (each sequence's
 [CLS] slot), `position_ids` [B, L] restarting at 0 per sequence, and as `attention_mask` each token's sequence
 number 1..S (0 = padding; a sequence's tokens are contiguous). A token then attends only to its own sequence:
-through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEVICE_TYPES (CUDA), with the real
-tokens gathered to [T, H] for every layer and variable-length flash attention (VarlenAttention);
-BertForPreTraining takes the MLM and [CLS] inputs straight from those [T, H] (no re-padded rows). The
+through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEVICE_TYPES (CUDA), with the rows laid
+end to end, [B * L, H], and variable-length flash attention (VarlenAttention; a row's padding is a sequence of its
+own, and the offsets have a fixed count: every shape is the rows', for torch.compile). The
 pooler and NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot).
 Without packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; host_indices checks it on the
 host, else the check costs one device sync per forward on CUDA); padding queries still attend to real keys, as in HF.
@@ -320,10 +322,9 @@ class BertForPreTraining(nn.Module):
                 mask_needed: bool | None = None):
         """(mlm_logits, nsp_logits); the MLM head runs at the prediction slots only (the vocab projection dominates a
         small model's cost): [B, P, V] at every slot of `masked_lm_positions` [B, P], or, with `masked_lm_valid`
-        [B, P], [M, V] at its M real slots (row-major order), never at empty ones (~12% at seq 128, ~25% at 512);
-        `masked_lm_index` [M] (host_indices) gives those slots as row-major positions without a host sync, as
-        `unpadded` the real tokens of packed rows and `mask_needed` whether the rows need a mask (see encode). Both
-        are gathered straight from the encoder's rows or tokens."""
+        [B, P], [M, V] at its M real slots (row-major order; a host sync on CUDA), or, with `masked_lm_index` [N]
+        (host_indices: every slot, N = B * P, a fixed shape), [N, V] at those row-major positions without a host
+        sync; `unpadded` gives packed rows' sequences and `mask_needed` whether the rows need a mask (see encode)."""
         batch, length = input_ids.shape
         rows = torch.arange(batch, device=input_ids.device).unsqueeze(1) * length
         flat = masked_lm_positions.long() + rows

@@ -7,7 +7,7 @@ API (the BERT family's shape, workflow/train/models/bert.py; the engine and the 
                                     local_attention and 5.x's layer_types, rope_parameters), .to_dict/.to_json (both);
                                     .layer_types, .sliding_window (local_attention // 2, each side)
     ModernBertModel(config)         forward(input_ids, attention_mask=None, position_ids=None, packed=False)
-                                    -> last_hidden_state [B, L, H] (after final_norm); encode(...) -> (hidden, tokens)
+                                    -> last_hidden_state [B, L, H] (after final_norm); encode(...) -> [B, L, H]
                                     as BertModel.encode
     ModernBertForMaskedLM(config)   .model is the ModernBertModel; forward(input_ids, token_type_ids, attention_mask,
                                     masked_lm_positions, position_ids=None, cls_positions=None, masked_lm_valid=None,
@@ -19,7 +19,7 @@ API (the BERT family's shape, workflow/train/models/bert.py; the engine and the 
     ModernBertWithClassifier(config, num_labels)   the fine-tuning heads' common part (HF's `model`, `head`, `drop`,
                                     `classifier`); classify_tokens(input_ids, attention_mask, mask_needed,
                                     unpadded) -> [B, L, num_labels]; the heads sit beside their tasks
-    host_indices(batch) -> batch    model.host_indices, plus the real tokens of unpacked rows too (this family runs
+    host_indices(batch) -> batch    model.host_indices, plus the sequences of unpacked rows too (this family runs
                                     every batch unpadded on the devices of model.VARLEN_DEVICE_TYPES)
     flops_per_sequence(config, seq_length, max_predictions)   training FLOPs, counting the GLU and the local window
     attended_pairs(seq_length, reach)   query-key pairs of a sequence whose tokens see `reach` tokens each side
@@ -35,8 +35,10 @@ A token attends only to its own sequence, and in a local layer only to tokens at
 positions are position_ids (else 0..L-1). Padding attends to padding only (HF lets it attend to real keys; no real
 token's output differs).
 Two paths: rows with dense boolean SDPA masks (CPU; exact), or, on model.VARLEN_DEVICE_TYPES (CUDA) in a 16-bit
-compute dtype (VARLEN_DTYPES: flash kernels), the real tokens [T, H] through torch's varlen flash attention with
-window_size=(sliding_window, sliding_window) for local layers; `varlen_attn` below is the seam the CPU tests replace.
+compute dtype (VARLEN_DTYPES: flash kernels), the rows laid end to end [B * L, H] (a row's padding a sequence of its
+own, offsets of a fixed count: static shapes for torch.compile) through the varlen flash kernels with a window of
+sliding_window each side for local layers, and attention dropout (workflow.train.models.flash_varlen's custom ops,
+whose exact CPU reference the tests run).
 """
 from __future__ import annotations
 
@@ -456,7 +458,7 @@ class ModernBertWithClassifier(nn.Module):
 
 
 def host_indices(batch: dict) -> dict:
-    """model.host_indices, with the real tokens (model.UNPADDED_KEYS) of unpacked rows too."""
+    """model.host_indices, with the sequences (model.UNPADDED_KEYS) of unpacked rows too."""
     batch = kit.host_indices(batch)
     if UNPADDED_KEYS[0] not in batch:
         batch.update(zip(UNPADDED_KEYS, unpad(batch["attention_mask"], 1)))
