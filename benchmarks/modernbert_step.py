@@ -5,6 +5,8 @@ the same batch and the same weights, steps alternating between the sides.
     python benchmarks/modernbert_step.py --repeats 3 --seq 128 --micro-batch 4   # a short CPU run
     python benchmarks/modernbert_step.py --gpu              # CUDA, bf16 autocast, base-shaped models at --gpu-seq;
                                                             # without a CUDA device it says so and exits 0
+    python benchmarks/modernbert_step.py --gpu --compile [--compile-mode max-autotune-no-cudagraphs]
+                                                            # also ours under torch.compile, on the same batch
 
 Models (workflow.train.models.modernbert presets, --vocab tokens): `tiny` (modernbert-tiny: 4 layers x 128) and `base-small`
 (modernbert-base's widths, 768 hidden, 12 heads, 1,152 intermediate, window 128, with --base-layers layers: a global
@@ -16,7 +18,9 @@ of the real tokens predicted (ModernBERT's masking rate). Sides, each a forward,
      on CUDA the real tokens through torch's varlen flash attention with the local window, on CPU rows with masks);
    - hf: transformers' ModernBertForMaskedLM (attn_implementation sdpa), labels -100 elsewhere: the head at every
      position (its default);
-   - hf sparse: the same with sparse_prediction (the head at the labelled tokens only, as ModernBERT's recipe trains).
+   - hf sparse: the same with sparse_prediction (the head at the labelled tokens only, as ModernBERT's recipe trains);
+   - ours compiled (--compile): ours under torch.compile(mode=--compile-mode, dynamic=False), as pretrain.compile
+     runs it (compiled before the timed rounds).
 Each repeat runs every side once, the order rotating, after --warmup untimed rounds; medians printed, with each
 side's time relative to hf: wall time, and the process's CPU time (summed over its threads: what other processes
 on a shared machine disturb least; on CUDA it is the host's share only). GPU: also peak memory and MFU (FLOPs: modernbert.flops_per_sequence at the mean real
@@ -82,7 +86,7 @@ def ours_step(model, batch):
     logits, _ = model(batch["input_ids"], None, batch["attention_mask"], batch["masked_lm_positions"],
                       masked_lm_index=batch["masked_lm_index"], unpadded=unpadded_of(batch),
                       mask_needed=batch["mask_needed"])
-    return F.cross_entropy(logits.float(), batch["masked_lm_targets"])
+    return F.cross_entropy(logits.float(), batch["masked_lm_targets"], ignore_index=-1)  # -1: empty slots
 
 
 def hf_step(model, batch, sparse: bool):
@@ -115,12 +119,15 @@ def compare(name: str, config: ModernBertConfig, args, device: torch.device) -> 
     batch = to(host_indices(make_batch(args.micro_batch, seq, config.vocab_size)), device)
     sides = {"ours": (ours, lambda: ours_step(ours, batch)), "hf": (hf, lambda: hf_step(hf, batch, False)),
              "hf sparse": (hf, lambda: hf_step(hf, batch, True))}
+    if args.compile:
+        compiled = torch.compile(ours, mode=args.compile_mode, dynamic=False)
+        sides["ours compiled"] = (ours, lambda: ours_step(compiled, batch))
     precision = "bf16" if args.gpu else "fp32"
     times = {side: [] for side in sides}
     cpu_times = {side: [] for side in sides}  # CPU seconds of the process: less hit by other processes than wall time
     losses = {}
     peaks = {}
-    for round_ in range(args.warmup + args.repeats):
+    for round_ in range(max(args.warmup, 1 if args.compile else 0) + args.repeats):
         order = list(sides)[round_ % len(sides):] + list(sides)[:round_ % len(sides)]
         for side in order:
             model, step = sides[side]
@@ -133,12 +140,13 @@ def compare(name: str, config: ModernBertConfig, args, device: torch.device) -> 
             accelerator.synchronize(device)
             elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
             model.zero_grad(set_to_none=True)
-            if round_ >= args.warmup:
+            if round_ >= max(args.warmup, 1 if args.compile else 0):
                 times[side].append(elapsed)
                 cpu_times[side].append(cpu_elapsed)
                 losses[side], peaks[side] = float(loss.detach()), peak_memory(device)
     mean_length = float(batch["attention_mask"].float().sum(1).mean())
-    flops = flops_per_sequence(config, round(mean_length), len(batch["masked_lm_targets"]) / args.micro_batch)
+    predictions = int((batch["masked_lm_targets"] >= 0).sum()) / args.micro_batch
+    flops = flops_per_sequence(config, round(mean_length), predictions)
     baseline = statistics.median(times["hf"])
     where = (f"GPU {accelerator.device_name(device)}" if device.type == "cuda" else
              f"CPU {platform.machine()}, {torch.get_num_threads()} threads")
@@ -166,6 +174,8 @@ def main(argv=None) -> None:
     p.add_argument("--base-layers", type=int, default=3)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--compile", action="store_true", help="also time ours under torch.compile")
+    p.add_argument("--compile-mode", default="default", help="torch.compile's mode (pretrain.compile_mode's values)")
     args = p.parse_args(argv)
     if args.gpu and not accelerator.available():
         print("no CUDA device: GPU benchmark skipped")

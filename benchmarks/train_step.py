@@ -40,7 +40,10 @@ than a real run):
      unpadded varlen attention path (model.VARLEN_DEVICE_TYPES; forced on CPU by --device cpu): on CUDA in bf16
      the flash kernels called once per layer (workflow.train.models.flash_varlen);
    - ours packed, nested SDPA: the same, through nested jagged tensors' SDPA (model.FLASH_VARLEN off), the path
-     before flash_varlen.
+     before flash_varlen;
+   - with --compile, beside ours padded and ours packed: "ours compiled" padded and packed, the same model under
+     torch.compile(mode=--compile-mode, dynamic=False) as pretrain.compile runs it (compiled in the warm-up: every
+     micro-batch has one shape, so "graphs compiled while timed" stays 0).
 Our batches carry the indices training's loader computes on the host (model.host_indices), as in training.
 Printed per phase and side: fill, seq/s, real tokens/s, MFU, peak memory; then our speedups over HF. All
 device-specific calls sit in `Device` (CUDA, or CPU stand-ins: no sync, peak RSS, MFU "n/a"). NVIDIA's
@@ -401,7 +404,7 @@ def gpu_benchmark(args) -> None:
                                                                            device.torch)
         mean_predictions = sum(int((b["masked_lm_labels"] >= 0).sum()) for b in padded) / n
         flops = flops_per_sequence(config, round(real / n), mean_predictions)
-        warmup = f"{args.warmup} warmup steps" + (" (ours compiled: a full pass)" if args.compile else "")
+        warmup = f"{args.warmup} warmup steps" + (" (ours compiled: at least 1)" if args.compile else "")
         print(f"{device.name()}: {args.preset} {phase}, bf16 autocast, seq {seq}, {n} instances ({real / n:.1f} real "
               f"tokens, {mean_predictions:.1f} predictions each), micro-batches of {micro} rows, step = forward + "
               f"MLM/NSP loss + backward + LAMB, {warmup}; MFU of "
@@ -416,7 +419,7 @@ def gpu_benchmark(args) -> None:
             print(f"  {phase} | {side:<24} | fill {fill:.4f} | {len(batches):3d} micro-batches | "
                   f"{seq_per_s[side]:10.1f} seq/s | {real / seconds:12,.0f} real tokens/s | "
                   f"MFU {device.mfu(seq_per_s[side] * flops)} | {device.peak_memory()} | shapes {shapes}"
-                  + (f" | graphs compiled while timed: {recompiled}" if args.compile and side != "HF padded" else ""))
+                  + (f" | graphs compiled while timed: {recompiled}" if "compiled" in side else ""))
 
         torch.manual_seed(0)
         ours = BertForPreTraining(config).train()
@@ -430,32 +433,39 @@ def gpu_benchmark(args) -> None:
         device.reset_peak_memory()
 
         ours = ours.to(device.torch)
-        step_model = torch.compile(ours) if args.compile else ours
         optimizer = Lamb(param_groups(ours), lr=1e-3)
+        # Eager and, with --compile, the same model compiled (shared weights) as pretrain.compile runs it.
+        steps = {"ours": lambda b: ours_step(ours, optimizer, b, bf16)}
+        if args.compile:
+            compiled_model = torch.compile(ours, mode=args.compile_mode, dynamic=False)
+            steps["ours compiled"] = lambda b: ours_step(compiled_model, optimizer, b, bf16)
 
-        def our_step(b):
-            ours_step(step_model, optimizer, b, bf16)
+        def warmup_of(label):
+            return max(args.warmup, 1) if label == "ours compiled" else args.warmup  # compiled before the clock
 
-        def our_warmup(batches):
-            # Compiled: every batch's shapes (the rows are constant; M and T vary) are compiled before the clock starts.
-            return max(args.warmup, len(batches)) if args.compile else args.warmup
-
-        report("ours padded", padded, fill_padded, timed_steps(our_step, padded, our_warmup(padded), device))
-        device.reset_peak_memory()
+        for label, step in steps.items():
+            report(f"{label} padded", padded, fill_padded, timed_steps(step, padded, warmup_of(label), device))
+            device.reset_peak_memory()
         with device.packed_path() as path:
-            report("ours packed", packed, fill_packed, timed_steps(our_step, packed, our_warmup(packed), device))
-            kit.FLASH_VARLEN = False  # the same packed rows through nested tensors' SDPA
+            for label, step in steps.items():
+                report(f"{label} packed", packed, fill_packed, timed_steps(step, packed, warmup_of(label), device))
+                device.reset_peak_memory()
+            kit.FLASH_VARLEN = False  # the same packed rows through nested tensors' SDPA (eager only)
             try:
                 report("ours packed, nested SDPA", packed, fill_packed,
-                       timed_steps(our_step, packed, our_warmup(packed), device))
+                       timed_steps(steps["ours"], packed, args.warmup, device))
             finally:
                 kit.FLASH_VARLEN = True
-        print(f"  {phase}: ours over HF (seq/s, = real tokens/s: same instances): padded "
-              f"{seq_per_s['ours padded'] / seq_per_s['HF padded']:.2f}x, packed ({path}) "
-              f"{seq_per_s['ours packed'] / seq_per_s['HF padded']:.2f}x (through nested SDPA "
-              f"{seq_per_s['ours packed, nested SDPA'] / seq_per_s['HF padded']:.2f}x)"
-              f"{'; ours compiled' if args.compile else ''}")
-        del ours, step_model, optimizer, padded, packed
+
+        def over_hf(side):
+            return f"{seq_per_s[side] / seq_per_s['HF padded']:.2f}x"
+
+        compiled_speedups = (f"; compiled: padded {over_hf('ours compiled padded')}, "
+                             f"packed {over_hf('ours compiled packed')}") if args.compile else ""
+        print(f"  {phase}: ours over HF (seq/s, = real tokens/s: same instances): padded {over_hf('ours padded')}, "
+              f"packed ({path}) {over_hf('ours packed')} (through nested SDPA {over_hf('ours packed, nested SDPA')})"
+              f"{compiled_speedups}")
+        del ours, steps, optimizer, padded, packed
         device.reset_peak_memory()
 
 
@@ -484,7 +494,9 @@ def main(argv=None) -> None:
                    help="--gpu: where it runs; cpu rehearses the GPU run's code (packed rows on the varlen path)")
     p.add_argument("--preset", choices=("bert-large", "bert-base", "tiny"), default="bert-large",
                    help="--gpu: model size (vocab: --vocab padded to a multiple of 8, 30528 by default)")
-    p.add_argument("--compile", action="store_true", help="--gpu: torch.compile our model")
+    p.add_argument("--compile", action="store_true", help="--gpu: also time our model under torch.compile")
+    p.add_argument("--compile-mode", default="default", help="--gpu --compile: torch.compile's mode "
+                   "(pretrain.compile_mode's values)")
     args = p.parse_args(argv)
     if args.gpu:
         gpu_benchmark(args)

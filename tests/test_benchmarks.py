@@ -121,4 +121,4 @@ def test_varlen_attention_hands_sdpa_both_sequence_length_extremes_so_cuda_never
     nested = attention._nested(torch.randn(len(unpadded.tokens), 2, 4))
     # CUDA's SDPA asks a nested tensor for both; computing one reads the lengths back from the device (a sync).
     with mock.patch.object(nested_internals, "_get_sdpa_extreme_seqlen", side_effect=AssertionError("device sync")):
-        assert (nested._get_min_seqlen(), nested._get_max_seqlen()) == (2, 4)
+        assert (nested._get_min_seqlen(), nested._get_max_seqlen()) == (0, 6)  # fixed: 0 and the row length

@@ -284,15 +284,14 @@ def test_synthetic_check_data_name_a_vocab_they_cannot_make_or_read(tmp_path):
 
 def test_a_modernbert_rank_checks_its_16_bit_unpadded_attention_against_dense_masks(packed_batch, tmp_path,
                                                                                     monkeypatch):
-    """ModernBERT unpads every batch on a GPU in 16-bit (flash kernels): on CPU through the varlen stand-in, its
+    """ModernBERT unpads every batch on a GPU in 16-bit (flash kernels): on CPU through the varlen op's reference, its
     path is held against the dense-mask rows in the same precision, and a wrong window stops the check."""
-    from tests.fixtures.gpu_standins import varlen_attn_standin
+    from workflow.train.models.flash_varlen import flash_varlen
     from workflow.train.models import modernbert
     from workflow.train.models.family import family
     from workflow.train.models.modernbert import ModernBertConfig
 
     monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
     config = ModernBertConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                               num_attention_heads=2, local_attention=8, max_position_embeddings=64, pad_token_id=0,
                               cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3)
@@ -303,10 +302,10 @@ def test_a_modernbert_rank_checks_its_16_bit_unpadded_attention_against_dense_ma
     assert set(fast_paths(config, packed_batch, CPU, "fp32", True, tmp_path / "s2", family("modernbert"))["paths"]) \
         == {"checkpoint", "rng restore"}  # fp32 runs rows: nothing unpadded to check
 
-    def no_window(query, key, value, *args, window_size=(-1, -1), **kwargs):
-        return varlen_attn_standin(query, key, value, *args, window_size=(-1, -1), **kwargs)
+    def no_window(q, k, v, offsets, max_seqlen, dropout_p=0.0, window=None):
+        return flash_varlen(q, k, v, offsets, max_seqlen, dropout_p)
 
-    monkeypatch.setattr(modernbert, "varlen_attn", no_window)
+    monkeypatch.setattr(modernbert, "flash_varlen", no_window)
     error = disagreement([fast_paths(config, packed_batch, CPU, "bf16", True, tmp_path / "s3", family("modernbert"))])
     assert str(error).startswith("rank 0: unpadded attention (16-bit) differs from the same rows with dense masks")
     assert "set pretrain.precision: fp32 until it is fixed" in str(error)

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fixtures.gpu_standins import varlen_attn_standin
 from tests.fixtures.real_shaped_text import tokenized_sample
 from workflow.cli import UserError
 from workflow.data.encode import EncodeSettings, Vocab, encode_shard, plan_full_sentences
@@ -107,10 +106,9 @@ def logits_of(model, batch) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["bert", "modernbert"])
 def test_no_token_of_a_packed_row_attends_into_another_instance(packed_documents, name, path, monkeypatch):
     """New tokens in every row's last instance change its own logits and none of the other instances'."""
-    if path == "unpadded":  # the CUDA path on CPU: varlen (BERT: nested jagged SDPA; ModernBERT: the stand-in)
+    if path == "unpadded":  # the CUDA path on CPU: varlen (the varlen op's CPU reference)
         monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
         monkeypatch.setattr(modernbert, "VARLEN_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
-        monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
     batch, vocab_size = packed_documents
     model = models(vocab_size)[name]
     sequence = batch["attention_mask"]

@@ -1,11 +1,12 @@
-"""BERT's unpadded attention in 16-bit on CUDA (workflow.train.models.flash_varlen): on CPU, through a stand-in keeping its
-signature and limits, the packed forward hands every layer's attention to it with the sequences' int32 offsets, the
-longest sequence and the training dropout, and equals the rows with a block-diagonal mask; on a GPU (skipped here),
-the real kernels against nested tensors' SDPA, forward and backward, and its dropout mask the same in both."""
+"""BERT's unpadded attention in 16-bit on CUDA (workflow.train.models.flash_varlen): on CPU, through the custom op's CPU
+reference, the packed forward hands every layer's attention to it with the sequences' int32 offsets (padded to a
+fixed count), the row length and the training dropout, and equals the rows with a block-diagonal mask; on a GPU
+(skipped here), the real kernels against nested tensors' SDPA, forward and backward, and its dropout mask the same in
+both."""
 import pytest
 import torch
 
-from tests.fixtures.gpu_standins import flash_varlen_standin
+from workflow.train.models.flash_varlen import flash_varlen
 from workflow.train.models import kit
 from workflow.train.models.bert import BertConfig, BertForPreTraining
 from workflow.train.models.kit import host_indices
@@ -42,7 +43,7 @@ def test_a_packed_16_bit_forward_hands_each_layer_to_flash_varlen_and_equals_the
 
     def recording(q, k, v, offsets, max_seqlen, dropout_p=0.0):
         calls.append((offsets.tolist(), max_seqlen, dropout_p))
-        return flash_varlen_standin(q, k, v, offsets, max_seqlen, dropout_p)
+        return flash_varlen(q, k, v, offsets, max_seqlen, dropout_p)
 
     torch.manual_seed(0)
     model = BertForPreTraining(CONFIG).eval()
@@ -54,13 +55,15 @@ def test_a_packed_16_bit_forward_hands_each_layer_to_flash_varlen_and_equals_the
     monkeypatch.setattr(kit, "runs_flash_varlen", lambda q: q.dtype == torch.bfloat16)
     with torch.no_grad(), autocast(torch.device("cpu"), "bf16"):
         got, _, _ = forward(model, indices)
-    assert calls == [([0, 5, 12, 16, 25, 31], 9, 0.0)] * CONFIG.num_hidden_layers
+    # Row 2's padding token is a sequence of its own; empty sequences fill the offsets up to 2 rows x (3 + 1) + 1.
+    offsets = [0, 5, 12, 16, 25, 31, 32, 32, 32]
+    assert calls == [(offsets, 16, 0.0)] * CONFIG.num_hidden_layers
     assert (got.float() - expected.float()).abs().max() <= 0.02 * expected.float().abs().max()
     model.train()
     calls.clear()
     with autocast(torch.device("cpu"), "bf16"):
         forward(model, indices)[0].float().sum().backward()
-    assert calls == [([0, 5, 12, 16, 25, 31], 9, CONFIG.attention_probs_dropout_prob)] * CONFIG.num_hidden_layers
+    assert calls == [(offsets, 16, CONFIG.attention_probs_dropout_prob)] * CONFIG.num_hidden_layers
     calls.clear()
     with torch.no_grad():  # fp32: flash_varlen takes 16-bit only; nested SDPA runs it
         forward(model.eval(), indices)
@@ -70,7 +73,6 @@ def test_a_packed_16_bit_forward_hands_each_layer_to_flash_varlen_and_equals_the
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flash_varlen_equals_nested_sdpa_forward_and_backward_without_dropout(dtype):
-    from workflow.train.models.flash_varlen import flash_varlen
     from workflow.train.models.kit import VarlenAttention
 
     offsets = torch.tensor([0, 100, 228, 300, 811, 1000], device="cuda")
@@ -95,8 +97,6 @@ def test_flash_varlen_equals_nested_sdpa_forward_and_backward_without_dropout(dt
 def test_flash_varlens_backward_applies_the_forwards_dropout_mask():
     """out = A_dropped v is linear in v, so <dv, v> = <g, out> for the loss <g, out> exactly when the backward drops
     the forward's entries; and the mean attention weight kept matches 1 - p."""
-    from workflow.train.models.flash_varlen import flash_varlen
-
     offsets = torch.tensor([0, 300, 812, 1000], device="cuda", dtype=torch.int32)
     torch.manual_seed(0)
     q, k = (torch.randn(1000, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -110,3 +110,24 @@ def test_flash_varlens_backward_applies_the_forwards_dropout_mask():
     kept = flash_varlen(q, k, ones, offsets, 512, 0.1).float().mean()
     assert abs(float(kept) - 1.0) < 0.01
     assert not torch.equal(flash_varlen(q, k, v, offsets, 512, 0.1), flash_varlen(q, k, v, offsets, 512, 0.1))
+
+
+@CUDA
+@pytest.mark.parametrize("window", [None, 64])
+def test_empty_sequences_and_a_padding_run_leave_the_real_tokens_outputs_and_gradients_as_they_were(window):
+    """The static-shape layout (kit.unpad): a padding run as a sequence of its own, empty sequences up to a fixed
+    count, max_seqlen the row length; the real tokens' results equal those of their own offsets alone."""
+    from workflow.train.models.flash_varlen import flash_varlen
+
+    real = [0, 100, 228, 300, 811, 1000]
+    padded = torch.tensor(real + [1024] * 6, device="cuda", dtype=torch.int32)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1024, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1024, 16, 64, device="cuda", dtype=torch.bfloat16)
+    out = flash_varlen(q, k, v, padded, 1024, 0.0, window)
+    alone = flash_varlen(q[:1000], k[:1000], v[:1000], torch.tensor(real, device="cuda", dtype=torch.int32), 511, 0.0,
+                         window)
+    assert torch.isfinite(out).all() and torch.equal(out[:1000], alone)
+    for ours, reference in zip(torch.autograd.grad(out, (q, k, v), grad),
+                               torch.autograd.grad(alone, (q, k, v), grad[:1000])):
+        assert torch.equal(ours[:1000], reference[:1000])

@@ -1,7 +1,7 @@
 """Each attention path names the torch and GPU it needs (workflow.train.models.kernels); below its floor a job trains
 on the next path with one warning naming what to upgrade, never a crash at the first step. On CPU through stand-ins
-that keep the real API at each boundary: varlen_attn without window_size (torch 2.9, 2.10) or absent (2.8), a GPU of
-compute capability 7.5, the flash-attn package's flash_attn_varlen_func."""
+that keep the real API at each boundary (a torch version below a path's floor, a GPU of compute capability 7.5, the
+flash-attn package's flash_attn_varlen_func), the kernels themselves through flash_varlen's exact CPU reference."""
 import logging
 import sys
 import types
@@ -9,13 +9,13 @@ import types
 import pytest
 import torch
 
-from tests.fixtures.gpu_standins import flash_varlen_standin, varlen_attn_standin
 from tests.test_flash_varlen import CONFIG as BERT_CONFIG, packed_rows
 from tests.test_modernbert import packed_batch, small_config, training_batch
 from tests.test_pretrain import packed_data, settings  # noqa: F401  (the packed_data fixture)
 from workflow.train import accelerator
 from workflow.train.models import kernels, kit, modernbert
 from workflow.train.models.bert import BertForPreTraining
+from workflow.train.models.flash_varlen import flash_varlen
 from workflow.train.models.kernels import (FLASH_ATTN, FLASH_VARLEN, NESTED_SDPA, ROWS, VARLEN_ATTN, attention_path,
                                            trained_path)
 from workflow.train.models.modernbert import ModernBertForMaskedLM
@@ -28,9 +28,9 @@ H100, T4 = (9, 0), (7, 5)
 
 @pytest.mark.parametrize("family, version, capability, flash_attn, expected", [
     ("modernbert", (2, 11), H100, False, VARLEN_ATTN),
-    ("modernbert", (2, 10), H100, False, ROWS),          # varlen_attn without window_size
+    ("modernbert", (2, 10), H100, False, ROWS),          # torch's varlen kernels without its window
     ("modernbert", (2, 10), H100, True, FLASH_ATTN),
-    ("modernbert", (2, 8), H100, True, FLASH_ATTN),      # no varlen_attn at all
+    ("modernbert", (2, 8), H100, True, FLASH_ATTN),
     ("modernbert", (2, 13), T4, True, ROWS),             # no flash kernels below sm80, flash-attn 2's neither
     ("bert", (2, 7), H100, False, FLASH_VARLEN),
     ("bert", (2, 6), H100, False, NESTED_SDPA),          # its flash backward takes philox_seed, not rng_state
@@ -76,18 +76,21 @@ def flash_attn_standin(calls: list):
                                alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
         assert q.dtype in (torch.float16, torch.bfloat16) and not causal and not return_attn_probs
         calls.append((tuple(window_size), dropout_p))
-        if dropout_p:
-            return flash_varlen_standin(q, k, v, cu_seqlens_q, max_seqlen_q, dropout_p)
-        return varlen_attn_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                   window_size=tuple(window_size))
+        window = None if tuple(window_size) == (-1, -1) else window_size[0]
+        assert window_size[0] == window_size[1] and torch.equal(cu_seqlens_q, cu_seqlens_k)
+        return flash_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, dropout_p, window)
 
     return flash_attn_varlen_func
 
 
-def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None):
-    """torch 2.9 and 2.10's varlen_attn: no window_size (a call with it raises TypeError, as Python does)."""
-    return varlen_attn_standin(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux,
-                               scale=scale)
+def recording_flash_varlen(calls: list):
+    """flash_varlen itself, each call's window and dropout recorded."""
+
+    def recording(q, k, v, offsets, max_seqlen, dropout_p=0.0, window=None):
+        calls.append((window, dropout_p))
+        return flash_varlen(q, k, v, offsets, max_seqlen, dropout_p, window)
+
+    return recording
 
 
 def modernbert_logits(model, batch):
@@ -114,16 +117,18 @@ def modernbert_rows(monkeypatch):
         return model, batch, modernbert_logits(model, batch)
 
 
-@pytest.mark.parametrize("version, varlen_attn", [("2.10.0+cu128", varlen_attn_2_10), ("2.8.0", None)])
+@pytest.mark.parametrize("version", ["2.10.0+cu128", "2.8.0"])
 def test_modernbert_below_torch_2_11_trains_as_rows_with_one_warning_naming_the_upgrade(
-        platform, modernbert_rows, monkeypatch, caplog, version, varlen_attn):
+        platform, modernbert_rows, monkeypatch, caplog, version):
     model, batch, rows = modernbert_rows
+    calls = []
     platform(torch_version=version)
-    monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn)
+    monkeypatch.setattr(modernbert, "flash_varlen", recording_flash_varlen(calls))
     for _ in range(2):
         assert torch.equal(modernbert_logits(model, batch), rows)
+    assert calls == []
     assert floor_warnings(caplog) == [
-        f"ModernBERT's windowed varlen attention (varlen_attn's window_size) needs torch >= 2.11 and compute "
+        f"ModernBERT's windowed varlen flash attention needs torch >= 2.11 and compute "
         f"capability >= 8.0; torch {version} lacks it: training with rows with masks (exact, slower) instead; "
         f"upgrade torch to >= 2.11 (or pip install flash-attn)"]
     assert trained_path("modernbert", torch.device("cuda"), torch.bfloat16) == ROWS
@@ -135,7 +140,7 @@ def test_modernbert_below_torch_2_11_trains_with_flash_attns_windowed_kernel_whe
     model, batch, rows = modernbert_rows
     calls = []
     platform(torch_version="2.10.0", flash_attn=flash_attn_standin(calls))
-    monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_2_10)
+    monkeypatch.setattr(modernbert, "flash_varlen", recording_flash_varlen([]))
     unpadded = modernbert_logits(model, batch)
     window = model.config.sliding_window
     assert calls == [((-1, -1) if kind == "full_attention" else (window, window), 0.0)
@@ -147,22 +152,24 @@ def test_modernbert_below_torch_2_11_trains_with_flash_attns_windowed_kernel_whe
     assert accelerator.attention_kernel(torch.device("cuda"), torch.bfloat16, 64, family="modernbert") == FLASH_ATTN
 
 
-def test_modernbert_at_torch_2_11_calls_torchs_varlen_attn_with_its_window(platform, modernbert_rows, monkeypatch,
-                                                                          caplog):
+def test_modernbert_at_torch_2_11_calls_torchs_varlen_flash_kernels_with_its_window(platform, modernbert_rows,
+                                                                                     monkeypatch, caplog):
     model, batch, _ = modernbert_rows
-    calls = []
-    platform(torch_version="2.11.0", flash_attn=flash_attn_standin(calls))
-    monkeypatch.setattr(modernbert, "varlen_attn", lambda *a, **k: calls.append(k["window_size"]) or
-                        varlen_attn_standin(*a, **k))
+    calls, flash_attn_calls = [], []
+    platform(torch_version="2.11.0", flash_attn=flash_attn_standin(flash_attn_calls))
+    monkeypatch.setattr(modernbert, "flash_varlen", recording_flash_varlen(calls))
     modernbert_logits(model, batch)
-    assert len(calls) == model.config.num_hidden_layers and floor_warnings(caplog) == []
+    window = model.config.sliding_window
+    assert calls == [(None if kind == "full_attention" else window, 0.0) for kind in model.config.layer_types]
+    assert flash_attn_calls == [] and floor_warnings(caplog) == []
     assert accelerator.attention_kernel(torch.device("cuda"), torch.bfloat16, 64, family="modernbert") == VARLEN_ATTN
 
 
 def test_modernbert_on_a_gpu_below_sm80_trains_as_rows(platform, modernbert_rows, monkeypatch, caplog):
     model, batch, rows = modernbert_rows
-    platform(capability=T4, flash_attn=flash_attn_standin([]))
-    monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
+    calls = []
+    platform(capability=T4, flash_attn=flash_attn_standin(calls))
+    monkeypatch.setattr(modernbert, "flash_varlen", recording_flash_varlen(calls))
     assert torch.equal(modernbert_logits(model, batch), rows)
     assert floor_warnings(caplog)[0].endswith(
         "this GPU (compute capability 7.5) has no flash kernels: training with rows with masks (exact, slower) "
@@ -176,12 +183,12 @@ def bert_loss(model, batch):
 
 @pytest.fixture
 def bert_flash_on_cpu(monkeypatch):
-    """BERT's 16-bit packed path on CPU: flash_varlen's stand-in, recording its calls."""
+    """BERT's 16-bit packed path on CPU: flash_varlen (its CPU reference), recording its calls' dropout."""
     calls = []
 
     def recording(q, k, v, offsets, max_seqlen, dropout_p=0.0):
         calls.append(dropout_p)
-        return flash_varlen_standin(q, k, v, offsets, max_seqlen, dropout_p)
+        return flash_varlen(q, k, v, offsets, max_seqlen, dropout_p)
 
     monkeypatch.setattr(kit, "flash_varlen", recording)
     monkeypatch.setattr(kit, "runs_flash_varlen", lambda q: q.dtype == torch.bfloat16)

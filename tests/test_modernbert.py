@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from workflow.train.models import kit
 import workflow.train.models.modernbert as modernbert
+from workflow.train.models.flash_varlen import flash_varlen
 from workflow.cli import UserError
-from tests.fixtures.gpu_standins import varlen_attn_standin
 from workflow.train.optim.lamb import param_groups
 from workflow.train.models.bert import BertConfig, BertForPreTraining
 from workflow.train.models.modernbert import (ModernBertConfig, ModernBertForMaskedLM, ModernBertModel, attended_pairs,
@@ -111,10 +111,9 @@ def test_parameter_names_are_hfs_and_hf_loads_our_export_with_from_pretrained(tm
 
 @pytest.fixture
 def unpadded_on_cpu(monkeypatch):
-    """Every batch takes the unpadded (CUDA) path on CPU, in fp32, through the varlen stand-in."""
+    """Every batch takes the unpadded (CUDA) path on CPU, in fp32, through the varlen op's CPU reference."""
     monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(modernbert, "VARLEN_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
-    monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
 
 
 SEQUENCES = [(0, 0, 3), (0, 3, 12), (0, 15, 20), (1, 0, 33), (2, 0, 7), (2, 7, 9), (2, 16, 13)]  # (row, start, len)
@@ -180,7 +179,7 @@ def training_batch(input_ids, attention_mask, position_ids=None, cls_positions=N
 def mlm_loss(model, batch, **inputs):
     logits, _ = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
                       batch["masked_lm_positions"], batch.get("position_ids"), batch.get("cls_positions"), **inputs)
-    loss = F.cross_entropy(logits, batch["masked_lm_targets"])
+    loss = F.cross_entropy(logits, batch["masked_lm_targets"], ignore_index=-1)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
@@ -192,37 +191,36 @@ def test_the_unpadded_varlen_path_trains_as_the_dense_masks_do(monkeypatch, pack
     torch.manual_seed(0)
     model = ModernBertForMaskedLM(small_config())
     batch = training_batch(*packed_batch()) if packed else training_batch(*padded_batch(33))
-    dense = mlm_loss(model, batch, masked_lm_valid=batch["masked_lm_labels"] >= 0)
+    dense = mlm_loss(model, batch, masked_lm_index=batch["masked_lm_index"], mask_needed=batch["mask_needed"])
     calls = []
     monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(modernbert, "VARLEN_DTYPES", (torch.float32,))
-    monkeypatch.setattr(modernbert, "varlen_attn", lambda *a, **k: calls.append(k["window_size"]) or
-                        varlen_attn_standin(*a, **k))
+    monkeypatch.setattr(modernbert, "flash_varlen", lambda *a: calls.append(a[-1]) or flash_varlen(*a))
     unpadded = mlm_loss(model, batch, masked_lm_index=batch["masked_lm_index"],
                         unpadded=kit.unpadded_of(batch), mask_needed=batch["mask_needed"])
-    assert calls == [(-1, -1) if kind == "full_attention" else (WINDOW // 2, WINDOW // 2)
-                     for kind in model.config.layer_types]
+    assert calls == [None if kind == "full_attention" else WINDOW // 2 for kind in model.config.layer_types]
     assert (unpadded[0] - dense[0]).abs().max() < 1e-5
     for name in dense[1]:
         assert torch.allclose(unpadded[1][name], dense[1][name], atol=1e-6, rtol=1e-4), name
 
 
-def test_an_all_padding_micro_batch_runs_as_rows_on_the_unpadded_path(unpadded_on_cpu):
+def test_an_all_padding_micro_batch_keeps_the_static_shapes_on_the_unpadded_path(unpadded_on_cpu):
     model = ModernBertForMaskedLM(small_config())
     zeros = torch.zeros(2, 16, dtype=torch.long)
     batch = host_indices({"input_ids": zeros, "attention_mask": zeros, "masked_lm_positions": zeros[:, :3],
                           "masked_lm_labels": torch.full((2, 3), -1)})
-    assert batch["max_seqlen"] == 0
+    assert batch["max_seqlen"] == 16 and batch["cu_seqlens"].tolist() == [0, 16, 32, 32, 32]
     logits, _ = model(zeros, None, zeros, zeros[:, :3], masked_lm_index=batch["masked_lm_index"],
                       unpadded=kit.unpadded_of(batch), mask_needed=batch["mask_needed"])
-    assert logits.shape == (0, 97)
+    assert logits.shape == (6, 97) and torch.isfinite(logits).all()
 
 
-def test_attention_dropout_is_refused_on_the_unpadded_path_in_one_line(unpadded_on_cpu):
-    model = ModernBertModel(small_config(attention_dropout=0.1)).train()
-    with pytest.raises(UserError, match=r"^modernbert config: attention_dropout 0.1 on the unpadded GPU path.*"
-                                        r"set attention_dropout: 0.0$"):
-        model(torch.ones(1, 5, dtype=torch.long))
+def test_attention_dropout_applies_on_the_unpadded_path(unpadded_on_cpu):
+    model = ModernBertModel(small_config(attention_dropout=0.5))
+    ids = torch.randint(5, 90, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        evaluated, trained = model.eval()(ids), model.train()(ids)
+    assert not torch.allclose(evaluated, trained) and torch.isfinite(trained).all()
 
 
 # ---------------------------------------------------------------- config
@@ -332,7 +330,8 @@ def test_the_head_runs_at_the_prediction_slots_as_berts_does():
                          mask_needed=batch["mask_needed"])[0]
     expected = torch.gather(every, 1, positions.unsqueeze(-1).expand(-1, -1, every.shape[-1]))
     assert at_slots.shape == (*positions.shape, 97) and torch.allclose(at_slots, expected, atol=1e-6)
-    assert torch.allclose(at_valid, expected[valid], atol=1e-6) and torch.allclose(at_index, at_valid, atol=1e-6)
+    assert torch.allclose(at_valid, expected[valid], atol=1e-6)
+    assert torch.allclose(at_index, at_slots.flatten(0, 1), atol=1e-6)
 
 
 def test_weights_start_as_hfs_initialisation_draws_them():

@@ -14,7 +14,6 @@ import torch
 
 from tests.conftest import snakemake_env
 from tests.test_finetune_ddp import features as ddp_features
-from tests.test_modernbert import varlen_attn_standin
 from workflow.classify.model import job_of, load_classifier
 from workflow.classify.task import SentenceTask
 from workflow.data.features import save_features
@@ -194,10 +193,9 @@ def test_the_unpadded_path_takes_its_tokens_from_the_host_and_gives_the_rows_log
     batch = task.read(0, 4)
     with torch.no_grad():
         rows = outputs(model, batch)
-        # The unpadded (CUDA) path on CPU in fp32 through the varlen stand-in; unpad on the device would fail.
+        # The unpadded (CUDA) path on CPU in fp32 through the varlen op's CPU reference; unpad on the device would fail.
         monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
         monkeypatch.setattr(modernbert, "VARLEN_DTYPES", (torch.float32,))
-        monkeypatch.setattr(modernbert, "varlen_attn", varlen_attn_standin)
         monkeypatch.setattr(modernbert, "unpad", lambda *_: pytest.fail("unpadded on the device"))
         unpadded = model(*task.inputs(batch))
     unpadded = torch.stack(unpadded, -1) if isinstance(unpadded, tuple) else unpadded

@@ -59,7 +59,7 @@ def settings(data, out, **overrides) -> TrainSettings:
 def config_of(s: TrainSettings) -> dict:
     """The workflow config sections (seed, model, pretrain) that give `s`."""
     section = {key: getattr(s, key) for key in ("precision", "checkpoint_every", "keep_checkpoints", "log_every",
-                                                  "eval_max_sequences", "compile", "loader_workers")}
+                                                  "eval_max_sequences", "compile", "compile_mode", "loader_workers")}
     section["lamb"] = {key: getattr(s, key) for key in LAMB_KEYS}
     section[s.phase] = {key: getattr(s, key) for key in PHASE_KEYS}
     return {"seed": s.seed, "model": {"preset": s.preset, "bert_config": s.bert_config, "init_from": s.init_from},

@@ -61,12 +61,12 @@ class ModernBertForSequenceClassification(ModernBertWithClassifier):
     mean over the real tokens (config.classifier_pooling: cls | mean): `num_labels` logits (1: a regression)."""
 
     def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
-        hidden, tokens = self.encode(input_ids, attention_mask, mask_needed, unpadded)
+        hidden = self.encode(input_ids, attention_mask, mask_needed, unpadded)
         batch, length = input_ids.shape
         starts = torch.arange(batch, device=input_ids.device) * length
         if self.config.classifier_pooling == "cls":
-            return self.classify(at_positions(hidden, tokens, starts))
-        rows = at_positions(hidden, tokens, starts[:, None] + torch.arange(length, device=input_ids.device))
+            return self.classify(at_positions(hidden, starts))
+        rows = at_positions(hidden, starts[:, None] + torch.arange(length, device=input_ids.device))
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         return self.classify((rows * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True))
 

@@ -97,6 +97,7 @@ class LoopSettings:
     log_every: int = 10
     seed: int = 12345
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile's mode ("max-autotune-no-cudagraphs", "reduce-overhead", ...)
     telemetry: bool = True
     global_batch_key: str = "global_batch_size"  # its config name (SQuAD: batch_size)
     loader_workers: int = 0   # processes reading micro-batches ahead (0: read on the training thread)
@@ -389,6 +390,12 @@ def _shut_down(steps) -> None:
             worker.join()
 
 
+def compiled(model, s: LoopSettings):
+    """`model` under torch.compile with s.compile_mode where s.compile asks for it, else `model`. dynamic=False: every
+    micro-batch of a run has one shape (packed rows too: kit.unpad), so one graph is compiled and reused."""
+    return torch.compile(model, mode=s.compile_mode, dynamic=False) if s.compile else model
+
+
 def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerprint: dict) -> Outcome:
     """Train `model` on `task` until max_steps (resuming from the run directory); see the module docstring."""
     by_rows = hasattr(task, "micro_batches")  # else micro-batches of micro_batch_size sequences, which must divide
@@ -433,8 +440,7 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
         # place rather than set to None, which would drop the views and make DDP rebuild them every step.
         train_model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
                                               else None, gradient_as_bucket_view=True)
-    if s.compile:
-        train_model = torch.compile(train_model)
+    train_model = compiled(train_model, s)
     ddp = getattr(train_model, "_orig_mod", train_model)  # under torch.compile, no_sync lives on the DDP module
     split = (f"micro-batches of {s.micro_batch_size} rows" if by_rows else
              f"{s.micro_batch_size} micro x {accumulation} accumulation") + f" x {env.world_size} ranks"

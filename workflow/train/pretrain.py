@@ -74,8 +74,7 @@ from workflow.train.models.family import ModelSettings, family
 from workflow.train.optim.optimizers import (HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer,
                                        refuse_other_optimizer_keys, state_to_carry)
 from workflow.train.optim.schedules import WSD_KEYS, BatchRamp, make_scheduler
-from workflow.train.models.kit import (VARLEN_DEVICE_TYPES, count_parameters, next_sentence_terms, pretraining_loss,
-                                       unpadded_of)
+from workflow.train.models.kit import count_parameters, next_sentence_terms, pretraining_loss, unpadded_of
 from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, datasets, list_shards
 from workflow.train.telemetry import merge_node_files
@@ -143,6 +142,7 @@ class TrainSettings:
     threads: int | None = None
     deterministic: bool = False
     compile: bool = False
+    compile_mode: str = "default"       # torch.compile(mode=...) (config pretrain.compile_mode)
     loader_workers: int = 2
     normalization: Normalization = Normalization()  # how the vocab was built and the data tokenized (config
                                                     # vocab): the exported tokenizer's
@@ -167,7 +167,8 @@ class TrainSettings:
             values.update({key: section[key] for key in ("precision", "checkpoint_every", "keep_checkpoints",
                                                          "log_every", "eval_max_sequences", "compile",
                                                          "loader_workers")})
-            values.update({key: section.get(key, getattr(cls, key)) for key in ("eval_seed", "eval_every")})
+            values.update({key: section.get(key, getattr(cls, key)) for key in ("eval_seed", "eval_every",
+                                                                                "compile_mode")})
             values.update(family=config["model"].get("family", cls.family), preset=config["model"]["preset"],
                           architecture=config["model"].get("architecture"), bert_config=config["model"]["bert_config"],
                           dle_gelu=config["model"].get("dle_gelu", cls.dle_gelu), seed=config["seed"])
@@ -275,10 +276,11 @@ def count_real_tokens(batch: dict) -> torch.Tensor:
 
 
 def forward(model, batch: dict):
-    """(mlm_logits [M, V], nsp_logits, mlm_labels [M]) of a batch, packed (position_ids, cls_positions given) or
-    not: the MLM head runs at the M labelled prediction slots only (row-major order), never at empty ones. A batch
-    through model.host_indices (training's) carries those slots and its real tokens: no host sync; any other batch
-    selects them here (a host sync on CUDA)."""
+    """(mlm_logits [N, V], nsp_logits, mlm_labels [N]) of a batch, packed (position_ids, cls_positions given) or
+    not, at N prediction slots in row-major order (labels -1: empty slots, for the loss to ignore). A batch through
+    model.host_indices (training's) carries every slot, N = B * P, and its rows' sequences: no host sync, and shapes
+    fixed by the batch's (a compiled graph is reused); any other batch selects its M labelled slots here (a host sync
+    on CUDA)."""
     if "masked_lm_index" not in batch:
         valid = batch["masked_lm_labels"] >= 0
         mlm_logits, nsp_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
@@ -375,15 +377,6 @@ def check_token_ids(shards, vocab: str, vocab_size: int) -> None:
                                     f"{vocab_size}; encode the data with {vocab} (or use a model of that vocabulary)")
 
 
-def refuse_compile(s: TrainSettings, packed: bool, device: torch.device) -> None:
-    """`compile: true` where torch.compile cannot give the packed forward static shapes: one error line."""
-    if s.compile and packed and device.type in VARLEN_DEVICE_TYPES:
-        raise UserError("config pretrain.compile: true cannot run on packed data on a GPU: every micro-batch has its "
-                        "own number of real tokens (the unpadded attention's nested tensors, dynamic shapes), and "
-                        "torch.compile of nested tensors under DDP fails (pytorch/pytorch#152068, #155421, #126472); "
-                        "set pretrain.compile: false (packing gains more than compiling would)")
-
-
 def pretrain(s: TrainSettings) -> dict:
     accelerator.configure_process(s.deterministic)
     set_threads(s.threads)
@@ -400,7 +393,6 @@ def train_phase(s: TrainSettings, env) -> dict:
     test_shards = list_shards(s.data_dir, "test")
     seq_length = train_shards[0].seq_length
     precision = resolve_precision(s.precision, env.device, "pretrain.precision")
-    refuse_compile(s, train_shards[0].packed, env.device)
 
     torch.manual_seed(s.seed)  # identical initial weights on every rank
     model_family = family(s.family)
@@ -433,8 +425,8 @@ def train_phase(s: TrainSettings, env) -> dict:
                         max_steps=s.max_steps, precision=precision, checkpoint_every=s.checkpoint_every,
                         clip_grad_norm=engine_clip(s.optimizer, s.max_grad_norm),
                         keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed, compile=s.compile,
-                        loader_workers=s.loader_workers, eval_every=s.eval_every, evaluate=held_out,
-                        batch_ramp=s.batch_ramp)
+                        compile_mode=s.compile_mode, loader_workers=s.loader_workers, eval_every=s.eval_every,
+                        evaluate=held_out, batch_ramp=s.batch_ramp)
     try:
         task = PretrainingTask(sequences, seq_length, train_shards[0].objective == "nsp", model_family.host_indices)
         outcome = train(env, model, optimizer, scheduler, task, loop,

@@ -9,13 +9,15 @@ API (stable; the SQuAD stage builds on it):
                                     cls_positions=None) -> (sequence_output [B, L, H], pooled_output [B, H])
     BertForPreTraining(config)      .bert is the BertModel; forward(input_ids, token_type_ids, attention_mask,
                                     masked_lm_positions, position_ids=None, cls_positions=None,
-                                    masked_lm_valid=None) -> (mlm_logits, nsp_logits); mlm_logits are [B, P, V] at
-                                    the given positions only, or, with masked_lm_valid [B, P] (True = a real
-                                    prediction slot; what training passes), [M, V] at the M real slots only, in
-                                    row-major slot order (= masked_lm_labels[masked_lm_valid])
-    host_indices(batch) -> batch    plus the indices the forward would read back from the device (real prediction
-                                    slots, packed rows' real tokens and sequence offsets), computed where the batch is
-                                    built: no host sync remains in the forward (what the training task passes)
+                                    masked_lm_valid=None, masked_lm_index=None, ...) -> (mlm_logits, nsp_logits);
+                                    mlm_logits are [B, P, V] at the given positions only, or, with masked_lm_valid
+                                    [B, P] (True = a real prediction slot), [M, V] at the M real slots only, in
+                                    row-major slot order (= masked_lm_labels[masked_lm_valid]), or with
+                                    masked_lm_index [N] (row-major positions; training's: every slot) [N, V]
+    host_indices(batch) -> batch    plus the indices the forward would read back from the device (every prediction
+                                    slot, packed rows' sequence offsets), computed where the batch is built, in shapes
+                                    fixed by the batch's: no host sync remains in the forward, and a compiled graph is
+                                    reused (what the training task passes)
     pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict of loss/accuracy tensors
     save_pretrained(model, config, vocab_path, out_dir, normalization=None)   HF directory: model.safetensors +
                                     config.json + vocab.txt (+ tokenizer_config.json for AutoTokenizer, with
@@ -32,9 +34,9 @@ Parameter names equal Hugging Face `BertForPreTraining`'s, except the two tied a
 Packed batches (rows holding several sequences, workflow.data.pack): pass `cls_positions` [B, S] (each sequence's
 [CLS] slot), `position_ids` [B, L] restarting at 0 per sequence, and as `attention_mask` each token's sequence
 number 1..S (0 = padding; a sequence's tokens are contiguous). A token then attends only to its own sequence:
-through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEVICE_TYPES (CUDA), with the real
-tokens gathered to [T, H] for every layer and variable-length flash attention (VarlenAttention);
-BertForPreTraining takes the MLM and [CLS] inputs straight from those [T, H] (no re-padded rows). The
+through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEVICE_TYPES (CUDA), with the rows laid
+end to end, [B * L, H], and variable-length flash attention (VarlenAttention; a row's padding is a sequence of its
+own, and the offsets have a fixed count: every shape is the rows', for torch.compile). The
 pooler and NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot).
 Without packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; host_indices checks it on the
 host, else the check costs one device sync per forward on CUDA); padding queries still attend to real keys, as in HF.
@@ -250,14 +252,8 @@ class BertModel(nn.Module):
                 mask_needed: bool | None = None):
         """(sequence_output [B, L, H], pooled_output [B, H], or [B, S, H] for packed rows: see the module doc; None
         without a pooler). `mask_needed`: see encode."""
-        hidden, tokens = self.encode(input_ids, token_type_ids, attention_mask, position_ids, cls_positions is not None,
-                                     mask_needed=mask_needed)
-        if tokens is None:
-            sequence_output = hidden
-        else:
-            batch, length = input_ids.shape
-            sequence_output = hidden.new_zeros(batch * length, hidden.shape[-1]).index_copy(0, tokens, hidden).view(
-                batch, length, -1)
+        sequence_output = self.encode(input_ids, token_type_ids, attention_mask, position_ids,
+                                      cls_positions is not None, mask_needed=mask_needed)
         if self.pooler is None:
             return sequence_output, None
         first = sequence_output[:, 0] if cls_positions is None else gather_positions(sequence_output, cls_positions)
@@ -265,25 +261,20 @@ class BertModel(nn.Module):
 
     def encode(self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None, packed=False,
                unpadded: Unpadded | None = None, mask_needed: bool | None = None):
-        """The last layer's output (hidden, tokens): rows [B, L, H] and None, or, for packed rows on the devices of
-        VARLEN_DEVICE_TYPES, the real tokens [T, H] and their ascending row-major positions [T] in the rows
-        (`unpadded`: those tokens as host_indices computed them, else computed here with host syncs; `mask_needed`
-        likewise, see row_attention). Rows holding no token at all (an empty micro-batch) run as rows: every parameter
-        still takes part (DDP needs it), with nothing to unpad."""
+        """The last layer's output [B, L, H]. Packed rows on the devices of VARLEN_DEVICE_TYPES run laid end to end,
+        [B * L, H], through VarlenAttention (`unpadded`: their sequences as host_indices found them, else found here
+        with host syncs); other rows with row_attention (`mask_needed`: see there). Every shape is the rows'."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         if packed and (attention_mask is None or position_ids is None):
             raise ValueError("packed rows need attention_mask (sequence numbers) and position_ids")
-        if packed and unpadded is None and input_ids.device.type in kit.VARLEN_DEVICE_TYPES:
-            unpadded = unpad(attention_mask)
-        if packed and unpadded is not None and input_ids.device.type in kit.VARLEN_DEVICE_TYPES and unpadded.max_seqlen:
-            # Every layer runs on the real tokens only: [T, H].
-            tokens = unpadded.tokens
-            x = self.embeddings(*(t.flatten()[tokens] for t in (input_ids, token_type_ids, position_ids)))
-            attention = VarlenAttention(unpadded.offsets, unpadded.min_seqlen, unpadded.max_seqlen)
-            return self.encoder(x, attention), tokens
         x = self.embeddings(input_ids, token_type_ids, position_ids)
-        return self.encoder(x, row_attention(attention_mask, packed, mask_needed)), None
+        if packed and input_ids.device.type in kit.VARLEN_DEVICE_TYPES:
+            if unpadded is None:
+                unpadded = unpad(attention_mask)
+            attention = VarlenAttention(unpadded.offsets, unpadded.min_seqlen, unpadded.max_seqlen)
+            return self.encoder(x.flatten(0, 1), attention).view_as(x)
+        return self.encoder(x, row_attention(attention_mask, packed, mask_needed))
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -331,10 +322,9 @@ class BertForPreTraining(nn.Module):
                 mask_needed: bool | None = None):
         """(mlm_logits, nsp_logits); the MLM head runs at the prediction slots only (the vocab projection dominates a
         small model's cost): [B, P, V] at every slot of `masked_lm_positions` [B, P], or, with `masked_lm_valid`
-        [B, P], [M, V] at its M real slots (row-major order), never at empty ones (~12% at seq 128, ~25% at 512);
-        `masked_lm_index` [M] (host_indices) gives those slots as row-major positions without a host sync, as
-        `unpadded` the real tokens of packed rows and `mask_needed` whether the rows need a mask (see encode). Both
-        are gathered straight from the encoder's rows or tokens."""
+        [B, P], [M, V] at its M real slots (row-major order; a host sync on CUDA), or, with `masked_lm_index` [N]
+        (host_indices: every slot, N = B * P, a fixed shape), [N, V] at those row-major positions without a host
+        sync; `unpadded` gives packed rows' sequences and `mask_needed` whether the rows need a mask (see encode)."""
         batch, length = input_ids.shape
         rows = torch.arange(batch, device=input_ids.device).unsqueeze(1) * length
         flat = masked_lm_positions.long() + rows
@@ -342,11 +332,11 @@ class BertForPreTraining(nn.Module):
             predicted = masked_lm_index
         else:  # M depends on the data: without masked_lm_index the selection syncs once with the host on CUDA
             predicted = flat.flatten() if masked_lm_valid is None else flat[masked_lm_valid]
-        hidden, tokens = self.bert.encode(input_ids, token_type_ids, attention_mask, position_ids,
-                                          cls_positions is not None, unpadded, mask_needed)
+        hidden = self.bert.encode(input_ids, token_type_ids, attention_mask, position_ids, cls_positions is not None,
+                                  unpadded, mask_needed)
         first = rows.squeeze(1) if cls_positions is None else cls_positions.long() + rows
-        mlm_logits, nsp_logits = self._heads(at_positions(hidden, tokens, predicted),
-                                             self.bert.pooler(at_positions(hidden, tokens, first)))
+        mlm_logits, nsp_logits = self._heads(at_positions(hidden, predicted),
+                                             self.bert.pooler(at_positions(hidden, first)))
         selected = masked_lm_valid is not None or masked_lm_index is not None
         return (mlm_logits if selected else mlm_logits.view(*flat.shape, -1)), nsp_logits
 

@@ -21,7 +21,7 @@ Fine-tuning (any HF directory; its model type picks the family, whatever model.f
     directory_family(directory) -> Family    by config.json's model_type (modernbert: ModernBERT, Ettin, mmBERT)
     Family.load_directory(directory) -> (config, state)   Family.config_class: the config a head is built for
     Family.save_directory(model, config, vocab, directory, normalization)   a fine-tuned head's HF directory
-    Family.rows_host_indices(batch) -> batch   a fine-tuning batch's indices (ModernBERT: its real tokens)
+    Family.rows_host_indices(batch) -> batch   a fine-tuning batch's indices (ModernBERT: its rows' sequences)
     own_vocab(directory) -> its vocab.txt or tokenizer.json (None: neither)
 """
 from __future__ import annotations
@@ -270,11 +270,11 @@ class ModernBertFamily(_Family):
 
     @staticmethod
     def rows_host_indices(batch: dict) -> dict:
-        """The real tokens of a fine-tuning batch's rows (model.UNPADDED_KEYS), found on the host: this family runs
+        """The sequences of a fine-tuning batch's rows (model.UNPADDED_KEYS), found on the host: this family runs
         every batch unpadded on the devices of model.VARLEN_DEVICE_TYPES."""
         from workflow.train.models.kit import UNPADDED_KEYS, unpad
 
-        return {**batch, **dict(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))}
+        return {**batch, **dict(zip(UNPADDED_KEYS, unpad(batch["attention_mask"], 1)))}
 
     @staticmethod
     def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:

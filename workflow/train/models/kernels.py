@@ -10,8 +10,10 @@ next one trains, with one warning naming what to upgrade; nothing crashes at the
                                 compute capability >= 8.0 (flash-attn 2)
         nested SDPA             exact, ~4x slower (SDPA's memory-efficient kernel; any GPU)
     ModernBERT, CUDA, 16-bit (modernbert.WindowedVarlenAttention; every batch unpadded):
-        varlen_attn             torch.nn.attention.varlen.varlen_attn(..., window_size=): torch >= 2.11 (2.9 and 2.10
-                                have varlen_attn without window_size, older torch none); compute capability >= 8.0
+        flash_varlen (windowed) torch's varlen flash kernels with a window (aten._flash_attention_forward's
+                                window_size_left/right, as torch's own varlen_attn(..., window_size=) calls them from
+                                2.11: the floor taken; 2.9 and 2.10 have varlen_attn without window_size);
+                                compute capability >= 8.0
         flash_attn_varlen_func  the flash-attn package's, with its window_size, where importable
         rows (SDPA with a mask) exact, slower (padding computed, dense masks)
     fp32, or off CUDA: the exact path of the family (BERT nested SDPA, ModernBERT rows).
@@ -25,7 +27,8 @@ API:
         path, flash_attn_varlen_func or the exact one, warning once below the floor
     bert_flash_kernel(device, flash_varlen) -> callable | None   kit's 16-bit kernel: `flash_varlen` itself,
         flash-attn's with its signature, or None (nested SDPA)
-    windowed_varlen_kernel(device, varlen_attn) -> callable | None   ModernBERT's: `varlen_attn` itself, flash-attn's
+    windowed_varlen_kernel(device, windowed_flash_varlen) -> callable | None   ModernBERT's: flash_varlen itself (its
+        windowed call), flash-attn's
         with its signature, or None (rows with masks)
     forget()   drop what this process found (tests change torch.__version__ and flash-attn between cases)
 """
@@ -41,14 +44,14 @@ from workflow.train import accelerator
 
 log = logging.getLogger(__name__)
 
-FLASH_VARLEN, VARLEN_ATTN, FLASH_ATTN = "flash_varlen", "varlen_attn", "flash_attn_varlen_func"
+FLASH_VARLEN, VARLEN_ATTN, FLASH_ATTN = "flash_varlen", "flash_varlen (windowed)", "flash_attn_varlen_func"
 NESTED_SDPA, ROWS = "nested SDPA", "rows (SDPA with a mask)"
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_CAPABILITY = (8, 0)  # flash kernels (torch's and flash-attn 2's): Ampere and newer; T4 / RTX 20xx are (7, 5)
 # family: (its fast path, the torch it needs, its exact path, what the fast path is)
 FAST_PATHS = {
     "bert": (FLASH_VARLEN, (2, 7), NESTED_SDPA, "BERT's varlen flash attention with dropout"),
-    "modernbert": (VARLEN_ATTN, (2, 11), ROWS, "ModernBERT's windowed varlen attention (varlen_attn's window_size)"),
+    "modernbert": (VARLEN_ATTN, (2, 11), ROWS, "ModernBERT's windowed varlen flash attention"),
 }
 SLOWER = {NESTED_SDPA: "nested SDPA (exact, ~4x slower)", ROWS: "rows with masks (exact, slower)",
           FLASH_ATTN: "flash-attn's flash_attn_varlen_func"}
@@ -134,9 +137,10 @@ def bert_flash_kernel(device: torch.device, flash_varlen):
     return {FLASH_VARLEN: flash_varlen, FLASH_ATTN: _flash_attn_as_flash_varlen}.get(fast_kernel("bert", device))
 
 
-def windowed_varlen_kernel(device: torch.device, varlen_attn):
+def windowed_varlen_kernel(device: torch.device, windowed_flash_varlen):
     """See the module docstring."""
-    return {VARLEN_ATTN: varlen_attn, FLASH_ATTN: _flash_attn_as_varlen_attn}.get(fast_kernel("modernbert", device))
+    return {VARLEN_ATTN: windowed_flash_varlen, FLASH_ATTN: _flash_attn_as_windowed_varlen}.get(
+        fast_kernel("modernbert", device))
 
 
 def _flash_attn_as_flash_varlen(q, k, v, offsets, max_seqlen: int, dropout_p: float = 0.0):
@@ -144,8 +148,9 @@ def _flash_attn_as_flash_varlen(q, k, v, offsets, max_seqlen: int, dropout_p: fl
     return flash_attn_varlen_func()(q, k, v, offsets, offsets, max_seqlen, max_seqlen, dropout_p=dropout_p)
 
 
-def _flash_attn_as_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q: int, max_k: int, *,
-                               window_size=(-1, -1)):
-    """varlen_attn's call (as ModernBERT makes it) through flash-attn, whose window_size means the same."""
-    return flash_attn_varlen_func()(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-                                    window_size=tuple(window_size))
+def _flash_attn_as_windowed_varlen(q, k, v, offsets, max_seqlen: int, dropout_p: float = 0.0,
+                                   window: int | None = None):
+    """flash_varlen's windowed call (as ModernBERT makes it) through flash-attn, whose window_size means the same."""
+    reach = -1 if window is None else window
+    return flash_attn_varlen_func()(q, k, v, offsets, offsets, max_seqlen, max_seqlen, dropout_p=dropout_p,
+                                    window_size=(reach, reach))

@@ -5,14 +5,16 @@ API:
     read_config_json(path) -> dict  a config.json / bert_config.json (an unreadable file refused in one line)
     RowAttention, row_attention(attention_mask, packed, mask_needed)   SDPA over rows with the rows' mask
     VarlenAttention(offsets, min_seqlen, max_seqlen)   attention within each sequence of tokens laid end to end
-    Unpadded, unpad(attention_mask), UNPADDED_KEYS, unpadded_of(batch)   packed rows' real tokens
+    Unpadded, unpad(attention_mask, sequences_per_row), UNPADDED_KEYS, unpadded_of(batch)   rows laid end to end
+                                    for VarlenAttention, in static shapes
     host_indices(batch) -> batch    the indices a forward would read back from the device, computed on the host
-    gather_positions(x, positions), at_positions(hidden, tokens, flat)   the encoder output at given positions
+    gather_positions(x, positions), at_positions(hidden, flat)   the encoder output at given positions
     pretraining_loss(...), next_sentence_terms(...)   the MLM (+ NSP) loss and accuracies
     load_weights(model, state), count_parameters(model)
 
-VARLEN_DEVICE_TYPES: the devices where packed rows run unpadded (CUDA); FLASH_VARLEN: 16-bit CUDA takes
-workflow.train.models.flash_varlen (False: nested SDPA, benchmarks/train_step.py's comparison).
+VARLEN_DEVICE_TYPES: the devices where packed rows run as sequences laid end to end (CUDA); FLASH_VARLEN: 16-bit
+CUDA (and CPU, its exact reference) takes workflow.train.models.flash_varlen's custom ops, which torch.compile traces
+(False: nested SDPA, benchmarks/train_step.py's comparison).
 """
 from __future__ import annotations
 
@@ -67,9 +69,10 @@ class RowAttention:
 
 class VarlenAttention:
     """Attention within each sequence of tokens laid end to end ([T, heads, head_size] q, k, v; sequence i is
-    tokens offsets[i]..offsets[i+1]), with dropout: on CUDA in 16-bit torch's variable-length flash kernels called
-    once per layer (workflow.train.models.flash_varlen, while FLASH_VARLEN); otherwise nested jagged tensors, which SDPA
-    runs as variable-length memory-efficient attention on CUDA (fp32) and sequence by sequence elsewhere."""
+    tokens offsets[i]..offsets[i+1], possibly empty), with dropout: on CUDA in 16-bit torch's variable-length flash
+    kernels called once per layer, on CPU their exact reference (workflow.train.models.flash_varlen's custom ops,
+    while FLASH_VARLEN); otherwise nested jagged tensors' SDPA (CUDA fp32, eager only; its fused kernels take no
+    empty sequence, so with the fixed-count offsets it falls back to its math kernel: train in 16-bit)."""
 
     def __init__(self, offsets, min_seqlen: int, max_seqlen: int):
         self.offsets, self.min_seqlen, self.max_seqlen = offsets, min_seqlen, max_seqlen
@@ -103,28 +106,37 @@ def row_attention(attention_mask, packed: bool, mask_needed: bool | None = None)
 
 
 class Unpadded(NamedTuple):
-    """The real tokens of packed rows: their ascending row-major positions [T], the offsets of their sequences
-    (cu_seqlens [N + 1]) and the shortest and longest sequence (host ints: SDPA would read them from the device)."""
+    """Rows laid end to end for the varlen attention, in static shapes: every row-major position [B * L] of the rows
+    (`tokens`; padding runs form sequences of their own, so padding attends to padding only), the offsets of their
+    sequences (cu_seqlens [B * (S + 1) + 1] for rows of at most S sequences, padded with empty sequences at the end)
+    and the kernels' bounds on a sequence's length, 0 and L (host ints, the same for every micro-batch: never read
+    from the data, so a compiled graph sees one shape and no host sync happens)."""
     tokens: torch.Tensor
     offsets: torch.Tensor
     min_seqlen: int
     max_seqlen: int
 
 
-def unpad(attention_mask) -> Unpadded:
-    """The real tokens of packed rows of sequence numbers (0 = padding). Reads the mask's values: on the host where the
-    batch is built (host_indices), or, given a device's mask, with host syncs."""
-    length = attention_mask.shape[1]
+def unpad(attention_mask, sequences_per_row: int | None = None) -> Unpadded:
+    """Rows of sequence numbers (0 = padding; 1/0 for rows of one sequence) laid end to end (see Unpadded), for rows
+    of at most `sequences_per_row` sequences (packed rows: cls_positions' width; None: the mask's largest number,
+    read from it). Reads the mask's values: on the host where the batch is built (host_indices), or, given a device's
+    mask, with host syncs."""
+    batch, length = attention_mask.shape
+    if sequences_per_row is None:
+        sequences_per_row = max(int(attention_mask.max()), 1) if attention_mask.numel() else 1
     flat = attention_mask.flatten()
-    tokens = flat.nonzero().squeeze(1)
-    sequence = tokens // length * (length + 1) + flat[tokens]  # unique per (row, sequence number)
+    positions = torch.arange(batch * length, device=flat.device)
+    sequence = positions // length * (length + 1) + flat  # unique per (row, sequence number); a padding run too
     first = torch.ones_like(sequence, dtype=torch.bool)
     first[1:] = sequence[1:] != sequence[:-1]
-    offsets = torch.cat([first.nonzero().squeeze(1), tokens.new_tensor([len(tokens)])])
-    lengths = offsets[1:] - offsets[:-1]
-    # An all-padding micro-batch (a rank given no rows of a step) has no sequence: no extremes to take.
-    shortest, longest = torch.stack([lengths.min(), lengths.max()]).tolist() if len(lengths) else (0, 0)
-    return Unpadded(tokens, offsets, shortest, longest)
+    starts = first.nonzero().squeeze(1)
+    capacity = batch * (sequences_per_row + 1)  # each row's sequences and its padding run
+    if len(starts) > capacity:
+        raise ValueError(f"rows hold {len(starts)} runs of sequences and padding, more than {sequences_per_row} "
+                         "sequences and one padding run per row")
+    offsets = torch.cat([starts, starts.new_full((capacity + 1 - len(starts),), batch * length)])
+    return Unpadded(positions, offsets, 0, length)
 
 
 UNPADDED_KEYS = ("unpadded_tokens", "cu_seqlens", "min_seqlen", "max_seqlen")  # host_indices' entries of Unpadded
@@ -132,18 +144,18 @@ UNPADDED_KEYS = ("unpadded_tokens", "cu_seqlens", "min_seqlen", "max_seqlen")  #
 
 def host_indices(batch: dict) -> dict:
     """`batch` (on the host, as the loader builds it) plus every index its forward would otherwise read back from the
-    device, so that no host sync remains in the forward of a micro-batch: masked_lm_index [M] (row-major positions of
-    the real prediction slots in the [B, L] rows) and masked_lm_targets [M] (their labels); for packed rows also
-    Unpadded's fields (UNPADDED_KEYS; min_seqlen and max_seqlen as ints); mask_needed (a bool): whether some token is
-    padding or some row holds several sequences (else attention runs without a mask: SDPA may pick flash)."""
+    device, so that no host sync remains in the forward of a micro-batch, all in shapes fixed by the batch's: 
+    masked_lm_index [B * P] (row-major positions of every prediction slot in the [B, L] rows) and masked_lm_targets
+    [B * P] (their labels, -1 at empty slots); for packed rows also Unpadded's fields (UNPADDED_KEYS; min_seqlen and
+    max_seqlen as ints); mask_needed (a bool): whether some token is padding or some row holds several sequences (else
+    attention runs without a mask: SDPA may pick flash)."""
     labels = batch["masked_lm_labels"]
-    valid = labels >= 0
     length = batch["input_ids"].shape[1]
     rows = torch.arange(len(labels)).unsqueeze(1) * length
-    extra = {"masked_lm_index": (batch["masked_lm_positions"].long() + rows)[valid], "masked_lm_targets": labels[valid],
-             "mask_needed": not bool((batch["attention_mask"] == 1).all())}
+    extra = {"masked_lm_index": (batch["masked_lm_positions"].long() + rows).flatten(),
+             "masked_lm_targets": labels.flatten(), "mask_needed": not bool((batch["attention_mask"] == 1).all())}
     if "cls_positions" in batch:
-        extra.update(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))
+        extra.update(zip(UNPADDED_KEYS, unpad(batch["attention_mask"], batch["cls_positions"].shape[1])))
     return {**batch, **extra}
 
 
@@ -157,14 +169,9 @@ def gather_positions(x, positions):
     return torch.gather(x, 1, positions.long().unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
-def at_positions(hidden, tokens, flat):
-    """The encoder output at row-major positions `flat` (any shape) of the [B, L] rows -> [*flat.shape, H], from
-    rows (hidden [B, L, H], tokens None) or from the real tokens (hidden [T, H], tokens [T] their ascending row-major
-    positions); a padding position gives zeros there, as the re-padded rows would."""
-    if tokens is None:
-        return hidden.flatten(0, 1)[flat]
-    slot = torch.searchsorted(tokens, flat).clamp(max=len(tokens) - 1)
-    return torch.where((tokens[slot] == flat).unsqueeze(-1), hidden[slot], 0.0)
+def at_positions(hidden, flat):
+    """The encoder output hidden [B, L, H] at row-major positions `flat` (any shape) of the rows -> [*flat.shape, H]."""
+    return hidden.flatten(0, 1)[flat]
 
 
 def pretraining_loss(mlm_logits, nsp_logits, masked_lm_labels, next_sentence_labels) -> dict:

@@ -7,7 +7,7 @@ API (the BERT family's shape, workflow/train/models/bert.py; the engine and the 
                                     local_attention and 5.x's layer_types, rope_parameters), .to_dict/.to_json (both);
                                     .layer_types, .sliding_window (local_attention // 2, each side)
     ModernBertModel(config)         forward(input_ids, attention_mask=None, position_ids=None, packed=False)
-                                    -> last_hidden_state [B, L, H] (after final_norm); encode(...) -> (hidden, tokens)
+                                    -> last_hidden_state [B, L, H] (after final_norm); encode(...) -> [B, L, H]
                                     as BertModel.encode
     ModernBertForMaskedLM(config)   .model is the ModernBertModel; forward(input_ids, token_type_ids, attention_mask,
                                     masked_lm_positions, position_ids=None, cls_positions=None, masked_lm_valid=None,
@@ -19,7 +19,7 @@ API (the BERT family's shape, workflow/train/models/bert.py; the engine and the 
     ModernBertWithClassifier(config, num_labels)   the fine-tuning heads' common part (HF's `model`, `head`, `drop`,
                                     `classifier`); classify_tokens(input_ids, attention_mask, mask_needed,
                                     unpadded) -> [B, L, num_labels]; the heads sit beside their tasks
-    host_indices(batch) -> batch    model.host_indices, plus the real tokens of unpacked rows too (this family runs
+    host_indices(batch) -> batch    model.host_indices, plus the sequences of unpacked rows too (this family runs
                                     every batch unpadded on the devices of model.VARLEN_DEVICE_TYPES)
     flops_per_sequence(config, seq_length, max_predictions)   training FLOPs, counting the GLU and the local window
     attended_pairs(seq_length, reach)   query-key pairs of a sequence whose tokens see `reach` tokens each side
@@ -35,8 +35,10 @@ A token attends only to its own sequence, and in a local layer only to tokens at
 positions are position_ids (else 0..L-1). Padding attends to padding only (HF lets it attend to real keys; no real
 token's output differs).
 Two paths: rows with dense boolean SDPA masks (CPU; exact), or, on model.VARLEN_DEVICE_TYPES (CUDA) in a 16-bit
-compute dtype (VARLEN_DTYPES: flash kernels), the real tokens [T, H] through torch's varlen flash attention with
-window_size=(sliding_window, sliding_window) for local layers; `varlen_attn` below is the seam the CPU tests replace.
+compute dtype (VARLEN_DTYPES: flash kernels), the rows laid end to end [B * L, H] (a row's padding a sequence of its
+own, offsets of a fixed count: static shapes for torch.compile) through the varlen flash kernels with a window of
+sliding_window each side for local layers, and attention dropout (workflow.train.models.flash_varlen's custom ops,
+whose exact CPU reference the tests run).
 """
 from __future__ import annotations
 
@@ -56,10 +58,7 @@ from workflow.train.models import kernels, kit
 from workflow.train.models.kit import (ACTIVATIONS, UNPADDED_KEYS, RowAttention, Unpadded, at_positions,
                                        read_config_json, row_attention, unpad)
 
-try:  # torch >= 2.9; flash kernels with a window (CUDA only)
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - older torch: the unpadded path is not available
-    varlen_attn = None
+from workflow.train.models.flash_varlen import flash_varlen
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer types
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # what flash kernels take; fp32 runs as rows with masks
@@ -225,19 +224,15 @@ def apply_rotary(x, cos, sin):
 
 class WindowedVarlenAttention:
     """Attention within each sequence of tokens laid end to end ([T, heads, head_size] q, k, v; cu_seqlens offsets
-    [N + 1] int32), within `window` tokens on each side (None: the whole sequence), through torch's varlen flash
-    attention. It has no dropout: attention_dropout must be 0 on this path (ModernBERT's recipe trains with 0)."""
+    [N + 1] int32, empty sequences allowed), within `window` tokens on each side (None: the whole sequence), with
+    dropout: the varlen flash kernels on CUDA, their exact reference on CPU (flash_varlen's custom ops)."""
 
     def __init__(self, offsets, max_seqlen: int, window: int | None):
-        self.offsets, self.max_seqlen = offsets, max_seqlen
-        self.window_size = (-1, -1) if window is None else (window, window)
+        self.offsets, self.max_seqlen, self.window = offsets, max_seqlen, window
 
     def __call__(self, q, k, v, dropout_p):
-        if dropout_p:
-            raise UserError(f"modernbert config: attention_dropout {dropout_p} on the unpadded GPU path, whose varlen "
-                            "attention has no dropout; set attention_dropout: 0.0")
-        return kernels.windowed_varlen_kernel(q.device, varlen_attn)(
-            q, k, v, self.offsets, self.offsets, self.max_seqlen, self.max_seqlen, window_size=self.window_size)
+        return kernels.windowed_varlen_kernel(q.device, flash_varlen)(
+            q, k, v, self.offsets, self.max_seqlen, dropout_p, self.window)
 
 
 class ModernBertAttention(nn.Module):
@@ -325,42 +320,34 @@ class ModernBertModel(nn.Module):
         self.apply(lambda m: _init_weights(m, config))
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, packed=False):
-        """last_hidden_state [B, L, H]; on the unpadded path padding positions hold zeros."""
-        hidden, tokens = self.encode(input_ids, attention_mask, position_ids, packed)
-        if tokens is None:
-            return hidden
-        batch, length = input_ids.shape
-        return hidden.new_zeros(batch * length, hidden.shape[-1]).index_copy(0, tokens, hidden).view(batch, length, -1)
+        """last_hidden_state [B, L, H]."""
+        return self.encode(input_ids, attention_mask, position_ids, packed)
 
     def encode(self, input_ids, attention_mask=None, position_ids=None, packed=False,
                unpadded: Unpadded | None = None, mask_needed: bool | None = None):
-        """The final norm's output (hidden, tokens): rows [B, L, H] and None, or, on the unpadded path (see the module
-        doc), the real tokens [T, H] and their ascending row-major positions [T] (`unpadded`: as host_indices found
-        them, else computed here with host syncs; `mask_needed`: see model.row_attention)."""
+        """The final norm's output [B, L, H]. On the unpadded path (see the module doc) the rows run laid end to end,
+        [B * L, H] (`unpadded`: their sequences as host_indices found them, else found here with host syncs); else
+        with dense masks (`mask_needed`: see model.row_attention). Every shape is the rows'."""
         if packed and (attention_mask is None or position_ids is None):
             raise ValueError("packed rows need attention_mask (sequence numbers) and position_ids")
         batch, length = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
-        unpadded_path = self._runs_unpadded(input_ids.device)
-        if unpadded_path and unpadded is None:
-            unpadded = unpad(attention_mask if attention_mask is not None else torch.ones_like(input_ids))
-        if unpadded_path and unpadded.max_seqlen:  # an all-padding micro-batch runs as rows: nothing to unpad
-            tokens = unpadded.tokens
-            x = self.embeddings(input_ids.flatten()[tokens])
-            positions = position_ids.flatten()[tokens]
+        x = self.embeddings(input_ids)
+        if self._runs_unpadded(input_ids.device):
+            if unpadded is None:
+                unpadded = unpad(attention_mask if attention_mask is not None else torch.ones_like(input_ids))
             offsets = unpadded.offsets.to(torch.int32)
             attention = {FULL: WindowedVarlenAttention(offsets, unpadded.max_seqlen, None),
                          SLIDING: WindowedVarlenAttention(offsets, unpadded.max_seqlen, self.config.sliding_window)}
-            return self._layers(x, attention, positions), tokens
-        x = self.embeddings(input_ids)
-        return self._layers(x, self._row_attention(attention_mask, length, mask_needed), position_ids), None
+            return self._layers(x.flatten(0, 1), attention, position_ids.flatten()).view_as(x)
+        return self._layers(x, self._row_attention(attention_mask, length, mask_needed), position_ids)
 
     def _runs_unpadded(self, device) -> bool:
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
             self.embeddings.tok_embeddings.weight.dtype
         return (device.type in kit.VARLEN_DEVICE_TYPES and dtype in VARLEN_DTYPES
-                and kernels.windowed_varlen_kernel(device, varlen_attn) is not None)
+                and kernels.windowed_varlen_kernel(device, flash_varlen) is not None)
 
     def _row_attention(self, attention_mask, length: int, mask_needed: bool | None) -> dict:
         """Each layer type's RowAttention: same sequence (equal mask values: padding sees padding only), and for
@@ -417,18 +404,17 @@ class ModernBertForMaskedLM(nn.Module):
                 position_ids=None, cls_positions=None, masked_lm_valid=None, masked_lm_index=None,
                 unpadded: Unpadded | None = None, mask_needed: bool | None = None):
         """(mlm_logits, None): see the module doc; the head runs at the prediction slots only."""
-        hidden, tokens = self.model.encode(input_ids, attention_mask, position_ids, cls_positions is not None,
-                                           unpadded, mask_needed)
+        hidden = self.model.encode(input_ids, attention_mask, position_ids, cls_positions is not None, unpadded,
+                                   mask_needed)
         batch, length = input_ids.shape
         if masked_lm_positions is None:  # every position, as HF's logits
-            return self.logits(at_positions(hidden, tokens, torch.arange(batch * length, device=input_ids.device)
-                                            ).view(batch, length, -1)), None
+            return self.logits(hidden), None
         slots = masked_lm_positions.long() + torch.arange(batch, device=input_ids.device).unsqueeze(1) * length
         if masked_lm_index is not None:
             predicted = masked_lm_index
         else:  # a data-dependent selection: one host sync on CUDA (host_indices avoids it)
             predicted = slots.flatten() if masked_lm_valid is None else slots[masked_lm_valid]
-        logits = self.logits(at_positions(hidden, tokens, predicted))
+        logits = self.logits(at_positions(hidden, predicted))
         selected = masked_lm_valid is not None or masked_lm_index is not None
         return (logits if selected else logits.view(*slots.shape, -1)), None
 
@@ -461,7 +447,7 @@ class ModernBertWithClassifier(nn.Module):
         nn.init.zeros_(self.classifier.bias)
 
     def encode(self, input_ids, attention_mask, mask_needed: bool | None = None, unpadded: Unpadded | None = None):
-        """ModernBertModel.encode of unpacked rows: (hidden, tokens)."""
+        """ModernBertModel.encode of unpacked rows: [B, L, H]."""
         return self.model.encode(input_ids, attention_mask, None, False, unpadded, mask_needed)
 
     def classify(self, hidden):
@@ -469,21 +455,15 @@ class ModernBertWithClassifier(nn.Module):
 
     def classify_tokens(self, input_ids, attention_mask, mask_needed: bool | None = None,
                         unpadded: Unpadded | None = None):
-        """Logits of every token [B, L, num_labels] (on the unpadded path: zeros at padding)."""
-        hidden, tokens = self.encode(input_ids, attention_mask, mask_needed, unpadded)
-        logits = self.classify(hidden)
-        if tokens is None:
-            return logits
-        batch, length = input_ids.shape
-        every = torch.arange(batch * length, device=input_ids.device)
-        return at_positions(logits, tokens, every).view(batch, length, -1)
+        """Logits of every token [B, L, num_labels]."""
+        return self.classify(self.encode(input_ids, attention_mask, mask_needed, unpadded))
 
 
 def host_indices(batch: dict) -> dict:
-    """model.host_indices, with the real tokens (model.UNPADDED_KEYS) of unpacked rows too."""
+    """model.host_indices, with the sequences (model.UNPADDED_KEYS) of unpacked rows too."""
     batch = kit.host_indices(batch)
     if UNPADDED_KEYS[0] not in batch:
-        batch.update(zip(UNPADDED_KEYS, unpad(batch["attention_mask"])))
+        batch.update(zip(UNPADDED_KEYS, unpad(batch["attention_mask"], 1)))
     return batch
 
 

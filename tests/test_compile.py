@@ -1,0 +1,160 @@
+"""pretrain.compile on CPU, both families, packed rows through the varlen path (forced onto CPU: the attention's
+custom ops run their exact CPU reference) and unpacked rows: a compiled step equals the eager one (losses and
+gradients), micro-batches of different packings reuse one graph without a break, and the custom ops pass
+torch.library.opcheck."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+from workflow.train import engine
+from workflow.train.models import kit, modernbert
+from workflow.train.models.bert import BertConfig, BertForPreTraining
+from workflow.train.models.flash_varlen import flash_varlen_backward, flash_varlen_forward
+from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMaskedLM
+from workflow.train.pretrain import pretraining_forward
+
+ROWS, LENGTH, SEQUENCES_PER_ROW, PREDICTIONS = 2, 16, 3, 4
+BACKEND = "inductor"
+FAMILIES = {
+    "bert": (lambda: BertForPreTraining(BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+        max_position_embeddings=LENGTH, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+        kit.host_indices),
+    "modernbert": (lambda: ModernBertForMaskedLM(ModernBertConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        global_attn_every_n_layers=2, local_attention=6, max_position_embeddings=LENGTH, pad_token_id=0,
+        cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3)),
+        modernbert.host_indices),
+}
+
+
+def micro_batch(seed: int, packed: bool) -> dict:
+    """ROWS rows of LENGTH tokens as the loader hands them: packed (up to SEQUENCES_PER_ROW sequences a row, each
+    token's sequence number as its mask) or one sequence a row with padding; PREDICTIONS slots a row, some empty."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(5, 64, (ROWS, LENGTH), generator=generator)
+    mask, positions = (torch.zeros(ROWS, LENGTH, dtype=torch.long) for _ in range(2))
+    cls = torch.zeros(ROWS, SEQUENCES_PER_ROW, dtype=torch.long)
+    nsp = torch.full((ROWS, SEQUENCES_PER_ROW if packed else 1), -1)
+    for row in range(ROWS):
+        start = 0
+        for number in range(1, (SEQUENCES_PER_ROW if packed else 1) + 1):
+            size = int(torch.randint(2, 9, (), generator=generator))
+            if start + size > LENGTH:
+                break
+            mask[row, start:start + size] = number if packed else 1
+            positions[row, start:start + size] = torch.arange(size)
+            cls[row, number - 1], nsp[row, number - 1] = start, int(torch.randint(0, 2, (), generator=generator))
+            start += size
+    input_ids[mask == 0] = 0
+    slots = torch.stack([torch.randperm(int((mask[row] > 0).sum()), generator=generator)[:PREDICTIONS]
+                         for row in range(ROWS)])
+    labels = torch.gather(input_ids, 1, slots)
+    labels[torch.rand(labels.shape, generator=generator) < 0.3] = -1
+    labels[:, -1] = -1  # an empty slot in every row
+    batch = dict(input_ids=input_ids, token_type_ids=torch.zeros_like(input_ids), attention_mask=mask,
+                 masked_lm_positions=slots.masked_fill(labels < 0, 0), masked_lm_labels=labels)
+    if packed:
+        return {**batch, "position_ids": positions, "cls_positions": cls, "next_sentence_labels": nsp}
+    return {**batch, "next_sentence_labels": nsp[:, 0]}
+
+
+@pytest.fixture
+def varlen_on_cpu(monkeypatch):
+    """Packed rows (and every ModernBERT batch) take the unpadded CUDA path on CPU, in fp32."""
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(modernbert, "VARLEN_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def step(model, batch) -> tuple[torch.Tensor, dict]:
+    """(loss, gradients) of one training forward and backward."""
+    loss = pretraining_forward(model, batch)["loss"]
+    loss.backward()
+    module = getattr(model, "_orig_mod", model)  # a compiled model's parameters are its module's
+    gradients = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    return loss.detach(), gradients
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_compiled_step_equals_the_eager_one(name, packed, request):
+    if packed:
+        request.getfixturevalue("varlen_on_cpu")
+    build, host_indices = FAMILIES[name]
+    torch.manual_seed(0)
+    model = build().train()
+    batch = host_indices(micro_batch(1, packed))
+    eager_loss, eager_gradients = step(model, batch)
+    compiled_loss, compiled_gradients = step(torch.compile(model, backend=BACKEND, dynamic=False), batch)
+    assert torch.allclose(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert compiled_gradients.keys() == eager_gradients.keys()
+    for key, gradient in eager_gradients.items():
+        assert torch.allclose(compiled_gradients[key], gradient, rtol=1e-5, atol=1e-6), key
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_micro_batches_of_different_packings_reuse_one_graph_without_a_break(name, varlen_on_cpu):
+    build, host_indices = FAMILIES[name]
+    torch.manual_seed(0)
+    model = build().train()
+    batches = [host_indices(micro_batch(seed, packed=True)) for seed in range(6)]
+    assert len({tuple(b["cu_seqlens"].tolist()) for b in batches}) == 6  # six packings
+    # Before static shapes, the real tokens and the real prediction slots set the shapes: they vary here.
+    assert len({int((b["attention_mask"] > 0).sum()) for b in batches}) > 1
+    assert len({int((b["masked_lm_labels"] >= 0).sum()) for b in batches}) > 1
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, dynamic=False)
+    for batch in batches:
+        step(compiled, batch)
+    assert counter.frame_count == 1
+    assert dict(counters["graph_break"]) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernels need a CUDA device")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_on_cuda_in_bf16_one_inductor_graph_trains_as_eager_over_every_packing(name):
+    from workflow.train.precision import autocast
+
+    build, host_indices = FAMILIES[name]
+    torch.manual_seed(0)
+    model = build().cuda().train()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, dynamic=False)
+    for seed in range(4):
+        batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v
+                 for k, v in host_indices(micro_batch(seed, packed=True)).items()}
+        with autocast(torch.device("cuda"), "bf16"):
+            (eager_loss, _), (compiled_loss, _) = step(model, batch), step(compiled, batch)
+        assert torch.allclose(compiled_loss.float(), eager_loss.float(), rtol=2e-2)
+    assert counter.frame_count == 1 and dict(counters["graph_break"]) == {}
+
+
+def test_the_varlen_custom_ops_pass_opcheck():
+    generator = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([0, 5, 12, 16, 25, 31, 32, 32, 32], dtype=torch.int32)  # empty sequences at the end
+    q, k, v, grad_out = (torch.randn(32, 2, 8, generator=generator) for _ in range(4))
+    for window in (-1, 3):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.library.opcheck(flash_varlen_forward, (*inputs, offsets, 16, 0.0, window, window))
+        out, lse, rng_state = flash_varlen_forward(q, k, v, offsets, 16, 0.0, window, window)
+        torch.library.opcheck(flash_varlen_backward,
+                              (grad_out, q, k, v, out, lse, offsets, 16, 0.0, window, window, rng_state))
+
+
+def test_pretrain_compile_mode_reaches_torch_compile_with_static_shapes(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **options: calls.append(options) or model)
+    settings = engine.LoopSettings(config_key="pretrain.phase1", run_dir="unused", total_steps=1, global_batch_size=1,
+                                   micro_batch_size=1, compile=True, compile_mode="max-autotune-no-cudagraphs")
+    engine.compiled(torch.nn.Linear(1, 1), settings)
+    assert calls == [{"mode": "max-autotune-no-cudagraphs", "dynamic": False}]
