@@ -158,3 +158,28 @@ def test_pretrain_compile_mode_reaches_torch_compile_with_static_shapes(monkeypa
                                    micro_batch_size=1, compile=True, compile_mode="max-autotune-no-cudagraphs")
     engine.compiled(torch.nn.Linear(1, 1), settings)
     assert calls == [{"mode": "max-autotune-no-cudagraphs", "dynamic": False}]
+
+
+@pytest.mark.parametrize("model_family", ["bert", "modernbert"])
+def test_a_compiled_fine_tuning_run_trains_as_the_eager_one(model_family, tmp_path, monkeypatch):
+    import json
+
+    from tests.test_finetune_ddp import RECIPE, prepare
+    from workflow.classify.model import job_of
+    from workflow.glue.data import TASKS
+    from workflow.train import finetune as finetuning
+
+    prepare("classification", tmp_path, model_family)
+    counter = CompileCounterWithBackend("aot_eager")  # inductor's CPU compile is the slow part; the graphs are the same
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **options: real_compile(model, **options, backend=counter))
+    losses = {}
+    for compiled in (False, True):
+        s = finetuning.FinetuneSettings(**{**RECIPE, "log_every": 1, "compile": compiled})
+        run = tmp_path / f"compiled_{compiled}"
+        assert finetuning.finetune(job_of(TASKS["SST-2"]), tmp_path / "init", tmp_path / "train.npz", run / "model",
+                                   run / "run", s, metrics_path=run / "metrics.jsonl", device="cpu", threads=1) == 0
+        losses[compiled] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses[True]) == 3 and losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert 1 <= counter.frame_count <= 2  # rows with and without padding: their masks differ (mask_needed)
+    assert dict(counters["graph_break"]) == {}

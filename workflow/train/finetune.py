@@ -41,6 +41,7 @@ from workflow.train.precision import resolve_precision
 log = logging.getLogger(__name__)
 # The settings that change the fine-tuned model (its fingerprint: a change refuses to resume).
 RECIPE_KEYS = ("learning_rate", "epochs", "batch_size", "warmup_proportion", "weight_decay", "max_grad_norm")
+COMPILE_KEYS = ("compile", "compile_mode")  # as pretrain's: speed only, so outside the fingerprint
 
 
 @dataclass
@@ -56,15 +57,19 @@ class FinetuneSettings:
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     log_every: int = 10
+    compile: bool = False               # torch.compile through the engine (config <section>.compile)
+    compile_mode: str = "default"
     seed: int = 12345
 
     @classmethod
     def from_section(cls, config: dict, section: str, overrides: dict | None = None):
         """From the config's seed and `section` (as validated by the schema), `overrides` applied on top."""
-        names = [f.name for f in fields(cls) if f.name != "seed"]
+        names = [f.name for f in fields(cls) if f.name not in ("seed", *COMPILE_KEYS)]
         try:
-            merged = {**{key: config[section][key] for key in names}, **(overrides or {})}
-            return cls(seed=config["seed"], **{key: merged[key] for key in names})
+            merged = {**{key: config[section][key] for key in names},
+                      **{key: config[section].get(key, getattr(cls, key)) for key in COMPILE_KEYS},
+                      **(overrides or {})}
+            return cls(seed=config["seed"], **{key: merged[key] for key in (*names, *COMPILE_KEYS)})
         except (KeyError, TypeError) as error:
             raise UserError(f"config: missing key {section}.{error.args[0] if error.args else error} "
                             "(see config.schema.yaml)") from None
@@ -240,7 +245,7 @@ def _finetune(env, job: FinetuneJob, init: Path, features_path: Path, output: Pa
                         global_batch_size=s.batch_size, micro_batch_size=s.micro_batch_size, precision=precision,
                         clip_grad_norm=s.max_grad_norm, checkpoint_every=s.checkpoint_every,
                         keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed,
-                        global_batch_key="batch_size")
+                        compile=s.compile, compile_mode=s.compile_mode, global_batch_key="batch_size")
     outcome = train(env, model, optimizer, scheduler, task, loop, fingerprint)
     if outcome.stopped:
         return outcome.stopped
