@@ -13,10 +13,10 @@ hits them alike (medians printed):
 1. Full training step, three sides, on one micro-batch of Wikipedia-like instances (padded rows, the short ones
    with empty prediction slots; the generator of 3.): forward, MLM + NSP loss, backward, LAMB
    (workflow.train.optim.lamb.Lamb, the same param groups).
-   - snakebert: the pretraining task's forward (workflow.train.pretrain.forward): MLM head at the real prediction
-     slots only ([M, H] -> [M, V]);
+   - snakebert: the pretraining task's forward (workflow.train.pretrain.forward) of a batch without host_indices:
+     MLM head at the real prediction slots only ([M, H] -> [M, V]; M varies, a host sync on CUDA);
    - snakebert, every slot: the same model with the MLM head at all B x P slots, empty ones ignored by label -1
-     (the path before the slot selection);
+     (what training runs: host_indices' fixed shapes, for torch.compile);
    - huggingface BertForPreTraining (sdpa): MLM head at every position (its design), so the ratio to it includes
      that saving.
 2. Encoder only at equal work: BertModel forward + backward (loss = sum of the sequence output) vs HF's sdpa

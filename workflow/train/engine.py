@@ -9,6 +9,7 @@ API:
         metrics.jsonl and TensorBoard scalars (tensorboard/) in the run directory, a log line with seq/s and the
         ETA every log_every steps, checkpoints every `checkpoint_every` steps, resume, stop signals; every
         `eval_every` steps the held-out evaluation (`evaluate`), added to that step's metrics line.
+    compiled(model, settings)   the model under torch.compile(mode=compile_mode, dynamic=False) where `compile` asks
     refuse_changes(old, new, run_dir)   UserError naming each changed key old -> new and how to start over
     set_threads(threads)  this rank's share of the job's CPU threads
 
