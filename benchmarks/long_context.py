@@ -105,8 +105,8 @@ def read_file(directory: Path, length: int) -> dict:
     for start in range(0, sequences.epoch_length, step):
         for batch in sequences.micro_batches(start, min(step, sequences.epoch_length - start), 0, 1, rows):
             batch = host_indices(batch)
-            real += len(batch["unpadded_tokens"])
-            predicted += len(batch["masked_lm_targets"])
+            real += int((batch["attention_mask"] > 0).sum())
+            predicted += int((batch["masked_lm_targets"] >= 0).sum())
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return {"sequences": sequences.epoch_length, "real_tokens": real, "predicted": predicted, "wall_s": wall,
             "cpu_s": cpu, "rss_mb": peak_rss_mb(), "rss_before_mb": before}
