@@ -147,3 +147,66 @@ def test_the_fused_cuda_path_equals_the_reference_in_bf16(ignored):
             assert not got.any()
         else:
             assert relative_error(got, want) < 2e-2
+
+
+def simple_liger(calls: list):
+    """liger_fused_linear_cross_entropy's contract (the summed loss, each row's argmax), recording its calls."""
+
+    def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean",
+                                         accum_dtype=None, return_predicted_tokens=False):
+        calls.append(tuple(input.shape))
+        logits = F.linear(input, weight, bias).float()
+        loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+        return types.SimpleNamespace(loss=loss, predicted_tokens=torch.where(target == ignore_index, -1,
+                                                                               logits.argmax(-1)))
+
+    return liger_fused_linear_cross_entropy
+
+
+def family_model_and_batch(name: str):
+    """A tiny model of the family and a packed training batch through its host_indices."""
+    from tests.test_flash_varlen import CONFIG as BERT_CONFIG, packed_rows
+    from tests.test_modernbert import packed_batch, small_config, training_batch
+    from workflow.train.models.bert import BertForPreTraining
+    from workflow.train.models.kit import host_indices
+    from workflow.train.models.modernbert import ModernBertForMaskedLM
+
+    torch.manual_seed(0)
+    if name == "bert":
+        model, batch = BertForPreTraining(BERT_CONFIG), host_indices(packed_rows())
+    else:
+        model, batch = ModernBertForMaskedLM(small_config()), training_batch(*packed_batch())
+    batch.setdefault("next_sentence_labels", (batch["cls_positions"] > 0).long())  # a label per sequence slot
+    return model, batch, name == "bert"
+
+
+@pytest.mark.parametrize("name", ["bert", "modernbert"])
+def test_training_takes_the_fused_loss_from_the_heads_hidden_states_as_the_logits_path_does(name, monkeypatch):
+    """PretrainingTask.loss with the fused loss (liger's contract stood in on CPU) gives the logits path's loss,
+    accuracy and gradients: the head's hidden states and the tied decoder (mlm_decoder) are the logits' inputs."""
+    from workflow.train.pretrain import PretrainingTask
+
+    model, batch, nsp = family_model_and_batch(name)
+    counts = PretrainingTask(None, batch["input_ids"].shape[1], nsp).count(batch)
+    totals = {key: value.float() for key, value in counts.items()}
+
+    def loss_and_grads(fused: bool):
+        model.zero_grad()
+        torch.manual_seed(1)  # the same dropout masks on both paths
+        out = PretrainingTask(None, batch["input_ids"].shape[1], nsp, fused_loss=fused).loss(model, batch, totals)
+        out["loss"].backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = loss_and_grads(False)
+    calls = []
+    monkeypatch.setattr(fused_loss, "fused_mlm_loss_reason", lambda device: None)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional",
+                        types.SimpleNamespace(liger_fused_linear_cross_entropy=simple_liger(calls)))
+    got, got_grads = loss_and_grads(True)
+    hidden = model.config.hidden_size
+    assert calls == [(batch["masked_lm_index"].numel(), hidden)]  # every slot's hidden state, never [N, V] logits
+    torch.testing.assert_close(got["mlm_loss"], want["mlm_loss"], rtol=0, atol=1e-6)
+    assert int(got["mlm_correct"]) == int(want["mlm_correct"]) and int(got["mlm_count"]) == int(want["mlm_count"])
+    assert got_grads.keys() == want_grads.keys()
+    for key in want_grads:
+        torch.testing.assert_close(got_grads[key], want_grads[key], rtol=0, atol=1e-6)

@@ -57,7 +57,6 @@ from pathlib import Path
 
 import h5py
 import torch
-import torch.nn.functional as F
 
 from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
@@ -69,11 +68,13 @@ from workflow.data.tokenizer import Vocabulary
 from workflow.data.vocab import Normalization, vocab_file_type
 from workflow.train.engine import LoopSettings, set_threads, train
 from workflow.train.evaluation import EvaluationSet
+from workflow.train.float8 import convert_to_float8, float8_error
 from workflow.train.models import kernels
 from workflow.train.models.family import ModelSettings, family
 from workflow.train.optim.optimizers import (HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer,
                                        refuse_other_optimizer_keys, state_to_carry)
 from workflow.train.optim.schedules import WSD_KEYS, BatchRamp, make_scheduler
+from workflow.train.models.fused_loss import fused_mlm_loss_reason, summed_mlm_loss
 from workflow.train.models.kit import count_parameters, next_sentence_terms, pretraining_loss, unpadded_of
 from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, datasets, list_shards
@@ -143,6 +144,8 @@ class TrainSettings:
     deterministic: bool = False
     compile: bool = False
     compile_mode: str = "default"       # torch.compile(mode=...) (config pretrain.compile_mode)
+    fused_loss: bool = True             # the MLM loss without logits where liger-kernel runs (pretrain.fused_loss)
+    float8: bool = False                # torchao's float8 matmuls (config pretrain.float8)
     loader_workers: int = 2
     normalization: Normalization = Normalization()  # how the vocab was built and the data tokenized (config
                                                     # vocab): the exported tokenizer's
@@ -168,7 +171,8 @@ class TrainSettings:
                                                          "log_every", "eval_max_sequences", "compile",
                                                          "loader_workers")})
             values.update({key: section.get(key, getattr(cls, key)) for key in ("eval_seed", "eval_every",
-                                                                                "compile_mode")})
+                                                                                "compile_mode", "fused_loss",
+                                                                                "float8")})
             values.update(family=config["model"].get("family", cls.family), preset=config["model"]["preset"],
                           architecture=config["model"].get("architecture"), bert_config=config["model"]["bert_config"],
                           dle_gelu=config["model"].get("dle_gelu", cls.dle_gelu), seed=config["seed"])
@@ -229,11 +233,12 @@ class PretrainingTask:
     gradients, so every parameter takes part in each step, as DDP requires)."""
 
     def __init__(self, sequences: PretrainingSequences, seq_length: int, next_sentence_prediction: bool = True,
-                 host_indices=family("bert").host_indices):
+                 host_indices=family("bert").host_indices, fused_loss: bool = False):
         self.sequences = sequences
         self.seq_length = seq_length
         self.next_sentence_prediction = next_sentence_prediction
         self.host_indices = host_indices  # the model family's (ModernBERT unpads every row on the GPU)
+        self.fused_loss = fused_loss  # liger's kernel where it runs (workflow.train.models.fused_loss)
 
     def read(self, start: int, count: int) -> dict:
         return self.sequences.read(start, count)
@@ -246,16 +251,15 @@ class PretrainingTask:
         return {"masked": (batch["masked_lm_labels"] >= 0).sum(), "sequences": (batch["next_sentence_labels"] >= 0).sum()}
 
     def loss(self, model, batch: dict, totals: dict) -> dict:
-        mlm_logits, nsp_logits, labels = forward(model, batch)
-        mlm_logits = mlm_logits.float()
-        mlm_loss = F.cross_entropy(mlm_logits, labels, ignore_index=-1, reduction="sum") / totals["masked"]
+        # The head's hidden states and the tied decoder: the (fused) loss makes the logits, or none at all.
+        hidden, nsp_logits, labels = forward(model, batch, return_hidden=True)
+        summed, correct = summed_mlm_loss(hidden, *unwrapped(model).mlm_decoder(), labels, fused=self.fused_loss)
+        mlm_loss = summed / totals["masked"]
         nsp = next_sentence_terms(nsp_logits, batch["next_sentence_labels"].flatten(), mlm_loss, totals["sequences"])
         if not self.next_sentence_prediction:
             nsp["nsp_loss"] = nsp["nsp_loss"] * 0.0
         with torch.no_grad():
-            valid = labels >= 0
-            stats = {"mlm_correct": ((mlm_logits.argmax(-1) == labels) & valid).sum(), "mlm_count": valid.sum(),
-                     "real_tokens": count_real_tokens(batch)}
+            stats = {"mlm_correct": correct, "mlm_count": (labels >= 0).sum(), "real_tokens": count_real_tokens(batch)}
         return {"loss": mlm_loss + nsp["nsp_loss"], "mlm_loss": mlm_loss, **nsp, **stats}
 
     def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float, step: int) -> dict:
@@ -275,8 +279,15 @@ def count_real_tokens(batch: dict) -> torch.Tensor:
     return real.sum()
 
 
-def forward(model, batch: dict):
-    """(mlm_logits [N, V], nsp_logits, mlm_labels [N]) of a batch, packed (position_ids, cls_positions given) or
+def unwrapped(model):
+    """The model under torch.compile's and DDP's wrappers."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
+def forward(model, batch: dict, return_hidden: bool = False):
+    """(mlm_logits [N, V] (with `return_hidden`: the MLM head's hidden states [N, H] before its decoder), nsp_logits,
+    mlm_labels [N]) of a batch, packed (position_ids, cls_positions given) or
     not, at N prediction slots in row-major order (labels -1: empty slots, for the loss to ignore). A batch through
     model.host_indices (training's) carries every slot, N = B * P, and its rows' sequences: no host sync, and shapes
     fixed by the batch's (a compiled graph is reused); any other batch selects its M labelled slots here (a host sync
@@ -285,12 +296,13 @@ def forward(model, batch: dict):
         valid = batch["masked_lm_labels"] >= 0
         mlm_logits, nsp_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
                                        batch["masked_lm_positions"], batch.get("position_ids"),
-                                       batch.get("cls_positions"), masked_lm_valid=valid)
+                                       batch.get("cls_positions"), masked_lm_valid=valid,
+                                       return_hidden=return_hidden)
         return mlm_logits, nsp_logits, batch["masked_lm_labels"][valid]
     mlm_logits, nsp_logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
                                    batch["masked_lm_positions"], batch.get("position_ids"), batch.get("cls_positions"),
                                    masked_lm_index=batch["masked_lm_index"], unpadded=unpadded_of(batch),
-                                   mask_needed=batch["mask_needed"])
+                                   mask_needed=batch["mask_needed"], return_hidden=return_hidden)
     return mlm_logits, nsp_logits, batch["masked_lm_targets"]
 
 
@@ -394,6 +406,8 @@ def train_phase(s: TrainSettings, env) -> dict:
     seq_length = train_shards[0].seq_length
     precision = resolve_precision(s.precision, env.device, "pretrain.precision")
 
+    if s.float8 and (error := float8_error(env.device)):
+        raise UserError(error)
     torch.manual_seed(s.seed)  # identical initial weights on every rank
     model_family = family(s.family)
     model_family.check_objective(train_shards[0].objective)
@@ -402,6 +416,12 @@ def train_phase(s: TrainSettings, env) -> dict:
     config, model = model_family.build(s.model_settings, s.vocab, read_vocab_size(s.vocab), seq_length)
     check_token_ids(train_shards + test_shards, s.vocab, config.vocab_size)
     model.to(env.device)
+    if s.float8:  # before the optimizer, DDP and compile see the model (Float8Linear keeps its Parameters)
+        convert_to_float8(model)
+    fused_loss = s.fused_loss and fused_mlm_loss_reason(env.device) is None
+    why = fused_mlm_loss_reason(env.device) if s.fused_loss else "pretrain.fused_loss: false"
+    log.info("MLM loss: %s", "liger-kernel's fused linear cross-entropy (no logits)" if fused_loss else
+             f"logits, then cross-entropy ({why})")
     if env.distributed:  # own dropout masks per rank (as NVIDIA seeds seed + rank); weights stay identical
         torch.manual_seed(s.seed + env.rank)
     optimizer, optimizer_name = make_optimizer(
@@ -428,7 +448,8 @@ def train_phase(s: TrainSettings, env) -> dict:
                         compile_mode=s.compile_mode, loader_workers=s.loader_workers, eval_every=s.eval_every,
                         evaluate=held_out, batch_ramp=s.batch_ramp)
     try:
-        task = PretrainingTask(sequences, seq_length, train_shards[0].objective == "nsp", model_family.host_indices)
+        task = PretrainingTask(sequences, seq_length, train_shards[0].objective == "nsp", model_family.host_indices,
+                               fused_loss)
         outcome = train(env, model, optimizer, scheduler, task, loop,
                         _fingerprint(s, config, data_identity(s.data_dir, train_shards), optimizer_name))
     finally:

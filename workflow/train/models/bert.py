@@ -319,9 +319,10 @@ class BertForPreTraining(nn.Module):
 
     def forward(self, input_ids, token_type_ids, attention_mask, masked_lm_positions, position_ids=None,
                 cls_positions=None, masked_lm_valid=None, masked_lm_index=None, unpadded: Unpadded | None = None,
-                mask_needed: bool | None = None):
-        """(mlm_logits, nsp_logits); the MLM head runs at the prediction slots only (the vocab projection dominates a
-        small model's cost): [B, P, V] at every slot of `masked_lm_positions` [B, P], or, with `masked_lm_valid`
+                mask_needed: bool | None = None, return_hidden: bool = False):
+        """(mlm_logits, nsp_logits), or with `return_hidden` the MLM head's hidden states before its decoder
+        (mlm_decoder(): a fused loss takes them, no logits made) in the logits' place; the MLM head runs at the
+        prediction slots only (the vocab projection dominates a small model's cost): [B, P, V] at every slot of `masked_lm_positions` [B, P], or, with `masked_lm_valid`
         [B, P], [M, V] at its M real slots (row-major order; a host sync on CUDA), or, with `masked_lm_index` [N]
         (host_indices: every slot, N = B * P, a fixed shape), [N, V] at those row-major positions without a host
         sync; `unpadded` gives packed rows' sequences and `mask_needed` whether the rows need a mask (see encode)."""
@@ -336,14 +337,22 @@ class BertForPreTraining(nn.Module):
                                   unpadded, mask_needed)
         first = rows.squeeze(1) if cls_positions is None else cls_positions.long() + rows
         mlm_logits, nsp_logits = self._heads(at_positions(hidden, predicted),
-                                             self.bert.pooler(at_positions(hidden, first)))
+                                             self.bert.pooler(at_positions(hidden, first)), return_hidden)
         selected = masked_lm_valid is not None or masked_lm_index is not None
         return (mlm_logits if selected else mlm_logits.view(*flat.shape, -1)), nsp_logits
 
-    def _heads(self, predicted, pooled_output):
-        """(MLM logits of the `predicted` hidden states, NSP logits of the pooled outputs)."""
-        mlm_logits = self.cls.predictions(predicted, self.bert.embeddings.word_embeddings.weight)
-        return mlm_logits, self.cls.seq_relationship(pooled_output)
+    def _heads(self, predicted, pooled_output, return_hidden: bool = False):
+        """(MLM logits of the `predicted` hidden states, or their transform with `return_hidden`; NSP logits of the
+        pooled outputs)."""
+        if return_hidden:
+            mlm = self.cls.predictions.transform(predicted)
+        else:
+            mlm = self.cls.predictions(predicted, self.bert.embeddings.word_embeddings.weight)
+        return mlm, self.cls.seq_relationship(pooled_output)
+
+    def mlm_decoder(self):
+        """(weight [V, H], bias [V]) of the MLM head's decoder: the tied word embeddings and the head's bias."""
+        return self.bert.embeddings.word_embeddings.weight, self.cls.predictions.bias
 
 
 # ---------------------------------------------------------------- Hugging Face directories

@@ -2,6 +2,8 @@
 
 API:
     mlm_loss(hidden [N, H], decoder_weight [V, H], decoder_bias [V] | None, labels [N]) -> (loss, correct)
+    summed_mlm_loss(..., fused=True) -> (summed loss, correct)   the loss summed over the labelled rows (training's
+        PretrainingTask divides it by the step's global count); fused=False: the reference path
         loss: the mean cross-entropy over the labelled rows (label -1 = ignored; 0, not NaN, when none is labelled);
         correct: how many labelled rows the argmax predicts, a long tensor (no gradient).
     reference_mlm_loss(...)  the same from materialised logits (F.linear, then fp32 cross-entropy)
@@ -14,13 +16,9 @@ weight and bias are computed in the forward (fp32 accumulation). The argmax come
 sync per call. Elsewhere (CPU, liger absent) the reference path runs; it has the semantics of `pretraining_loss` in
 workflow/train/models/kit.py (matmul in the ambient autocast dtype, cross-entropy in fp32, ignore_index=-1).
 
-The models call it in place of the decoder and `pretraining_loss`'s MLM half, at the prediction slots:
-    BERT:       mlm_loss(self.cls.predictions.transform(predicted), self.bert.embeddings.word_embeddings.weight,
-                         self.cls.predictions.bias, masked_lm_labels)
-    ModernBERT: mlm_loss(self.head(predicted), self.model.embeddings.tok_embeddings.weight, self.decoder.bias,
-                         masked_lm_labels)
-where `predicted` [M, H] are the encoder's hidden states at the M real slots and `masked_lm_labels` [M] their labels
-(the selection the forward already makes for the logits).
+Training (workflow.train.pretrain.PretrainingTask, config pretrain.fused_loss) calls summed_mlm_loss on the head's
+hidden states at the prediction slots (the pretraining models' forward with return_hidden=True) and the model's tied
+decoder (`mlm_decoder()`: the word embeddings and the head's bias), so the logits never exist in a training step.
 """
 from __future__ import annotations
 
@@ -45,11 +43,17 @@ def mlm_loss(hidden: torch.Tensor, decoder_weight: torch.Tensor, decoder_bias: t
              labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean cross-entropy over the rows whose label is not -1, number of them the argmax predicts); see the module
     doc for which path runs. An all-ignored batch gives a zero loss whose gradients are zero."""
-    if fused_mlm_loss_reason(hidden.device) is None:
-        summed, correct = _liger_summed_loss(hidden, decoder_weight, decoder_bias, labels)
-    else:
-        summed, correct = _reference_summed_loss(hidden, decoder_weight, decoder_bias, labels)
+    summed, correct = summed_mlm_loss(hidden, decoder_weight, decoder_bias, labels)
     return summed / (labels != IGNORED).sum().clamp(min=1), correct
+
+
+def summed_mlm_loss(hidden: torch.Tensor, decoder_weight: torch.Tensor, decoder_bias: torch.Tensor | None,
+                    labels: torch.Tensor, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy summed over the labelled rows, number of them the argmax predicts): what a training step
+    divides by its global count of predictions. Liger's kernel where `fused` and it runs here, else the reference."""
+    if fused and fused_mlm_loss_reason(hidden.device) is None:
+        return _liger_summed_loss(hidden, decoder_weight, decoder_bias, labels)
+    return _reference_summed_loss(hidden, decoder_weight, decoder_bias, labels)
 
 
 def reference_mlm_loss(hidden, decoder_weight, decoder_bias, labels) -> tuple[torch.Tensor, torch.Tensor]:

@@ -402,8 +402,9 @@ class ModernBertForMaskedLM(nn.Module):
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, masked_lm_positions=None,
                 position_ids=None, cls_positions=None, masked_lm_valid=None, masked_lm_index=None,
-                unpadded: Unpadded | None = None, mask_needed: bool | None = None):
-        """(mlm_logits, None): see the module doc; the head runs at the prediction slots only."""
+                unpadded: Unpadded | None = None, mask_needed: bool | None = None, return_hidden: bool = False):
+        """(mlm_logits, None): see the module doc; the head runs at the prediction slots only. With `return_hidden`,
+        the head's hidden states before the decoder (mlm_decoder(): a fused loss takes them) in the logits' place."""
         hidden = self.model.encode(input_ids, attention_mask, position_ids, cls_positions is not None, unpadded,
                                    mask_needed)
         batch, length = input_ids.shape
@@ -414,13 +415,18 @@ class ModernBertForMaskedLM(nn.Module):
             predicted = masked_lm_index
         else:  # a data-dependent selection: one host sync on CUDA (host_indices avoids it)
             predicted = slots.flatten() if masked_lm_valid is None else slots[masked_lm_valid]
-        logits = self.logits(at_positions(hidden, predicted))
+        at_slots = at_positions(hidden, predicted)
+        logits = self.head(at_slots) if return_hidden else self.logits(at_slots)
         selected = masked_lm_valid is not None or masked_lm_index is not None
         return (logits if selected else logits.view(*slots.shape, -1)), None
 
     def logits(self, hidden):
         """The MLM head over final hidden states [..., H] -> [..., V]."""
         return self.decoder(self.head(hidden), self.model.embeddings.tok_embeddings.weight)
+
+    def mlm_decoder(self):
+        """(weight [V, H], bias [V]) of the tied decoder: the token embeddings and the decoder's bias."""
+        return self.model.embeddings.tok_embeddings.weight, self.decoder.bias
 
 
 class ModernBertWithClassifier(nn.Module):
