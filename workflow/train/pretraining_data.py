@@ -62,7 +62,7 @@ class ShardInfo:
     seq_length: int
     max_predictions: int
     packed: bool = False
-    sequences_per_row: np.ndarray | None = None  # packed: each row's number of sequences (uint8; its leading slots)
+    sequences_per_row: np.ndarray | None = None  # packed: each row's number of sequences (uint16; its leading slots)
     slots: int = 1         # sequence slots per row (packed: max_sequences_per_pack)
     dynamic: bool = False  # unmasked rows: the loader masks them (workflow.train.masking)
     objective: str = "nsp"  # encode.objective: nsp (segment pairs), full_sentences or documents (no NSP labels)
@@ -112,7 +112,7 @@ def _validate(path: Path) -> ShardInfo:
                             f"(input_ids is {shapes['input_ids']})")
     if packed:
         return ShardInfo(str(path), int(sequences_per_row.sum()), seq_length, max_predictions, True,
-                         sequences_per_row.astype(np.uint8), shapes["cls_positions"][1], dynamic, objective)
+                         sequences_per_row.astype(np.uint16), shapes["cls_positions"][1], dynamic, objective)
     return ShardInfo(str(path), n, seq_length, max_predictions, dynamic=dynamic, objective=objective)
 
 
