@@ -231,7 +231,8 @@ def phase_in_sequences(phase: dict, key: str, data_dir: str | None) -> dict:
     try:
         per_sequence = row_tokens_per_sequence(data_dir)
     except UserError as error:
-        raise UserError(f"config {in_tokens[0]}: tokens become sequences by the training data's rows: {error}") from None
+        raise UserError(f"config {in_tokens[0]}: tokens become sequences by the training data's rows: "
+                        f"{error}") from None
 
     def sequences(section: dict, counted: str, tokens: str) -> int:
         return section[counted] if section.get(counted) is not None else max(1, round(section[tokens] / per_sequence))
