@@ -282,7 +282,7 @@ def pack_members(lengths: np.ndarray, max_length: int, max_sequences_per_pack: i
     """[R, S] rows of the instances of each pack in slot order (-1 = empty slot), packs in file order (module
     docstring): each strategy of histogram_packing takes the next `count` instances (in file order) of every length
     it holds, slot by slot."""
-    n, slots = len(lengths), max_sequences_per_pack
+    n, slots = len(lengths), sequence_slots(max_sequences_per_pack, max_length)
     histogram = np.bincount(lengths, minlength=max_length + 1)
     strategies = histogram_packing(histogram, max_length, slots, algorithm)
     n_packs = sum(count for _, count in strategies)
