@@ -576,13 +576,13 @@ def check_packed(packed: dict[str, np.ndarray], cls_id: int, sep_id: int, stray_
     is a [CLS] or one of `stray_ids` (the padding 0, [PAD], [MASK]) but at a masked position (static masks may put any
     token there). A cheap pass over the rows, run on every shard the packer writes: a wrong length packs padding."""
     ids, sequence, lengths = packed["input_ids"], packed["input_mask"], packed["sequence_lengths"]
-    n_rows, slots = lengths.shape
+    n_rows, n_slots = lengths.shape
     chunk = max(1, PACK_CHUNK_CELLS // max(1, sequence.shape[1]))
     for begin in range(0, n_rows, chunk):  # tokens of each (row, slot) counted in one pass, whatever the slots
         block = sequence[begin : begin + chunk].astype(np.int64)
-        keys = np.clip(block, 0, slots + 1) + np.arange(len(block))[:, None] * (slots + 2)
-        counted = np.bincount(keys.ravel(), minlength=len(block) * (slots + 2)).reshape(len(block), slots + 2)
-        wrong = np.argwhere((counted[:, 1 : slots + 1] != lengths[begin : begin + chunk]) | (counted[:, -1:] > 0))
+        keys = np.clip(block, 0, n_slots + 1) + np.arange(len(block))[:, None] * (n_slots + 2)
+        counted = np.bincount(keys.ravel(), minlength=len(block) * (n_slots + 2)).reshape(len(block), n_slots + 2)
+        wrong = np.argwhere((counted[:, 1 : n_slots + 1] != lengths[begin : begin + chunk]) | (counted[:, -1:] > 0))
         if len(wrong):
             raise UserError(f"{source}: packed row {begin + int(wrong[0][0])} holds another number of tokens in slot "
                             f"{int(wrong[0][1])} than its sequence length; the packer was given wrong lengths")
@@ -626,7 +626,8 @@ def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
                     counts["masks_over_row_width"])
     check_packed(packed, cls_id, sep_id, {0, int(attributes.get("mask_id", 0))}, str(encoded))
     stats = packing_stats(lengths, arrays["input_ids"].shape[1], packed["input_ids"].shape[0])
-    attributes.update(stats, **PackSettings(max_sequences_per_pack, algorithm).attributes(arrays["input_ids"].shape[1]))
+    settings = PackSettings(max_sequences_per_pack, algorithm)
+    attributes.update(stats, **settings.attributes(arrays["input_ids"].shape[1]))
     write_shard(output, attributes, {name: (packed[name].shape, packed[name].dtype) for name in sorted(packed)},
                 [packed], compression, tables)
     log.info("%s: %d instances in %d packs of %d, fill %.4f (unpacked %.4f)", output, stats["n_instances"],
