@@ -3,6 +3,7 @@ of short documents (~12 tokens at 1,024, ~95 at 8,192, as Wikipedia's leads) are
 16 leaves rows of 8,192 a fifth full; the slot count is the row length's, one shape whatever the data."""
 import numpy as np
 import pytest
+import torch
 
 from tests.test_encode import read_all
 from workflow.cli import UserError
@@ -10,6 +11,9 @@ from workflow.data.encode import EncodeSettings, encode_shard
 from workflow.data.masking_rule import derived_max_predictions
 from workflow.data.pack import AUTO, PackSettings, sequence_slots
 from workflow.data.synthetic_shards import made_up_vocab
+from workflow.train.masking import LoadTimeMasker
+from workflow.train.models.family import family
+from workflow.train.pretraining_data import make_batch
 
 
 def short_documents(directory, n_documents: int, mean_tokens: int, seed: int = 0):
@@ -57,3 +61,21 @@ def test_the_slot_count_is_the_row_lengths_and_a_bad_one_is_a_one_line_error_nam
         with pytest.raises(UserError, match=rf"^encode packing.max_sequences_per_pack {bad}: must be at least 1, or "
                                             rf"auto$"):
             sequence_slots(bad, 128)
+
+
+def test_the_loader_masks_and_unpads_rows_of_thousands_of_slots_sequence_by_sequence(tmp_path):
+    """Rows of 8,192 with 2,730 slots (int16 sequence numbers): the load-time masker draws 30% of their text, and the
+    varlen offsets of a batch are the packed sequences, in order."""
+    vocab, tokenized = short_documents(tmp_path, 3000, 30)
+    encode_shard(tokenized, vocab, tmp_path / "p.hdf5", recipe_settings(8192), 5, "training", 0, "none",
+                 PackSettings(AUTO))
+    packed, _ = read_all(tmp_path / "p.hdf5")
+    assert (packed["sequence_lengths"] > 0).sum(axis=1).max() > 127  # sequence numbers past int8
+    masked = LoadTimeMasker.of_shard(str(tmp_path / "p.hdf5"), 7)(packed, 0, 0, np.arange(len(packed["input_ids"])))
+    text = int(packed["input_mask"].astype(bool).sum()) - 2 * int((packed["sequence_lengths"] > 0).sum())
+    predicted = int((masked["masked_lm_positions"] > 0).sum())
+    assert abs(predicted / text - 0.3) < 4 * np.sqrt(0.3 * 0.7 / text)
+    batch = family("modernbert").host_indices(make_batch(masked, slice(None)))
+    lengths = packed["sequence_lengths"][packed["sequence_lengths"] > 0]  # row-major: the varlen order
+    np.testing.assert_array_equal(torch.diff(batch["cu_seqlens"]).numpy(), lengths)
+    assert batch["cls_positions"].shape == (len(packed["input_ids"]), 2730)
