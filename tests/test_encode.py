@@ -522,14 +522,16 @@ def test_closed_form_truncation_equals_googles_token_by_token_loop():
     assert a0.min() >= 0 and abs(trimmed_front / trimmed - 0.5) < 0.01
 
 
-# Every cell of objective x masking x masking rule x length x packing algorithm: the invariant of packing (issue 37).
-MATRIX = [(objective, masking, rule, length, algorithm) for objective in OBJECTIVES for masking in MASKINGS
-          for rule in MASKING_RULES for length in (128, 512) for algorithm in ("gapfill", "lpfhp", "spfhp")]
+# Every cell of objective x masking x masking rule x length x packing algorithm x slots: the invariant of packing
+# (issue 37); slots auto (as many as fit: 42 at 128, 170 at 512, with int16 sequence numbers) with gapfill only.
+MATRIX = [(objective, masking, rule, length, algorithm, slots) for objective in OBJECTIVES for masking in MASKINGS
+          for rule in MASKING_RULES for length in (128, 512) for algorithm in ("gapfill", "lpfhp", "spfhp")
+          for slots in (3, "auto") if slots == 3 or algorithm == "gapfill"]
 
 
-@pytest.mark.parametrize("objective, masking, rule, length, algorithm", MATRIX)
+@pytest.mark.parametrize("objective, masking, rule, length, algorithm, slots", MATRIX)
 def test_packed_sequences_equal_their_unpacked_instances_token_for_token_with_no_special_token_inside(
-        shard, tmp_path, objective, masking, rule, length, algorithm):
+        shard, tmp_path, objective, masking, rule, length, algorithm, slots):
     vocab_path, tokenized, vocab = shard
     max_predictions = length * 15 // 100 + 1 if rule == "google" else derived_max_predictions(length, rule, (0.3,))
     settings = EncodeSettings(max_seq_length=length, max_predictions_per_seq=max_predictions, dupe_factor=2,
@@ -537,7 +539,7 @@ def test_packed_sequences_equal_their_unpacked_instances_token_for_token_with_no
                               masked_lm_prob=0.15 if rule == "google" else 0.3)
     encode_shard(tokenized, vocab_path, tmp_path / "u.hdf5", settings, 5, "training", 0, "none")
     encode_shard(tokenized, vocab_path, tmp_path / "p.hdf5", settings, 5, "training", 0, "none",
-                 PackSettings(3, algorithm))
+                 PackSettings(slots, algorithm))
     unpacked, _ = read_all(tmp_path / "u.hdf5")
     packed, attributes = read_all(tmp_path / "p.hdf5")
     assert attributes["packed_version"] == 2

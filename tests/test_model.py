@@ -220,12 +220,14 @@ def test_each_sequence_of_a_packed_row_gives_the_logits_and_losses_it_gives_alon
 
 
 @pytest.mark.filterwarnings(NESTED_WARNING)
-def test_packed_rows_give_the_gradients_of_the_same_instances_unpacked(packed_attention):
+@pytest.mark.parametrize("slots, n, length", [(3, 9, 32), ("auto", 40, 128)])  # auto: 42 slots, up to 7 taken
+def test_packed_rows_give_the_gradients_of_the_same_instances_unpacked(packed_attention, slots, n, length):
     torch.manual_seed(0)
-    config = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    arrays = encoded_instances(seed=5)
+    config = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                         max_position_embeddings=max(64, length))
+    arrays = encoded_instances(n=n, length=length, seed=5)
     gradients = []
-    for batch in (as_batch(pack_arrays(arrays, 3, masked_lm_prob=1.0)), as_batch(arrays)):
+    for batch in (as_batch(pack_arrays(arrays, slots, masked_lm_prob=1.0)), as_batch(arrays)):
         torch.manual_seed(0)
         model = randomise(BertForPreTraining(config)).train()
         run_batch(model, batch)[2]["loss"].backward()

@@ -358,7 +358,8 @@ def packed_file_maps(path) -> tuple[dict, dict]:
     return dict(zip(index[rows].tolist(), lengths[rows].tolist())), dict(zip(index[rows].tolist(), rows[0].tolist()))
 
 
-def test_a_packed_step_has_the_loss_and_gradients_of_the_same_sequences_unpacked(tmp_path):
+@pytest.mark.parametrize("max_sequences_per_pack", [3, "auto"])  # auto: 10 slots at 32 tokens
+def test_a_packed_step_has_the_loss_and_gradients_of_the_same_sequences_unpacked(tmp_path, max_sequences_per_pack):
     from workflow.train.models.bert import BertForPreTraining
     from workflow.train.pretrain import PretrainingTask
     from workflow.train.pretraining_data import make_batch, read_shard
@@ -366,7 +367,7 @@ def test_a_packed_step_has_the_loss_and_gradients_of_the_same_sequences_unpacked
     write_synthetic_shards(tmp_path / "plain", n_training_shards=1, sequences_per_shard=48, seed=4,
                            short_seq_prob=0.7)
     write_synthetic_shards(tmp_path / "packed", n_training_shards=1, sequences_per_shard=48, seed=4,
-                           max_sequences_per_pack=3, short_seq_prob=0.7)
+                           max_sequences_per_pack=max_sequences_per_pack, short_seq_prob=0.7)
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig.from_json(bert_config(tmp_path / "config.json", dropout=0.0)))
     packed_task = PretrainingTask(PretrainingSequences(list_shards(tmp_path / "packed", "training"), seed=3), 32)

@@ -1,6 +1,8 @@
 """recipes/modernbert-base.yaml: Snakemake plans the DAG with it (over the sample, offline), its values are
-ModernBERT's published ones (arXiv 2412.13663 and its repository's yamls/modernbert/*.yaml), its step counts are
-the published token budget through our batch ramp, and docs/modernbert.md cites every value it sets."""
+ModernBERT's published ones (arXiv 2412.13663 and its repository's yamls/modernbert/*.yaml), its budgets in tokens
+become the published step counts through our batch ramp on any packing, and docs/modernbert.md cites every value it
+sets."""
+import json
 import re
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import yaml
 
 from tests.conftest import REPO, copy_workflow, snakemake_env
 from workflow.train.optim.schedules import BatchRamp
+from workflow.train.pretrain import phase_in_sequences
 
 RECIPE = REPO / "recipes" / "modernbert-base.yaml"
 
@@ -38,20 +41,23 @@ PUBLISHED = {
     "pretrain.stable_adamw.decouple_lr": True,               # decoupled_
     "pretrain.phase1.learning_rate": 8.0e-4,
     "pretrain.phase1.schedule": "wsd",                       # warmup_stable_decay, t_decay 0tok
-    "pretrain.phase1.global_batch_size": 4608,               # global_train_batch_size
+    "pretrain.phase1.global_batch_tokens": 4608 * 1024,      # global_train_batch_size rows of max_seq_len
+    "pretrain.phase1.total_tokens": 1_719_000_000_000,       # max_duration: 1,719B tokens
     "pretrain.phase1.micro_batch_size": 96,                  # device_train_microbatch_size
-    "pretrain.phase1.batch_size_warmup.start_size": 768,     # batch_size_warmup_min_size 96 a GPU x 8
+    "pretrain.phase1.batch_size_warmup.start_tokens": 768 * 1024,  # batch_size_warmup_min_size 96 a GPU x 8 rows
+    "pretrain.phase1.batch_size_warmup.tokens": 50_000_000_000,    # batch_size_warmup_tokens
     "pretrain.phase2.learning_rate": 3.0e-4,
     "pretrain.phase2.schedule": "wsd",                       # constant_with_warmup, then one_minus_sqrt
     "pretrain.phase2.warmup_proportion": 0.0,                # t_warmup 0tok
     "pretrain.phase2.decay_shape": "1-sqrt",                 # one_minus_sqrt
     "pretrain.phase2.final_lr_fraction": 0.001,              # alpha_f
-    "pretrain.phase2.global_batch_size": 576,                # global_train_batch_size
+    "pretrain.phase2.global_batch_tokens": 576 * 8192,       # global_train_batch_size rows of max_seq_len
+    "pretrain.phase2.total_tokens": 300_000_000_000,         # max_duration: 250B (context) + 50B (decay)
     "pretrain.phase2.micro_batch_size": 12,                  # device_train_microbatch_size
     "pretrain.phase2.global_rope_theta": 160000.0,           # context-extension rotary_emb_base
 }
-TOKENS = {"phase1": 1_719_000_000_000, "phase2": 300_000_000_000}  # max_duration: 1,719B; 250B + 50B
-WARMUP_TOKENS, RAMP_TOKENS, DECAY_TOKENS = 3_000_000_000, 50_000_000_000, 50_000_000_000  # t_warmup, ramp, decay
+WARMUP_TOKENS, DECAY_TOKENS = 3_000_000_000, 50_000_000_000  # t_warmup, decay
+STEPS = {"phase1": 376_499, "phase2": 63_579}  # the published budgets in our steps (1,719B; 250B + 50B tokens)
 
 
 def recipe() -> dict:
@@ -69,22 +75,60 @@ def test_the_recipe_sets_modernberts_published_values():
     assert {key: value(config, key) for key in PUBLISHED} == PUBLISHED
 
 
-def test_the_recipes_step_counts_are_the_published_token_budget():
-    """Phase 1: 1,719B tokens in sequences of 1,024, the first 50B in the ramp's smaller steps, the first 3B in the
-    warm-up; phase 2: 300B tokens in steps of 576 x 8,192, the last 50B decaying (each within one step)."""
-    phase1, phase2 = recipe()["pretrain"]["phase1"], recipe()["pretrain"]["phase2"]
-    length1, length2 = 1024, 8192
-    assert phase1["batch_size_warmup"]["sequences"] == RAMP_TOKENS // length1
-    ramp = BatchRamp(phase1["global_batch_size"], phase1["batch_size_warmup"]["start_size"],
-                     phase1["batch_size_warmup"]["sequences"])
-    steps = phase1["total_steps"]
-    assert ramp.sequences_before(steps - 1) * length1 < TOKENS["phase1"] <= ramp.sequences_before(steps) * length1
-    warmup = round(phase1["warmup_proportion"] * steps)
-    assert abs(ramp.sequences_before(warmup) * length1 - WARMUP_TOKENS) < phase1["global_batch_size"] * length1
-    step_tokens = phase2["global_batch_size"] * length2
-    assert (phase2["total_steps"] - 1) * step_tokens < TOKENS["phase2"] <= phase2["total_steps"] * step_tokens
-    decay = phase2["decay_proportion"] * phase2["total_steps"] * step_tokens
+def data_of(directory, length: int, sequences_per_row: int):
+    """A data directory's manifest.json: one training shard of 1,000 rows of `length` tokens."""
+    directory.mkdir()
+    shards = [{"path": f"training/seq{length}_training_shard_0.hdf5", "n_rows": 1000,
+               "n_instances": 1000 * sequences_per_row}]
+    (directory / "manifest.json").write_text(json.dumps({"settings": {"max_seq_length": length}, "shards": shards}))
+    return str(directory)
+
+
+@pytest.mark.parametrize("sequences_per_row", [1, 8])
+def test_the_recipes_token_budgets_are_its_published_step_counts_on_any_packing(tmp_path, sequences_per_row):
+    """Phase 1: 1,719B tokens in rows of 1,024, the first 50B in the ramp's smaller steps, the first 3B in the
+    warm-up; phase 2: 300B tokens in steps of 576 x 8,192, the last 50B decaying (each within one step). A row
+    holding 8 sequences makes 8 times the sequences a step, and the same steps (the ramp's within 0.01%: its
+    batches grow in whole sequences)."""
+    phases = {phase: phase_in_sequences(recipe()["pretrain"][phase], f"pretrain.{phase}",
+                                        data_of(tmp_path / phase, length, sequences_per_row))
+              for phase, length in (("phase1", 1024), ("phase2", 8192))}
+    phase1, phase2 = phases["phase1"], phases["phase2"]
+    assert phase2["total_steps"] == STEPS["phase2"]
+    assert phase1["total_steps"] == STEPS["phase1"] if sequences_per_row == 1 else \
+        abs(phase1["total_steps"] - STEPS["phase1"]) < 1e-4 * STEPS["phase1"]
+    assert phase1["global_batch_size"] == 4608 * sequences_per_row and phase2["global_batch_size"] == 576 * \
+        sequences_per_row
+    assert phase1["batch_size_warmup"] == {"start_size": 768 * sequences_per_row,
+                                           "sequences": 48_828_125 * sequences_per_row}
+    row_tokens = 1024 / sequences_per_row  # a sequence's share of a row
+    ramp = BatchRamp(phase1["global_batch_size"], **phase1["batch_size_warmup"])
+    steps, tokens = phase1["total_steps"], value(recipe(), "pretrain.phase1.total_tokens")
+    assert ramp.sequences_before(steps - 1) * row_tokens < tokens <= ramp.sequences_before(steps) * row_tokens
+    warmup = round(value(recipe(), "pretrain.phase1.warmup_proportion") * steps)
+    assert abs(ramp.sequences_before(warmup) * row_tokens - WARMUP_TOKENS) < 4608 * 1024
+    step_tokens = 576 * 8192
+    decay = value(recipe(), "pretrain.phase2.decay_proportion") * phase2["total_steps"] * step_tokens
     assert abs(decay - DECAY_TOKENS) < step_tokens
+
+
+def test_a_phase_in_both_forms_or_neither_is_a_one_line_error_naming_the_key(tmp_path):
+    from workflow.cli import UserError
+
+    phase = {"global_batch_size": 8, "total_steps": 10}
+    assert phase_in_sequences(phase, "pretrain.phase1", None) == {}  # sequences and steps: no data read
+    for change, message in (
+            ({"global_batch_tokens": 4096}, "config pretrain.phase1: global_batch_size and global_batch_tokens are "
+                                            "both set; give one (null the other)"),
+            ({"total_steps": None}, "config pretrain.phase1: set total_steps or total_tokens"),
+            ({"batch_size_warmup": {"start_size": 2, "sequences": 4, "tokens": 99}},
+             "config pretrain.phase1.batch_size_warmup: sequences and tokens are both set; give one (null the other)"),
+            ({"global_batch_size": None, "global_batch_tokens": 4096},
+             f"config pretrain.phase1.global_batch_tokens: tokens become sequences by the training data's rows: "
+             f"{tmp_path / 'none' / 'training'}: no *.hdf5 shards (empty or missing data directory)")):
+        with pytest.raises(UserError) as error:
+            phase_in_sequences({**phase, **change}, "pretrain.phase1", str(tmp_path / "none"))
+        assert str(error.value) == message
 
 
 def test_docs_cite_every_value_the_recipe_sets():

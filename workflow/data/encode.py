@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from workflow.cli import UserError, run
 from workflow.data.hdf5 import CHUNK_ROWS, PACKED_VERSION, write_shard
-from workflow.data.pack import (ALGORITHMS, PackSettings, RaggedInstances, check_packed, pack_ragged,
+from workflow.data.pack import (ALGORITHMS, AUTO, PackSettings, RaggedInstances, check_packed, pack_ragged,
                                 packing_stats)
 from workflow.data.masking_rule import (MASKING_RULES, MASKINGS, OBJECTIVES, EncodeSettings,  # noqa: F401
                                        GeneratorDraws, Vocab, derived_max_predictions, mask_rows)
@@ -306,7 +306,7 @@ def encode_shard(
         check_packed(packed, vocab.cls, vocab.sep, (0, vocab.mask), str(output))  # 0: the padding
         stats = packing_stats(lengths, length, len(packed["input_ids"]))
         packing_time = time.process_time() - started
-        write_shard(output, {**attributes, **stats, **packing.attributes()},
+        write_shard(output, {**attributes, **stats, **packing.attributes(length)},
                     {name: (packed[name].shape, packed[name].dtype) for name in sorted(packed)}, [packed],
                     compression, _masker_tables(settings, vocab))
         log.info("%s: %d instances in %d packs of %d, fill %.4f (unpacked %.4f); packing took %.3f CPU s",
@@ -337,8 +337,8 @@ def _masker_tables(settings: EncodeSettings, vocab: Vocab) -> dict[str, np.ndarr
 
 
 def _check(settings: EncodeSettings, packing: PackSettings | None) -> None:
-    if packing is not None and packing.max_sequences_per_pack < 1:
-        raise UserError(f"encode packing.max_sequences_per_pack {packing.max_sequences_per_pack}: must be at least 1")
+    if packing is not None:
+        packing.slots(settings.max_seq_length)  # refuses a count below 1
     if settings.masking not in MASKINGS:
         raise UserError(f"encode masking {settings.masking!r}: must be one of {', '.join(MASKINGS)}")
     if settings.objective not in OBJECTIVES:
@@ -376,7 +376,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--compression", choices=["gzip", "none"], default="gzip")
     parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
                         help="pack the instances (workflow.data.pack); --no-packing writes NVIDIA's schema")
-    parser.add_argument("--max-sequences-per-pack", type=int, default=PackSettings.max_sequences_per_pack)
+    parser.add_argument("--max-sequences-per-pack", default=PackSettings.max_sequences_per_pack,
+                        help=f"most instances a row, or {AUTO}: as many as fit (workflow.data.pack.sequence_slots)")
     parser.add_argument("--pack-algorithm", choices=ALGORITHMS, default=PackSettings.algorithm)
     parser.add_argument("--packed-version", type=int, default=PACKED_VERSION,
                         help="the packed layout the workflow asks for (rules/functions/encode.smk): this one's only")

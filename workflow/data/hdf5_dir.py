@@ -1,12 +1,13 @@
 """Stage hdf5_dir: the directory a trainer reads for one sequence length, data/hdf5_seq{L}.
 
 It holds training/ and test/ with every encoded shard hard-linked (copied where links are impossible) from
-data/encoded_seq{L}, and manifest.json: the shard list with instance counts (and rows), sizes and sha256 checksums,
+data/encoded_seq{L}, and manifest.json: the shard list with instance counts (and rows: a phase given in tokens
+divides by them, workflow.train.pretraining_data.row_tokens_per_sequence), sizes and sha256 checksums,
 the encode settings used (read from the shards' own attributes, which must agree), and `format`: "packed"
-(workflow.data.pack's schema; settings then include `packing` and `max_sequences_per_pack`) or "unpacked"
-(NVIDIA's schema, one instance per row). Settings also name `masking`, `objective` and `masking_rule` where the
-shards are not of NVIDIA's recipe (static, nsp, google), and `eval_masked_lm_prob` where the test split is masked at
-another probability than masked_lm_prob.
+(workflow.data.pack's schema; settings then include `packing` and `max_sequences_per_pack`, `auto` as its slot
+count) or "unpacked" (NVIDIA's schema, one instance per row). Settings also name `masking`, `objective` and
+`masking_rule` where the shards are not of NVIDIA's recipe (static, nsp, google), and `eval_masked_lm_prob` where the
+test split is masked at another probability than masked_lm_prob.
 
 File names follow NVIDIA DLE's bertPrep.py (`wikicorpus_en_training_0.hdf5`, `wikicorpus_en_test_0.hdf5`):
 its run_pretraining.py keeps only the files of `--input_dir` whose name contains "training", so

@@ -23,10 +23,12 @@ the slots (lpfhp 97.0%, spfhp 96.8%; no packing can beat 99.8%, `fewest_packs`),
 
 Input: an encoded shard in NVIDIA's schema (workflow.data.encode). Output (root attributes `packing` = the
 algorithm, `max_sequences_per_pack`, `packed_version` (workflow.data.hdf5.PACKED_VERSION) and the fill statistics of
-`packing_stats`), zero-padded, one row per pack of S = max_sequences_per_pack slots:
+`packing_stats`), zero-padded, one row per pack of S = max_sequences_per_pack slots (`auto`: as many as fit,
+sequence_slots):
 
     input_ids [R,L] int32, segment_ids [R,L] int8,
-    input_mask [R,L] int8            sub-sequence number of each token, 1..S (0 = padding; > 0 = NVIDIA's mask),
+    input_mask [R,L] int8            sub-sequence number of each token, 1..S (0 = padding; > 0 = NVIDIA's mask;
+                                     int16 where S > 127),
     position_ids [R,L] int16         restarting at 0 at each sub-sequence,
     cls_positions [R,S] int32        the [CLS] slot (= start) of each sub-sequence,
     sequence_lengths [R,S] int32     its length (0 = empty slot): sub-sequence s spans cls..cls+length,
@@ -60,6 +62,8 @@ log = logging.getLogger(__name__)
 
 ALGORITHMS = ("gapfill", "lpfhp", "spfhp")
 MAX_SEQUENCES_PER_PACK = 3  # the issue's default: gapfill then reaches >= 99% fill at 512
+AUTO = "auto"  # max_sequences_per_pack: as many instances as fit (sequence_slots)
+SHORTEST_INSTANCE = 3  # [CLS] one token [SEP]: no objective writes a shorter instance
 PACK_CHUNK_CELLS = 1 << 18  # cells moved at a time when packing in place: the block stays in cache
 
 
@@ -67,13 +71,38 @@ PACK_CHUNK_CELLS = 1 << 18  # cells moved at a time when packing in place: the b
 class PackSettings:
     """Config `encode.packing` (when enabled)."""
 
-    max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK
+    max_sequences_per_pack: int | str = MAX_SEQUENCES_PER_PACK  # or AUTO
     algorithm: str = "gapfill"
 
-    def attributes(self) -> dict:
-        """The packed file's root attributes saying how it was packed."""
-        return {"packing": self.algorithm, "max_sequences_per_pack": self.max_sequences_per_pack,
+    def slots(self, max_seq_length: int) -> int:
+        """Sequence slots of a row of `max_seq_length` tokens (sequence_slots)."""
+        return sequence_slots(self.max_sequences_per_pack, max_seq_length)
+
+    def attributes(self, max_seq_length: int) -> dict:
+        """The packed file's root attributes saying how it was packed (the slot count, `auto` resolved)."""
+        return {"packing": self.algorithm, "max_sequences_per_pack": self.slots(max_seq_length),
                 "packed_version": PACKED_VERSION}
+
+
+def sequence_slots(max_sequences_per_pack: int | str, max_seq_length: int) -> int:
+    """The slots S of a packed row: `max_sequences_per_pack`, or for "auto" as many instances as can fit,
+    max_seq_length // SHORTEST_INSTANCE (341 at 1,024, 2,730 at 8,192): one shape per length whatever the data,
+    so every micro-batch of a phase has one shape, and the per-slot arrays stay ~13 bytes x S a row."""
+    if max_sequences_per_pack == AUTO:
+        return max_seq_length // SHORTEST_INSTANCE
+    try:
+        slots = int(max_sequences_per_pack)  # a command line's string too
+    except (TypeError, ValueError):
+        slots = 0
+    if slots < 1 or isinstance(max_sequences_per_pack, (bool, float)):
+        raise UserError(f"encode packing.max_sequences_per_pack {max_sequences_per_pack}: must be at least 1, "
+                        f"or {AUTO}")
+    return slots
+
+
+def sequence_number_dtype(slots: int) -> type:
+    """input_mask's type in packed rows: int8 (NVIDIA's) while the slot numbers fit it, else int16."""
+    return np.int8 if slots <= np.iinfo(np.int8).max else np.int16
 
 
 def packing_stats(lengths: np.ndarray, max_length: int, n_packs: int) -> dict:
@@ -253,7 +282,7 @@ def pack_members(lengths: np.ndarray, max_length: int, max_sequences_per_pack: i
     """[R, S] rows of the instances of each pack in slot order (-1 = empty slot), packs in file order (module
     docstring): each strategy of histogram_packing takes the next `count` instances (in file order) of every length
     it holds, slot by slot."""
-    n, slots = len(lengths), max_sequences_per_pack
+    n, slots = len(lengths), sequence_slots(max_sequences_per_pack, max_length)
     histogram = np.bincount(lengths, minlength=max_length + 1)
     strategies = histogram_packing(histogram, max_length, slots, algorithm)
     n_packs = sum(count for _, count in strategies)
@@ -319,15 +348,14 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     memory of `arrays` (fresh memory costs more than the copy itself), which then no longer hold the instances.
     Under masking_rule per_token a pack's predictions beyond the row's width are unmasked in `arrays` and counted
     in `counts["masks_over_row_width"]`; under google they are refused."""
-    if max_sequences_per_pack < 1:
-        raise UserError(f"pack max_sequences_per_pack {max_sequences_per_pack}: must be at least 1")
     n, length = arrays["input_ids"].shape
     if length > np.iinfo(np.int16).max:
         raise UserError(f"{source}: sequence length {length} does not fit int16 position ids")
+    slots = sequence_slots(max_sequences_per_pack, length)
     if lengths is None:
         arrays, lengths = as_written_by_encode(arrays, source)
     n_predictions = arrays["masked_lm_positions"].shape[1]
-    slots = max_sequences_per_pack
+    mask_type = sequence_number_dtype(slots)
     width = prediction_width(length, n_predictions, masked_lm_prob, slots, masking_rule)
     members, present, member, member_lengths, starts = _layout(lengths, length, slots, algorithm)
     n_packs = len(members)
@@ -368,7 +396,7 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
             instance_positions = arrays["masked_lm_positions"][rows, :predicted_width]
             later.append((chosen, start, prediction_starts[chosen, slot], {
                 "input_ids": arrays["input_ids"][rows, :window], "segment_ids": arrays["segment_ids"][rows, :window],
-                "input_mask": head(sizes, window) * np.int8(slot + 1),
+                "input_mask": head(sizes, window) * mask_type(slot + 1),
                 "position_ids": cells[:window] * head(sizes, window),
                 "masked_lm_positions": np.where(instance_positions > 0, instance_positions + start[:, None], 0),
                 "masked_lm_ids": arrays["masked_lm_ids"][rows, :predicted_width]}))
@@ -376,15 +404,17 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
     first, first_length = members[:, 0], member_lengths[:, 0]
     buffers, out = {}, {}
     for name, dtype, row_width in (("input_ids", np.int32, length), ("segment_ids", np.int8, length),
-                                   ("input_mask", np.int8, length), ("position_ids", np.int16, length),
+                                   ("input_mask", mask_type, length), ("position_ids", np.int16, length),
                                    ("masked_lm_positions", np.int32, width), ("masked_lm_ids", np.int32, width)):
         instances = arrays.get(name)
         reuse = (in_place and instances is not None and instances.flags.c_contiguous and instances.dtype == dtype
                  and row_width <= instances.shape[1])  # windows mean packs < instances: a row to run on into
         buffers[name] = instances.reshape(-1) if reuse else np.zeros((n_packs + 1) * row_width, dtype)
         out[name] = rows = _rows_of(buffers[name], n_packs, row_width)
-        if name == "input_mask":
+        if name == "input_mask" and mask_type == np.int8:
             np.less(cells, first_length[:, None], out=rows.view(bool))
+        elif name == "input_mask":
+            rows[...] = cells < first_length[:, None]
         elif name == "position_ids":  # after input_mask, which holds slot 0's cells so far
             np.multiply(cells, out["input_mask"], out=rows)
         elif reuse:  # pack p reads instance rows >= p: chunk by chunk, each chunk's reads before its writes
@@ -442,12 +472,10 @@ def pack_ragged(instances: RaggedInstances, max_sequences_per_pack: int = MAX_SE
                 masking_rule: str = "google", counts: dict | None = None) -> dict[str, np.ndarray]:
     """pack_arrays of instances held at their real lengths: the same packed arrays, byte for byte, with no
     instance ever at max_seq_length. Predictions beyond a row's width: as pack_arrays (unmasked in `instances`)."""
-    if max_sequences_per_pack < 1:
-        raise UserError(f"pack max_sequences_per_pack {max_sequences_per_pack}: must be at least 1")
     length, lengths = instances.max_seq_length, instances.lengths
     if length > np.iinfo(np.int16).max:
         raise UserError(f"{source}: sequence length {length} does not fit int16 position ids")
-    slots = max_sequences_per_pack
+    slots = sequence_slots(max_sequences_per_pack, length)
     width = prediction_width(length, instances.max_predictions_per_seq, masked_lm_prob, slots, masking_rule)
     members, present, member, member_lengths, starts = _layout(lengths, length, slots, algorithm)
     n_packs = len(members)
@@ -462,7 +490,8 @@ def pack_ragged(instances: RaggedInstances, max_sequences_per_pack: int = MAX_SE
     predicted = np.where(present, n_valid[member], 0)
     prediction_starts = _cumulative_before(predicted)
     out = {name: np.zeros((n_packs, row_width), dtype) for name, dtype, row_width in (
-        ("input_ids", np.int32, length), ("segment_ids", np.int8, length), ("input_mask", np.int8, length),
+        ("input_ids", np.int32, length), ("segment_ids", np.int8, length),
+        ("input_mask", sequence_number_dtype(slots), length),
         ("position_ids", np.int16, length), ("masked_lm_positions", np.int32, width),
         ("masked_lm_ids", np.int32, width))}
     # An instance's first n_valid predictions are packed (those cut above stay where they were, unused).
@@ -547,11 +576,16 @@ def check_packed(packed: dict[str, np.ndarray], cls_id: int, sep_id: int, stray_
     is a [CLS] or one of `stray_ids` (the padding 0, [PAD], [MASK]) but at a masked position (static masks may put any
     token there). A cheap pass over the rows, run on every shard the packer writes: a wrong length packs padding."""
     ids, sequence, lengths = packed["input_ids"], packed["input_mask"], packed["sequence_lengths"]
-    for slot in range(lengths.shape[1]):
-        wrong = np.flatnonzero((sequence == slot + 1).sum(axis=1) != lengths[:, slot])
+    n_rows, n_slots = lengths.shape
+    chunk = max(1, PACK_CHUNK_CELLS // max(1, sequence.shape[1]))
+    for begin in range(0, n_rows, chunk):  # tokens of each (row, slot) counted in one pass, whatever the slots
+        block = sequence[begin : begin + chunk].astype(np.int64)
+        keys = np.clip(block, 0, n_slots + 1) + np.arange(len(block))[:, None] * (n_slots + 2)
+        counted = np.bincount(keys.ravel(), minlength=len(block) * (n_slots + 2)).reshape(len(block), n_slots + 2)
+        wrong = np.argwhere((counted[:, 1 : n_slots + 1] != lengths[begin : begin + chunk]) | (counted[:, -1:] > 0))
         if len(wrong):
-            raise UserError(f"{source}: packed row {int(wrong[0])} holds another number of tokens in slot {slot} "
-                            f"than its sequence length; the packer was given wrong lengths")
+            raise UserError(f"{source}: packed row {begin + int(wrong[0][0])} holds another number of tokens in slot "
+                            f"{int(wrong[0][1])} than its sequence length; the packer was given wrong lengths")
     rows, slots = np.nonzero(lengths > 0)
     first = packed["cls_positions"][rows, slots]
     last = first + lengths[rows, slots] - 1
@@ -592,7 +626,8 @@ def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
                     counts["masks_over_row_width"])
     check_packed(packed, cls_id, sep_id, {0, int(attributes.get("mask_id", 0))}, str(encoded))
     stats = packing_stats(lengths, arrays["input_ids"].shape[1], packed["input_ids"].shape[0])
-    attributes.update(stats, **PackSettings(max_sequences_per_pack, algorithm).attributes())
+    settings = PackSettings(max_sequences_per_pack, algorithm)
+    attributes.update(stats, **settings.attributes(arrays["input_ids"].shape[1]))
     write_shard(output, attributes, {name: (packed[name].shape, packed[name].dtype) for name in sorted(packed)},
                 [packed], compression, tables)
     log.info("%s: %d instances in %d packs of %d, fill %.4f (unpacked %.4f)", output, stats["n_instances"],
@@ -604,7 +639,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--encoded", required=True, help="encoded shard (HDF5 from workflow.data.encode)")
     parser.add_argument("--output", required=True, help="packed HDF5 file to write")
-    parser.add_argument("--max-sequences-per-pack", type=int, default=MAX_SEQUENCES_PER_PACK)
+    parser.add_argument("--max-sequences-per-pack", default=MAX_SEQUENCES_PER_PACK,
+                        help=f"most instances a row, or {AUTO}: as many as fit")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default=PackSettings.algorithm)
     parser.add_argument("--compression", choices=["gzip", "none"], default="gzip")
     args = parser.parse_args(argv)

@@ -77,7 +77,8 @@ from workflow.train.optim.schedules import WSD_KEYS, BatchRamp, make_scheduler
 from workflow.train.models.fused_loss import fused_mlm_loss_reason, summed_mlm_loss
 from workflow.train.models.kit import count_parameters, next_sentence_terms, pretraining_loss, unpadded_of
 from workflow.train.precision import autocast, resolve_precision
-from workflow.train.pretraining_data import ORDER, PretrainingSequences, data_identity, datasets, list_shards
+from workflow.train.pretraining_data import (ORDER, PretrainingSequences, data_identity, datasets, list_shards,
+                                            row_tokens_per_sequence)
 from workflow.train.telemetry import merge_node_files
 
 # A stop signal after the last checkpoint: the job is minutes from done, and a rerun would redo this part anyway.
@@ -178,6 +179,7 @@ class TrainSettings:
                           dle_gelu=config["model"].get("dle_gelu", cls.dle_gelu), seed=config["seed"])
         except (KeyError, TypeError, AttributeError) as error:
             raise UserError(f"config: missing key {error} for pretrain.{phase} (see config.schema.yaml)") from None
+        values.update(phase_in_sequences(section[phase], f"pretrain.{phase}", paths.get("data_dir")))
         settings = cls(phase=phase, **values, **paths)
         settings.model_settings  # a model key that does not apply to the family: refused here
         settings.batch_ramp  # a start size above the global batch: refused here
@@ -211,6 +213,44 @@ class TrainSettings:
                                           "architecture": self.architecture, "bert_config": self.bert_config,
                                           "dle_gelu": self.dle_gelu}, init_from=self.init_from,
                                          global_rope_theta=self.global_rope_theta, phase=self.phase)
+
+
+def phase_in_sequences(phase: dict, key: str, data_dir: str | None) -> dict:
+    """A phase section's global_batch_size, total_steps and batch_size_warmup in sequences and steps, each given so or
+    in row tokens (global_batch_tokens, total_tokens, batch_size_warmup.start_tokens and .tokens: rows x
+    max_seq_length, ModernBERT's count), converted here once with the training data's row tokens per sequence
+    (pretraining_data.row_tokens_per_sequence); both forms of one value, or neither, are refused naming the key."""
+    ramp = phase.get("batch_size_warmup") or {}
+    forms = [(phase, key, "global_batch_size", "global_batch_tokens"), (phase, key, "total_steps", "total_tokens")]
+    if ramp:
+        forms += [(ramp, f"{key}.batch_size_warmup", "start_size", "start_tokens"),
+                  (ramp, f"{key}.batch_size_warmup", "sequences", "tokens")]
+    in_tokens = []
+    for section, where, counted, tokens in forms:
+        given = [name for name in (counted, tokens) if section.get(name) is not None]
+        if len(given) != 1:
+            raise UserError(f"config {where}: set {counted} or {tokens}" if not given else
+                            f"config {where}: {counted} and {tokens} are both set; give one (null the other)")
+        in_tokens += [f"{where}.{tokens}"] if given == [tokens] else []
+    if not in_tokens:
+        return {}
+    try:
+        per_sequence = row_tokens_per_sequence(data_dir)
+    except UserError as error:
+        raise UserError(f"config {in_tokens[0]}: tokens become sequences by the training data's rows: "
+                        f"{error}") from None
+
+    def sequences(section: dict, counted: str, tokens: str) -> int:
+        return section[counted] if section.get(counted) is not None else max(1, round(section[tokens] / per_sequence))
+
+    batch = sequences(phase, "global_batch_size", "global_batch_tokens")
+    warmup = {"start_size": sequences(ramp, "start_size", "start_tokens"),
+              "sequences": sequences(ramp, "sequences", "tokens")} if ramp else None
+    steps = phase["total_steps"] if phase.get("total_steps") is not None else BatchRamp(
+        batch, **(warmup or {})).steps_for(phase["total_tokens"] / per_sequence)
+    log.info("%s: %s in tokens at %.1f row tokens a sequence: %d sequences a step, %d steps", key,
+             ", ".join(in_tokens), per_sequence, batch, steps)
+    return {"global_batch_size": batch, "total_steps": steps, "batch_size_warmup": warmup}
 
 
 def read_vocab_size(path: str) -> int:

@@ -5,6 +5,7 @@ API:
     list_shards(directory, split) -> [ShardInfo]     every `directory/split/*.hdf5`, validated (datasets, shapes);
                                                      all of one format and one sequence length
     data_identity(directory, shards) -> dict         what identifies the training data (for a run's fingerprint)
+    row_tokens_per_sequence(directory) -> float      rows x max_seq_length per training sequence (a batch in tokens)
     read_shard(shard) -> dict of numpy arrays
     make_batch(arrays, rows, live=None) -> dict of torch tensors: input_ids, token_type_ids, attention_mask,
         masked_lm_positions, masked_lm_labels ([B, P], -1 where no prediction), next_sentence_labels; packed rows
@@ -62,7 +63,7 @@ class ShardInfo:
     seq_length: int
     max_predictions: int
     packed: bool = False
-    sequences_per_row: np.ndarray | None = None  # packed: each row's number of sequences (uint8; its leading slots)
+    sequences_per_row: np.ndarray | None = None  # packed: each row's number of sequences (uint16; its leading slots)
     slots: int = 1         # sequence slots per row (packed: max_sequences_per_pack)
     dynamic: bool = False  # unmasked rows: the loader masks them (workflow.train.masking)
     objective: str = "nsp"  # encode.objective: nsp (segment pairs), full_sentences or documents (no NSP labels)
@@ -112,7 +113,7 @@ def _validate(path: Path) -> ShardInfo:
                             f"(input_ids is {shapes['input_ids']})")
     if packed:
         return ShardInfo(str(path), int(sequences_per_row.sum()), seq_length, max_predictions, True,
-                         sequences_per_row.astype(np.uint8), shapes["cls_positions"][1], dynamic, objective)
+                         sequences_per_row.astype(np.uint16), shapes["cls_positions"][1], dynamic, objective)
     return ShardInfo(str(path), n, seq_length, max_predictions, dynamic=dynamic, objective=objective)
 
 
@@ -170,6 +171,24 @@ def data_identity(directory: str | Path, shards: list[ShardInfo]) -> dict:
             "training data": f"{len(shards)} {'packed ' if shards[0].packed else ''}shards, "
                              f"{sum(s.n for s in shards)} sequences, sha256 {digest}",
             "training data settings": settings}
+
+
+def row_tokens_per_sequence(directory: str | Path) -> float:
+    """Row tokens (rows x max_seq_length) per training sequence of `directory`, on average: max_seq_length unpacked,
+    max_seq_length x rows / sequences packed (what a phase given in tokens divides by). From manifest.json's counts
+    where there is one, else from the shards."""
+    manifest_path = Path(directory) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    training = [shard for shard in manifest.get("shards", []) if shard["path"].startswith("training/")]
+    if training and all("n_rows" in shard for shard in training):
+        length, rows, sequences = (manifest["settings"]["max_seq_length"], sum(s["n_rows"] for s in training),
+                                   sum(s["n_instances"] for s in training))
+    else:
+        shards = list_shards(directory, "training")
+        length, rows, sequences = shards[0].seq_length, sum(s.rows for s in shards), sum(s.n for s in shards)
+    if not sequences:
+        raise UserError(f"{Path(directory) / 'training'}: the training shards hold no sequences")
+    return length * rows / sequences
 
 
 def _names(shard: ShardInfo) -> list[str]:

@@ -13,7 +13,7 @@ API:
     BatchRamp(global_batch_size, start_size=None, sequences=0)   the global batch of each step:
         batch_at(step) sequences in step `step` (0-based), sequences_before(step) their offset in the global order
         (the sum of the earlier steps' batches); without a ramp batch_at is global_batch_size and sequences_before
-        step x global_batch_size, NVIDIA's.
+        step x global_batch_size, NVIDIA's; steps_for(sequences) the fewest steps holding that many.
 
 Warm-up-stable-decay at step t = index + 1 of T steps (W = warmup_proportion x T, D = decay_proportion x T):
     t < W: t / W;  W <= t <= T - D: 1;  t > T - D: f + (1 - f) x shape(x), x = (t - (T - D)) / D,
@@ -100,3 +100,10 @@ class BatchRamp:
         if step <= ramp:
             return int(self._before[step])
         return int(self._before[ramp]) + (step - ramp) * self.global_batch_size
+
+    def steps_for(self, sequences: float) -> int:
+        """The fewest steps that train on at least `sequences` sequences (a phase given in tokens)."""
+        ramp = len(self._sizes)
+        if sequences <= self._before[ramp]:
+            return int(np.searchsorted(self._before, sequences, side="left"))
+        return ramp + math.ceil((sequences - int(self._before[ramp])) / self.global_batch_size)
