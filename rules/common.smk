@@ -13,7 +13,7 @@ sys.path.insert(0, REPO_ROOT)
 # command, so a conda env (which blocks an inherited PYTHONPATH) and a Slurm job (which re-reads this file) get it
 shell.prefix("set -euo pipefail; export PYTHONPATH={REPO_ROOT:q}${{PYTHONPATH:+:$PYTHONPATH}}; ")
 from workflow.cli import UserError
-from workflow.config import optimizer_config_error, schedule_config_error, validate_config
+from workflow.config import optimizer_config_error, phase_forms_error, schedule_config_error, validate_config
 from workflow.data.corpora import corpora_error
 from workflow.data.download import dump_parts, wikipedia_dump_url
 from workflow.data.masking_rule import encode_config_error
@@ -34,7 +34,10 @@ def config_consistency_error(config):
     for phase in ("phase1", "phase2"):
         section = config["pretrain"][phase]
         key = f"pretrain.{phase}"
-        if section.get("max_steps") and section["max_steps"] > section["total_steps"]:
+        error = phase_forms_error(section, key)
+        if error:
+            return error
+        if section.get("max_steps") and section.get("total_steps") and section["max_steps"] > section["total_steps"]:
             return (f"config key '{key}.max_steps': {section['max_steps']} exceeds {key}.total_steps "
                     f"({section['total_steps']})")
     squad = config["squad"]

@@ -28,6 +28,10 @@ def workdir(tmp_path_factory):
     ("pretrain: {phase1: {learning_rate: 0.01, warmup_proportion: 0.1, total_steps: 60, max_steps: 100,"
      " global_batch_size: 32, micro_batch_size: 16}}",
      "config key 'pretrain.phase1.max_steps': 100 exceeds pretrain.phase1.total_steps (60)"),
+    # A phase in row tokens and in sequences at once: one form of each value (issue 43 item 5), and max_steps beside
+    # total_tokens (no total_steps to exceed) plans.
+    ("pretrain: {phase1: {global_batch_tokens: 4718592}}",
+     "config pretrain.phase1: global_batch_size and global_batch_tokens are both set; give one (null the other)"),
     ("squad: {batch_size: 24, micro_batch_size: 16}",
      "config key 'squad.batch_size': 24 is not a multiple of squad.micro_batch_size (16)"),
     ("squad: {weight_decay: -1}", "config key 'squad.weight_decay': -1 is less than the minimum of 0"),

@@ -86,6 +86,27 @@ def optimizer_config_error(pretrain: dict) -> str | None:
     return None
 
 
+def phase_forms(phase: dict, key: str) -> list[tuple[dict, str, str, str]]:
+    """(section, its dotted name, the value in sequences or steps, the same in row tokens) of each value a phase
+    section gives in one form or the other (pretrain.<phase> and its batch_size_warmup)."""
+    forms = [(phase, key, "global_batch_size", "global_batch_tokens"), (phase, key, "total_steps", "total_tokens")]
+    ramp = phase.get("batch_size_warmup") or {}
+    if ramp:
+        forms += [(ramp, f"{key}.batch_size_warmup", "start_size", "start_tokens"),
+                  (ramp, f"{key}.batch_size_warmup", "sequences", "tokens")]
+    return forms
+
+
+def phase_forms_error(phase: dict, key: str) -> str | None:
+    """Each value of the phase in exactly one form (sequences/steps or row tokens): else one line naming the key."""
+    for section, where, counted, tokens in phase_forms(phase, key):
+        given = [name for name in (counted, tokens) if section.get(name) is not None]
+        if len(given) != 1:
+            return (f"config {where}: set {counted} or {tokens}" if not given else
+                    f"config {where}: {counted} and {tokens} are both set; give one (null the other)")
+    return None
+
+
 def schedule_config_error(phase: dict, key: str) -> str | None:
     """`phase`: the config's pretrain.<phase> section (key: its dotted name). A wsd key under schedule poly would do
     nothing; warm-up plus decay longer than the phase has no stable stretch to stand on."""

@@ -63,7 +63,7 @@ from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, config_sections, run
-from workflow.config import load_config, schedule_config_error
+from workflow.config import load_config, phase_forms, phase_forms_error, schedule_config_error
 from workflow.data.tokenizer import Vocabulary
 from workflow.data.vocab import Normalization, vocab_file_type
 from workflow.train.engine import LoopSettings, set_threads, train
@@ -220,18 +220,12 @@ def phase_in_sequences(phase: dict, key: str, data_dir: str | None) -> dict:
     in row tokens (global_batch_tokens, total_tokens, batch_size_warmup.start_tokens and .tokens: rows x
     max_seq_length, ModernBERT's count), converted here once with the training data's row tokens per sequence
     (pretraining_data.row_tokens_per_sequence); both forms of one value, or neither, are refused naming the key."""
+    error = phase_forms_error(phase, key)
+    if error:
+        raise UserError(error)
     ramp = phase.get("batch_size_warmup") or {}
-    forms = [(phase, key, "global_batch_size", "global_batch_tokens"), (phase, key, "total_steps", "total_tokens")]
-    if ramp:
-        forms += [(ramp, f"{key}.batch_size_warmup", "start_size", "start_tokens"),
-                  (ramp, f"{key}.batch_size_warmup", "sequences", "tokens")]
-    in_tokens = []
-    for section, where, counted, tokens in forms:
-        given = [name for name in (counted, tokens) if section.get(name) is not None]
-        if len(given) != 1:
-            raise UserError(f"config {where}: set {counted} or {tokens}" if not given else
-                            f"config {where}: {counted} and {tokens} are both set; give one (null the other)")
-        in_tokens += [f"{where}.{tokens}"] if given == [tokens] else []
+    in_tokens = [f"{where}.{tokens}" for section, where, _, tokens in phase_forms(phase, key)
+                 if section.get(tokens) is not None]
     if not in_tokens:
         return {}
     try:
