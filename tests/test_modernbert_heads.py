@@ -225,3 +225,31 @@ def test_glue_from_a_modernbert_directory_plans_its_tokenizer_json_and_a_dle_che
     assert ("config key 'squad.init_from': ckpt.pt is a file, read as an NVIDIA DLE checkpoint, which is BERT's; "
             "model.family modernbert fine-tunes from a Hugging Face directory (config.json, model.safetensors)"
             ) in result.stdout + result.stderr
+
+
+def test_squad_and_glue_run_through_the_rules_from_a_modernbert_directory(inits, workflow_copy):
+    """ModernBERT's heads fine-tuned and scored by the rules themselves (issue 44 item 6), as BERT's are: SQuAD's
+    EM/F1 are the official metric of its predictions, GLUE's SST-2 scores every dev example; the features made with
+    the directory's own tokenizer.json, nothing pretrained."""
+    from tests.conftest import official_squad_v11
+
+    overlay = {"squad": {"init_from": str(inits["cls"]), "epochs": 1},
+               "glue": {"init_from": str(inits["cls"]), "tasks": ["SST-2"], "epochs": 1}}
+    (workflow_copy / "overlay.yaml").write_text(json.dumps(overlay))
+    result = subprocess.run([sys.executable, "-m", "snakemake", "squad", "glue", "--cores", "2", "--configfile",
+                             "sample/config.yaml", "overlay.yaml"], cwd=workflow_copy, env=snakemake_env(),
+                            capture_output=True, text=True, timeout=900)  # ~100 s alone
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rule pretrain" not in result.stdout + result.stderr
+    evaluation = json.loads((workflow_copy / "results/squad/eval.json").read_text())
+    predictions = json.loads((workflow_copy / "results/squad/predictions.json").read_text())
+    official = official_squad_v11(json.loads((workflow_copy / "sample/squad/dev-sample.json").read_text()),
+                                  predictions)
+    assert (evaluation["total"], evaluation["missing"]) == (45, 0)
+    assert (evaluation["exact_match"], evaluation["f1"]) == pytest.approx(
+        (official["exact_match"], official["f1"]), abs=1e-9)
+    scored = json.loads((workflow_copy / "results/glue/SST-2/eval.json").read_text())
+    dev = (workflow_copy / "sample/glue/SST-2/dev.tsv").read_text().strip().splitlines()[1:]
+    assert scored["task"] == "SST-2" and scored["splits"]["dev"]["examples"] == len(dev), scored
+    assert json.loads((workflow_copy / "results/glue/SST-2/model/config.json").read_text())["model_type"] == \
+        "modernbert"
