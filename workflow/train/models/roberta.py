@@ -44,6 +44,8 @@ _PRESETS = {
     "roberta-tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
 }
 
+POSITIONS = 512  # the presets' longest sequence
+
 _TIED = ("lm_head.decoder.weight", "lm_head.decoder.bias")  # HF's aliases of the word embeddings and lm_head.bias
 
 
@@ -77,7 +79,10 @@ class RobertaConfig(BertConfig):
     def preset(cls, name: str, **overrides) -> "RobertaConfig":
         if name not in _PRESETS:
             raise UserError(f"config model.preset: unknown preset {name!r} (one of {sorted(_PRESETS)})")
-        return cls(**{**_PRESETS[name], **overrides})
+        values = {**_PRESETS[name], **overrides}
+        # 512 positions past the padding index, wherever the vocab puts it (514 rows for RoBERTa's pad 1)
+        values.setdefault("max_position_embeddings", POSITIONS + values.get("pad_token_id", cls.pad_token_id) + 1)
+        return cls(**values)
 
     def to_json(self, path: str | os.PathLike, architecture: str | None = None) -> None:
         """config.json as HF writes it for `model_type` (its MaskedLM class unless `architecture` says otherwise)."""
