@@ -62,13 +62,11 @@ def padded_batch(length: int = 17, seed: int = 1):
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_logits_equal_hfs_roberta_and_xlm_roberta_at_every_real_token(model_type, implementation):
     ours, hf = ours_and_hf(small_config(model_type), implementation)
-    input_ids, attention_mask = padded_batch()
+    inputs = dict(zip(("input_ids", "attention_mask"), padded_batch()))
+    real = inputs["attention_mask"].bool()
     with torch.no_grad():
-        expected = hf(input_ids=input_ids, attention_mask=attention_mask).logits
-        got, nsp_logits = ours(input_ids, None, attention_mask)
-    real = attention_mask.bool()
-    assert nsp_logits is None and got.shape == expected.shape
-    assert (got - expected)[real].abs().max() < 1e-5
+        logits, nsp_logits = ours(**inputs)
+        assert nsp_logits is None and (logits[real] - hf(**inputs).logits[real]).abs().max() < 1e-5
 
 
 def test_gradients_equal_hfs():
@@ -200,3 +198,169 @@ def test_presets_have_the_published_sizes_and_positions():
     assert (large.hidden_size, large.num_hidden_layers, large.intermediate_size) == (1024, 24, 4096)
     parameters = sum(p.numel() for p in RobertaForMaskedLM(RobertaConfig.preset("roberta-tiny")).parameters())
     assert parameters < 10_000_000
+
+
+# ---------------------------------------------------------------- tokenizers: special tokens by role
+
+TEXT = ("The river flows north through the valley. Its water feeds the old mill, which ground wheat for the town. "
+        "In winter the river freezes and the children skate on it. ") * 40
+ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]  # ids 0-3, as RoBERTa's and XLM-R's; <mask> the last
+
+
+def roberta_bpe(path):
+    """A tiny RoBERTa-style tokenizer.json: byte-level BPE without a prefix space, <s> 0, <pad> 1, its processor."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(TEXT.split(". "), trainers.BpeTrainer(
+        vocab_size=300, special_tokens=ROBERTA_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tokenizer.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True)])
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), add_prefix_space=False)
+    tokenizer.save(str(path))
+    return path
+
+
+def xlmr_unigram(path):
+    """A tiny XLM-R-style tokenizer.json: a SentencePiece Unigram (Metaspace "▁"), <s> 0, <pad> 1, <mask> last."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.train_from_iterator(TEXT.split(". "), trainers.UnigramTrainer(
+        vocab_size=120, special_tokens=ROBERTA_SPECIALS, unk_token="<unk>", show_progress=False))
+    tokenizer.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module", params=["roberta", "xlm-roberta"])
+def tokenizer_json(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    make = roberta_bpe if request.param == "roberta" else xlmr_unigram
+    return request.param, make(directory / "tokenizer.json")
+
+
+def test_special_tokens_are_found_by_role_in_roberta_and_xlm_r_tokenizers(tokenizer_json):
+    from workflow.data.tokenizer import Vocabulary
+
+    model_type, path = tokenizer_json
+    vocab = Vocabulary.load(path, "bpe")
+    assert vocab.special_tokens == {"pad": "<pad>", "unk": "<unk>", "cls": "<s>", "sep": "</s>", "mask": "<mask>"}
+    assert (vocab.cls, vocab.pad, vocab.sep, vocab.unk, vocab.mask) == (0, 1, 2, 3, vocab.size - 1)
+    mark = "\u0120" if model_type == "roberta" else "\u2581"
+    continues = vocab.continues_word
+    for index, token in enumerate(vocab.tokens):
+        assert continues[index] == (index not in vocab.added and not token.startswith(mark)), token
+    assert continues.any() and not continues.all()
+
+
+def test_a_tokenizer_json_lacking_a_role_is_refused_naming_both_spellings(tmp_path):
+    from tokenizers import Tokenizer
+
+    from workflow.data.tokenizer import Vocabulary
+
+    data = json.loads(roberta_bpe(tmp_path / "tokenizer.json").read_text())
+    data["added_tokens"] = [token for token in data["added_tokens"] if token["content"] != "<mask>"]
+    Tokenizer.from_str(json.dumps(data))  # still a tokenizer
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(UserError, match=r"tokenizer lacks the special token\(s\) \[MASK\] or <mask>"):
+        Vocabulary.load(tmp_path / "tokenizer.json")
+
+
+def test_the_tokenize_stage_gives_the_files_own_ids(tokenizer_json, tmp_path):
+    from tokenizers import Tokenizer
+
+    from workflow.data.tokenize import load_tokenized, tokenize_shard
+
+    model_type, path = tokenizer_json
+    documents = [["The river flows north.", "Its water feeds the old mill."], ["In winter the river freezes."]]
+    (tmp_path / "shard.txt").write_text("\n\n".join("\n".join(lines) for lines in documents) + "\n")
+    tokenize_shard(tmp_path / "shard.txt", path, tmp_path / "shard.npz")
+    ids, sentence_offsets, _ = load_tokenized(tmp_path / "shard.npz")
+    tokenizer = Tokenizer.from_file(str(path))
+    # RoBERTa's BPE: a document's later sentences with the space they have inside it; XLM-R's "▁" marks each alike
+    expected = [tokenizer.encode(line if i == 0 else " " + line, add_special_tokens=False).ids
+                for lines in documents for i, line in enumerate(lines)]
+    assert [ids[start:end].tolist() for start, end in zip(sentence_offsets[:-1], sentence_offsets[1:])] == expected
+
+
+# ---------------------------------------------------------------- the family: presets, continuing, exports
+
+
+def roberta_settings(**model):
+    from workflow.train.models.family import ModelSettings
+
+    return ModelSettings.from_config({"family": "roberta", "preset": "roberta-tiny", **model})
+
+
+def test_a_preset_takes_the_vocabs_size_and_special_ids_and_sizes_positions_past_its_padding(tokenizer_json):
+    from workflow.data.tokenizer import Vocabulary
+    from workflow.train.models.family import family
+
+    _, path = tokenizer_json
+    vocab = Vocabulary.load(path)
+    config, model = family("roberta").build(roberta_settings(), str(path), vocab.size, 128)
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (1, 0, 2)
+    assert (config.vocab_size, config.max_position_embeddings, config.positions) == ((vocab.size + 7) // 8 * 8, 514,
+                                                                                    512)
+    with pytest.raises(UserError, match=r"max_position_embeddings 40 \(38 past the padding index\) < sequence length"):
+        family("roberta").build(roberta_settings(architecture={"max_position_embeddings": 40}), str(path), vocab.size,
+                                39)
+
+
+def test_the_export_loads_as_hfs_class_and_fills_masks_with_its_tokenizer(tokenizer_json, tmp_path):
+    from transformers import AutoTokenizer, pipeline
+
+    from workflow.data.tokenizer import Vocabulary
+    from workflow.train.models.family import family
+
+    model_type, path = tokenizer_json
+    vocab = Vocabulary.load(path)
+    roberta = family("roberta")
+    torch.manual_seed(0)
+    config, model = roberta.build(roberta_settings(architecture={"model_type": model_type}), str(path), vocab.size, 64)
+    roberta.export(model, config, str(path), tmp_path / "model", None, False, "tanh")
+    written = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert (written["model_type"], written["architectures"]) == (model_type, [HF_CLASSES[model_type][1]])
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert (tokenizer.mask_token, tokenizer.pad_token_id, tokenizer.model_max_length) == ("<mask>", 1, 512)
+    encoded = tokenizer(["The river flows north.", "The mill."], padding=True, return_tensors="pt")
+    assert encoded["input_ids"][0, 0] == 0 and "token_type_ids" not in encoded
+    hf = getattr(transformers, HF_CLASSES[model_type][1]).from_pretrained(tmp_path / "model").eval()
+    with torch.no_grad():
+        ours = model.eval()(encoded["input_ids"], None, encoded["attention_mask"])[0]
+        theirs = hf(**encoded).logits
+    real = encoded["attention_mask"].bool()
+    assert (ours - theirs)[real].abs().max() < 1e-5
+    fill = pipeline("fill-mask", model=str(tmp_path / "model"), device="cpu")
+    assert len(fill("The river <mask> north.", top_k=3)) == 3
+
+
+def test_continuing_an_hf_directory_loads_every_weight_and_keeps_its_model_type(tokenizer_json, tmp_path):
+    from workflow.data.tokenizer import Vocabulary, save_tokenizer
+    from workflow.train.models.family import family
+
+    model_type, path = tokenizer_json
+    vocab = Vocabulary.load(path)
+    hf = hf_model(small_config(model_type, vocab_size=vocab.size, max_position_embeddings=130))
+    hf.save_pretrained(tmp_path / "hf")
+    save_tokenizer(path, tmp_path / "hf")
+    roberta = family("roberta")
+    config, model = roberta.build(roberta_settings(preset=None, init_from=str(tmp_path / "hf")), str(path),
+                                  vocab.size, 128)
+    input_ids = torch.randint(5, vocab.size - 1, (2, 30))
+    with torch.no_grad():
+        expected = hf(input_ids=input_ids).logits
+        assert (model.eval()(input_ids, None, torch.ones_like(input_ids))[0] - expected).abs().max() < 1e-5
+    roberta.export(model, config, str(path), tmp_path / "out", None, False, "tanh")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == model_type
+    other = tmp_path / "other.json"
+    xlmr_unigram(other) if model_type == "roberta" else roberta_bpe(other)
+    with pytest.raises(UserError, match="tokenize the data with it"):
+        roberta.build(roberta_settings(preset=None, init_from=str(tmp_path / "hf")), str(other), vocab.size, 128)
