@@ -67,3 +67,20 @@ def test_a_family_without_a_next_sentence_head_refuses_nsp_data(name):
     family(name).check_objective("documents")
     with pytest.raises(UserError, match=f"encode.objective nsp: model.family {name} has no next-sentence head"):
         family(name).check_objective("nsp")
+
+
+@pytest.mark.parametrize("finetuning, message", [
+    ({}, "config squad.enabled: model.family roberta has no fine-tuning heads here"),
+    ({"squad": {"enabled": False}, "glue": {"tasks": ["SST-2"]}}, "config glue.tasks: model.family roberta"),
+    ({"squad": {"enabled": False}, "glue": {"tasks": []}, "tasks": {"ner": {}}}, "config tasks: model.family roberta"),
+    ({"squad": {"enabled": False}, "glue": {"tasks": []}}, None),
+    ({"squad": {"enabled": True, "init_from": "bert"}, "glue": {"tasks": []}}, None),
+])
+def test_a_family_without_heads_is_refused_at_parse_time_where_all_would_fine_tune_its_export(finetuning, message):
+    from workflow.train.models.family import model_config_error
+
+    config = {"model": {"family": "roberta"}, "encode": {"objective": "full_sentences"}, "pretrain": {},
+              "squad": {"enabled": True, "init_from": None}, "glue": {"tasks": [], "init_from": None}, "tasks": {}}
+    config.update(finetuning)
+    error = model_config_error(config)
+    assert error == message if message is None else error.startswith(message)

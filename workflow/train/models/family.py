@@ -88,6 +88,7 @@ def model_config_error(config: dict) -> str | None:
             theta = config.get("pretrain", {}).get(phase, {}).get("global_rope_theta")
             settings = ModelSettings.from_config(config["model"], global_rope_theta=theta, phase=phase)
         family(settings.family).check_objective(config["encode"]["objective"])
+        family(settings.family).check_fine_tuning(config)
     except UserError as error:
         return str(error)
     return None
@@ -169,6 +170,7 @@ class _Family:
     objectives = ("full_sentences", "documents")  # the encode.objective values it trains on (nsp: a next-sentence head)
     reads_dle_checkpoints = False  # model.bert_config, model.dle_gelu and a DLE checkpoint file as model.init_from
     has_rotary_theta = False       # pretrain.<phase>.global_rope_theta
+    fine_tunes = True              # SQuAD, GLUE and the tasks have heads for its exports
     unpads_in_fp32 = True   # its unpadded path (BERT's encoder: nested tensors) runs in any precision, on CPU too
 
     @property
@@ -219,6 +221,21 @@ class _Family:
         if objective not in self.objectives:
             raise UserError(f"encode.objective {objective}: model.family {self.name} has no next-sentence head; "
                             f"encode the data with encode.objective: {' or '.join(self.objectives)}")
+
+    def check_fine_tuning(self, config: dict) -> None:
+        """A family without fine-tuning heads: refused where `all` would fine-tune its export (no init_from of its
+        own), at parse time rather than after pretraining."""
+        if self.fine_tunes:
+            return
+        squad, glue = config.get("squad", {}), config.get("glue", {})
+        planned = [key for key, on in (("squad.enabled", squad.get("enabled") and not squad.get("init_from")),
+                                       ("glue.tasks", glue.get("tasks") and not glue.get("init_from")),
+                                       ("tasks", config.get("tasks") and not (squad.get("init_from")
+                                                                              and glue.get("init_from")))) if on]
+        if planned:
+            raise UserError(f"config {planned[0]}: model.family {self.name} has no fine-tuning heads here; set "
+                            "squad: {enabled: false}, glue: {tasks: []} and no tasks (or an init_from of another "
+                            f"family), and fine-tune the export with Hugging Face's {self.display_name} classes")
 
     def check_settings(self, m: ModelSettings) -> None:
         """The model keys that apply to this family; another family's key refused in one line naming who takes it."""
@@ -361,15 +378,16 @@ class RobertaFamily(_Family):
     module_name, config_name, pretraining_name = ("workflow.train.models.roberta", "RobertaConfig",
                                                   "RobertaForMaskedLM")
     special_token_roles = {"pad_token_id": "pad", "bos_token_id": "cls", "eos_token_id": "sep"}
+    fine_tunes = False  # the heads (workflow/classify, squad, tasks) are BERT's and ModernBERT's
 
     def positions(self, config) -> int:
         return config.positions  # the rows past the padding index
 
     @staticmethod
     def load_directory(directory):
-        raise UserError(f"{directory}: a RoBERTa / XLM-R model; the fine-tuning heads (GLUE, SQuAD, tasks) are built "
-                        "for BERT and ModernBERT only so far: continue its pretraining with model.family: roberta "
-                        "and model.init_from, and fine-tune the export with Hugging Face's RobertaFor* classes")
+        raise UserError(f"{directory}: a RoBERTa / XLM-R model; the fine-tuning heads (GLUE, SQuAD, tasks) are "
+                        "BERT's and ModernBERT's: continue its pretraining with model.family: roberta and "
+                        "model.init_from, and fine-tune the export with Hugging Face's RobertaFor* classes")
 
     def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
         """Model from an HF RoBERTa or XLM-R directory, or a preset sized to the vocab with its special ids (the
