@@ -364,3 +364,37 @@ def test_continuing_an_hf_directory_loads_every_weight_and_keeps_its_model_type(
     xlmr_unigram(other) if model_type == "roberta" else roberta_bpe(other)
     with pytest.raises(UserError, match="tokenize the data with it"):
         roberta.build(roberta_settings(preset=None, init_from=str(tmp_path / "hf")), str(other), vocab.size, 128)
+
+
+def test_pretraining_runs_on_data_tokenized_and_encoded_with_the_models_own_tokenizer(tokenizer_json, tmp_path):
+    """The data half and the engine as the DAG runs them (tokenize, encode full sentences with dynamic masks and
+    packing, the trainer's directory, pretrain, export), on RoBERTa's and XLM-R's own kind of tokenizer.json."""
+    from workflow.data.encode import encode_shard
+    from workflow.data.hdf5_dir import build_hdf5_dir
+    from workflow.data.masking_rule import EncodeSettings
+    from workflow.data.pack import PackSettings
+    from workflow.data.tokenize import tokenize_shard
+    from workflow.train.pretrain import TrainSettings, pretrain
+
+    model_type, path = tokenizer_json
+    (tmp_path / "text.txt").write_text("\n\n".join(TEXT.replace(". ", ".\n") for _ in range(4)))
+    tokenize_shard(tmp_path / "text.txt", path, tmp_path / "text.npz")
+    settings = EncodeSettings(max_seq_length=64, max_predictions_per_seq=10, dupe_factor=1, masking="dynamic",
+                              objective="full_sentences")
+    for split in ("training", "test"):
+        (tmp_path / "encoded" / split).mkdir(parents=True)
+        encode_shard(tmp_path / "text.npz", path, tmp_path / "encoded" / split / "shard_0.hdf5", settings, 1, split, 0,
+                     None, PackSettings())
+    build_hdf5_dir(tmp_path / "encoded", {"training": 1, "test": 1}, tmp_path / "hdf5")
+    out = tmp_path / "out"
+    summary = pretrain(TrainSettings(
+        phase="phase1", data_dir=str(tmp_path / "hdf5"), vocab=str(path), run_dir=str(out / "run"),
+        out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"), out_summary=str(out / "summary.json"),
+        learning_rate=1e-3, warmup_proportion=0.1, total_steps=4, global_batch_size=8, micro_batch_size=4,
+        family="roberta", preset="roberta-tiny", architecture={"model_type": model_type, "hidden_size": 32,
+                                                               "intermediate_size": 64},
+        optimizer="adamw", device="cpu", log_every=2, checkpoint_every=4, threads=1, eval_max_sequences=32))
+    assert (summary["family"], summary["steps"], summary["model"]["model_type"]) == ("roberta", 4, model_type)
+    assert summary["test_mlm_accuracy"] >= 0 and summary["test_nsp_accuracy"] == 0.0
+    hf = getattr(transformers, HF_CLASSES[model_type][1]).from_pretrained(out / "model")
+    assert hf.config.pad_token_id == 1
