@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_model import NESTED_WARNING, as_batch, encoded_instances, packed_attention, randomise, run_batch  # noqa: F401
+from tests.test_model import (NESTED_WARNING, as_batch, encoded_instances, packed_attention,  # noqa: F401 (a fixture)
+                              randomise, run_batch)
 from workflow.cli import UserError
 from workflow.data.pack import pack_arrays
 from workflow.train.models.roberta import (RobertaConfig, RobertaForMaskedLM, load_pretrained, roberta_position_ids,
@@ -167,7 +168,8 @@ def test_hf_loads_our_export_with_its_own_class_and_gives_our_logits(model_type,
     with torch.no_grad():
         expected = ours(input_ids, None, attention_mask)[0]
         for model in (loaded, auto):
-            assert (model(input_ids=input_ids, attention_mask=attention_mask).logits - expected)[real].abs().max() < 1e-5
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            assert (logits - expected)[real].abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta"])

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from workflow.data.vocab import (ROLES, SPECIAL_TOKENS, VOCAB_FILES, Normalization, check_vocab_type,
-                                 pre_tokenizer_steps, read_tokenizer_json, read_vocab, special_token_ids, special_tokens,
-                                 tokenizer_config, vocab_file_type, word_start)
+                                 pre_tokenizer_steps, read_tokenizer_json, read_vocab, special_token_ids,
+                                 special_tokens, tokenizer_config, vocab_file_type, word_start)
 
 CONTINUATION = "##"  # WordPiece: the prefix of a token that continues a word
 

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # BERT's, in the order of ROLES
 ROLES = ("pad", "unk", "cls", "sep", "mask")
-# What each role's token is called, BERT's name first: RoBERTa's and XLM-R's tokenizer.json say <pad> <unk> <s> </s> <mask>
+# Each role's token as BERT names it, then as RoBERTa's and XLM-R's tokenizer.json do
 ROLE_TOKENS = {role: (bert, other) for role, bert, other in zip(ROLES, SPECIAL_TOKENS,
                                                                 ("<pad>", "<unk>", "<s>", "</s>", "<mask>"))}
 VOCAB_FILES = {"wordpiece": "vocab.txt", "bpe": "tokenizer.json"}  # config vocab.type -> the file stage vocab writes

@@ -18,6 +18,7 @@ API:
     Family.pretraining_model(config), .trains_unpadded(device_type, packed, precision), .unpads_in_fp32
                                          (the cluster check's), .positions(config) (the longest sequence it takes)
     Family.reads_dle_checkpoints, .has_rotary_theta   which model keys apply (check_settings refuses the rest)
+    Family.fine_tunes, .check_fine_tuning(config)     whether SQuAD, GLUE and the tasks have heads for its exports
     Family.export(model, config, vocab, directory, normalization, next_sentence_prediction, dle_gelu)
 Fine-tuning (any HF directory; its model type picks the family, whatever model.family says):
     directory_family(directory) -> Family    by config.json's model_type (Family.model_types; modernbert: ModernBERT,
@@ -128,7 +129,7 @@ def _check_sizes(config, source: str, vocab_size: int, seq_length: int, position
 
 
 def _special_ids(vocab: str | None, roles: dict) -> dict:
-    """The config's special-token ids (config key -> the token's role) as the data's vocab has them; none without one."""
+    """The config's special-token ids (config key -> the token's role) as the data's vocab has them (none without)."""
     if not vocab:
         return {}
     from workflow.data.tokenizer import Vocabulary
@@ -241,9 +242,9 @@ class _Family:
         """The model keys that apply to this family; another family's key refused in one line naming who takes it."""
         if m.preset_name not in PRESETS[self.name]:
             owner = next((name for name, presets in PRESETS.items() if m.preset_name in presets), None)
+            hint = f"; a {FAMILIES[owner].display_name} preset needs model.family: {owner}" if owner else ""
             raise UserError(f"config model.preset: {m.preset_name!r} is not a {self.name} preset (one of "
-                            f"{', '.join(PRESETS[self.name])})"
-                            + (f"; a {FAMILIES[owner].display_name} preset needs model.family: {owner}" if owner else ""))
+                            f"{', '.join(PRESETS[self.name])}){hint}")
         if m.global_rope_theta is not None and not self.has_rotary_theta:
             raise UserError(f"config pretrain.{m.phase}.global_rope_theta: {self.display_name} has learned positions, "
                             f"no rotary theta; it applies to model.family: {_families_with('has_rotary_theta')}")

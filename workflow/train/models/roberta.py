@@ -173,7 +173,8 @@ class RobertaForMaskedLM(nn.Module):
 
 def load_pretrained(directory: str | os.PathLike, key: str | None = "model.init_from") -> tuple[RobertaConfig, dict]:
     """(RobertaConfig, state dict) of an HF RoBERTa or XLM-R directory (HF's own save or ours; model_type kept); never
-    unpickles (model.safetensors only); another model type is refused in one line (naming the config `key` that gave the directory, if any)."""
+    unpickles (model.safetensors only); another model type is refused in one line (naming the config `key` that gave
+    the directory, if any)."""
     directory = Path(directory)
     where = f"{key} {directory}" if key else str(directory)
     if not (directory / "config.json").is_file():
