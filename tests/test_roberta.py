@@ -400,3 +400,62 @@ def test_pretraining_runs_on_data_tokenized_and_encoded_with_the_models_own_toke
     assert summary["test_mlm_accuracy"] >= 0 and summary["test_nsp_accuracy"] == 0.0
     hf = getattr(transformers, HF_CLASSES[model_type][1]).from_pretrained(out / "model")
     assert hf.config.pad_token_id == 1
+
+
+# ---------------------------------------------------------------- the real DAG
+
+DAG_OVERLAY = {
+    "vocab": {"type": "bpe", "size": 1000}, "encode": {"objective": "full_sentences"},
+    "model": {"family": "roberta", "preset": "roberta-tiny"}, "squad": {"enabled": False}, "glue": {"tasks": []},
+    "pretrain": {"optimizer": "adamw", "eval_max_sequences": 200, "eval_every": 0, "checkpoint_every": 4,
+                 "phase1": {"learning_rate": 2.0e-3, "total_steps": 6, "global_batch_size": 16, "micro_batch_size": 8},
+                 "phase2": {"learning_rate": 1.0e-3, "total_steps": 3, "global_batch_size": 8, "micro_batch_size": 4}},
+}
+
+
+@pytest.fixture(scope="module")
+def dag_run(tmp_path_factory):
+    import subprocess
+    import sys
+
+    from tests.conftest import copy_workflow, snakemake_env
+
+    root = copy_workflow(tmp_path_factory.mktemp("roberta_dag"))
+    (root / "roberta.yaml").write_text(json.dumps(DAG_OVERLAY))
+    result = subprocess.run([sys.executable, "-m", "snakemake", "pretrain", "--profile", "profiles/local",
+                             "--configfile", "sample/config.yaml", "roberta.yaml"], cwd=root, text=True,
+                            capture_output=True, env=snakemake_env(), timeout=1500)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return root
+
+
+@pytest.mark.slow
+def test_both_phases_train_roberta_through_the_dag_and_phase_2_continues_phase_1s_export(dag_run):
+    summaries = [json.loads((dag_run / f"results/pretrain/{phase}/summary.json").read_text())
+                 for phase in ("phase1", "phase2")]
+    assert [(s["family"], s["seq_length"], s["steps"], s["objective"], s["packed"]) for s in summaries] == [
+        ("roberta", 128, 6, "full_sentences", True), ("roberta", 512, 3, "full_sentences", True)]
+    # the trained BPE's [PAD] is id 0: 512 positions past it
+    assert [(s["model"]["pad_token_id"], s["model"]["max_position_embeddings"]) for s in summaries] == [(0, 513)] * 2
+
+
+@pytest.mark.slow
+def test_the_dags_export_is_hfs_roberta_and_fills_masks_as_ours_does(dag_run):
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline
+
+    from workflow.train.models.family import ModelSettings, family
+
+    export = dag_run / "results/pretrain/phase2/model"
+    hf = AutoModelForMaskedLM.from_pretrained(export).eval()
+    assert type(hf) is transformers.RobertaForMaskedLM
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    settings = ModelSettings.from_config({"family": "roberta", "init_from": str(export)})
+    _, ours = family("roberta").build(settings, str(export / "tokenizer.json"), len(tokenizer), 512)
+    text = "The town lies on the [MASK]."
+    encoded = tokenizer(text, return_tensors="pt")
+    with torch.no_grad():
+        mine = ours.eval()(encoded["input_ids"], None, encoded["attention_mask"])[0]
+        assert (hf(**encoded).logits - mine).abs().max() < 1e-4
+    best = pipeline("fill-mask", model=str(export), device="cpu")(text, top_k=1)[0]["token"]
+    slot = int((encoded["input_ids"][0] == tokenizer.mask_token_id).nonzero())
+    assert best == int(mine[0, slot].argmax())
