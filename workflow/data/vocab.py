@@ -37,7 +37,11 @@ from workflow.pool import forked_pool
 
 log = logging.getLogger(__name__)
 
-SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # BERT's, in the order of ROLES
+ROLES = ("pad", "unk", "cls", "sep", "mask")
+# Each role's token as BERT names it, then as RoBERTa's and XLM-R's tokenizer.json do
+ROLE_TOKENS = {role: (bert, other) for role, bert, other in zip(ROLES, SPECIAL_TOKENS,
+                                                                ("<pad>", "<unk>", "<s>", "</s>", "<mask>"))}
 VOCAB_FILES = {"wordpiece": "vocab.txt", "bpe": "tokenizer.json"}  # config vocab.type -> the file stage vocab writes
 
 
@@ -162,9 +166,35 @@ def vocab_config_error(config: dict) -> str | None:
     return None
 
 
+def pre_tokenizer_steps(data: dict) -> list[dict]:
+    """The pre-tokenizers of a tokenizer.json's data, a Sequence's in order (the dicts themselves, to edit)."""
+    step = data.get("pre_tokenizer") or {}
+    return list(step.get("pretokenizers", [])) if step.get("type") == "Sequence" else [step]
+
+
+def word_start(data: dict) -> tuple[str, bool] | None:
+    """How a tokenizer.json's tokens mark a word's first piece: (the mark, whether a text's first word gets it too):
+    a byte-level BPE's space "Ġ" (add_prefix_space), a SentencePiece model's "▁" (Metaspace's replacement; prepended
+    unless prepend_scheme is never); None for neither."""
+    for step in pre_tokenizer_steps(data):
+        if step.get("type") == "ByteLevel":
+            return "\u0120", bool(step.get("add_prefix_space", True))
+        if step.get("type") == "Metaspace":
+            prepend = step.get("prepend_scheme", "always" if step.get("add_prefix_space", True) else "never")
+            return step.get("replacement", "\u2581"), prepend != "never"
+    return None
+
+
+def special_tokens(token_to_id) -> dict[str, str | None]:
+    """Each role's special token (ROLE_TOKENS: BERT's name, else RoBERTa's) as `token_to_id` knows it; None: none."""
+    return {role: next((token for token in names if token_to_id(token) is not None), None)
+            for role, names in ROLE_TOKENS.items()}
+
+
 def read_tokenizer_json(path: str | os.PathLike):
-    """A byte-level BPE `tokenizers.Tokenizer` from a tokenizer.json (ours, or e.g. ModernBERT's). Raises UserError
-    if it is not one (model BPE, pre-tokenizer ByteLevel) or lacks a special token."""
+    """A `tokenizers.Tokenizer` from a tokenizer.json whose tokens mark where words start: a byte-level BPE (ours,
+    ModernBERT's, RoBERTa's) or a SentencePiece model (BPE or Unigram with Metaspace: XLM-R's). Raises UserError if it
+    is neither or lacks a role's special token (ROLE_TOKENS)."""
     from tokenizers import Tokenizer
 
     path = Path(path)
@@ -175,16 +205,18 @@ def read_tokenizer_json(path: str | os.PathLike):
         raise UserError(f"{path}: vocab file not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
         raise UserError(f"{path}: not a tokenizer.json ({error})") from None
-    if model != "BPE" or pre_tokenizer != "ByteLevel":
+    if model not in ("BPE", "Unigram") or word_start(data) is None:
         raise UserError(f"{path}: a {model} tokenizer with pre-tokenizer {pre_tokenizer}, not a byte-level BPE (model "
-                        "BPE, pre_tokenizer ByteLevel)")
+                        "BPE, pre_tokenizer ByteLevel) or a SentencePiece model (BPE or Unigram, pre_tokenizer "
+                        "Metaspace); a WordPiece model is read from its vocab.txt (vocab.type: wordpiece)")
     try:
         tokenizer = Tokenizer.from_str(json.dumps(data))
     except Exception as error:  # tokenizers raises a bare Exception for a malformed file
         raise UserError(f"{path}: cannot load the tokenizer ({error})") from None
-    missing = [token for token in SPECIAL_TOKENS if tokenizer.token_to_id(token) is None]
+    missing = [" or ".join(ROLE_TOKENS[role]) for role, token in special_tokens(tokenizer.token_to_id).items()
+               if token is None]
     if missing:
-        raise UserError(f"{path}: tokenizer lacks the special token(s) {' '.join(missing)}")
+        raise UserError(f"{path}: tokenizer lacks the special token(s) {', '.join(missing)}")
     return tokenizer
 
 

@@ -1,12 +1,13 @@
-"""Model families (config model.family): what differs between BERT and ModernBERT, each named in one place.
+"""Model families (config model.family): what differs between BERT, ModernBERT and RoBERTa, each named in one place.
 
 A family reads its model config (a preset with `model.architecture` over it, a config file, or an HF directory to
 start from), builds the pretraining model, says what defines its math (the fingerprint), counts its FLOPs, prepares
 a batch's indices on the host and writes its exports. The engine, the data half and the pretraining task call either
-the same way; the models themselves are workflow/train/models/bert.py (BERT) and workflow/train/models/modernbert.py.
+the same way; the models themselves are workflow/train/models/bert.py (BERT), modernbert.py and roberta.py (RoBERTa
+and XLM-R, on BERT's encoder).
 
 API:
-    family(name) -> Family               "bert" (NVIDIA's recipe, the default) | "modernbert"
+    family(name) -> Family               "bert" (NVIDIA's recipe, the default) | "modernbert" | "roberta"
     model_config_error(config) -> line | None   the model section and encode.objective checked (the Snakefile, at
                                          parse time: this module imports torch only when a model is built)
     ModelSettings.from_config(model)     the config's model section (family, preset, architecture, bert_config,
@@ -15,10 +16,13 @@ API:
     Family.check_objective(objective)    the data's objective (encode.objective), refused where the family lacks it
     Family.fingerprint(config), .flops_per_sequence(config, seq_length, max_predictions), .host_indices(batch)
     Family.pretraining_model(config), .trains_unpadded(device_type, packed, precision), .unpads_in_fp32
-                                         (the cluster check's)
+                                         (the cluster check's), .positions(config) (the longest sequence it takes)
+    Family.reads_dle_checkpoints, .has_rotary_theta   which model keys apply (check_settings refuses the rest)
+    Family.fine_tunes, .check_fine_tuning(config)     whether SQuAD, GLUE and the tasks have heads for its exports
     Family.export(model, config, vocab, directory, normalization, next_sentence_prediction, dle_gelu)
 Fine-tuning (any HF directory; its model type picks the family, whatever model.family says):
-    directory_family(directory) -> Family    by config.json's model_type (modernbert: ModernBERT, Ettin, mmBERT)
+    directory_family(directory) -> Family    by config.json's model_type (Family.model_types; modernbert: ModernBERT,
+                                         Ettin, mmBERT; roberta, xlm-roberta: RoBERTa's; else BERT's)
     Family.load_directory(directory) -> (config, state)   Family.config_class: the config a head is built for
     Family.save_directory(model, config, vocab, directory, normalization)   a fine-tuned head's HF directory
     Family.rows_host_indices(batch) -> batch   a fine-tuning batch's indices (ModernBERT: its rows' sequences)
@@ -37,7 +41,8 @@ from workflow.cli import UserError
 log = logging.getLogger("family")
 # Each family's presets (its model module's _PRESETS), the first its default.
 PRESETS = {"bert": ("bert-large", "bert-base", "tiny"),
-           "modernbert": ("modernbert-base", "modernbert-large", "modernbert-tiny")}
+           "modernbert": ("modernbert-base", "modernbert-large", "modernbert-tiny"),
+           "roberta": ("roberta-base", "roberta-large", "roberta-tiny")}
 DLE_GELU_DEFAULT = "tanh"
 
 
@@ -84,6 +89,7 @@ def model_config_error(config: dict) -> str | None:
             theta = config.get("pretrain", {}).get(phase, {}).get("global_rope_theta")
             settings = ModelSettings.from_config(config["model"], global_rope_theta=theta, phase=phase)
         family(settings.family).check_objective(config["encode"]["objective"])
+        family(settings.family).check_fine_tuning(config)
     except UserError as error:
         return str(error)
     return None
@@ -113,12 +119,23 @@ def own_vocab(directory: str | Path) -> Path | None:
     return next((Path(directory) / name for name in VOCAB_FILES.values() if (Path(directory) / name).is_file()), None)
 
 
-def _check_sizes(config, source: str, vocab_size: int, seq_length: int) -> None:
+def _check_sizes(config, source: str, vocab_size: int, seq_length: int, positions: int) -> None:
     if config.vocab_size < vocab_size:
         raise UserError(f"{source}: vocab_size {config.vocab_size} is smaller than the vocabulary ({vocab_size})")
-    if config.max_position_embeddings < seq_length:
-        raise UserError(f"{source}: max_position_embeddings {config.max_position_embeddings} < sequence length "
-                        f"{seq_length} of the data")
+    if positions < seq_length:
+        usable = "" if positions == config.max_position_embeddings else f" ({positions} past the padding index)"
+        raise UserError(f"{source}: max_position_embeddings {config.max_position_embeddings}{usable} < sequence "
+                        f"length {seq_length} of the data")
+
+
+def _special_ids(vocab: str | None, roles: dict) -> dict:
+    """The config's special-token ids (config key -> the token's role) as the data's vocab has them (none without)."""
+    if not vocab:
+        return {}
+    from workflow.data.tokenizer import Vocabulary
+
+    ids = Vocabulary.load(vocab).special_ids
+    return {key: ids[role] for key, role in roles.items()}
 
 
 def _preset(config_class, m: ModelSettings, **sized):
@@ -142,12 +159,20 @@ def _load_weights(model, state: dict, init_from: str) -> None:
 
 
 class _Family:
-    """What both families do alike, through the family's model module (imported when first needed: the Snakefile
-    reads this module at parse time without torch)."""
+    """What the families do alike, through the family's model module (imported when first needed: the Snakefile
+    reads this module at parse time without torch), and the capabilities that tell them apart."""
 
+    name: str               # config model.family
+    display_name: str       # as a message names the model
+    model_types: tuple      # the config.json model_types of its HF directories
     module_name: str        # the family's model module
     config_name: str        # its config class
     pretraining_name: str   # its pretraining model class
+    objectives = ("full_sentences", "documents")  # the encode.objective values it trains on (nsp: a next-sentence head)
+    reads_dle_checkpoints = False  # model.bert_config, model.dle_gelu and a DLE checkpoint file as model.init_from
+    has_rotary_theta = False       # pretrain.<phase>.global_rope_theta
+    fine_tunes = True              # SQuAD, GLUE and the tasks have heads for its exports
+    unpads_in_fp32 = True   # its unpadded path (BERT's encoder: nested tensors) runs in any precision, on CPU too
 
     @property
     def module(self):
@@ -163,10 +188,14 @@ class _Family:
     def host_indices(self, batch: dict) -> dict:
         return self.module.host_indices(batch)
 
+    def positions(self, config) -> int:
+        """The longest sequence the model takes."""
+        return config.max_position_embeddings
+
     def _checked_model(self, config, state: dict | None, source: str, vocab_size: int, seq_length: int):
         """The pretraining model of `config`, which must fit the data's vocab and length, with `state` (the weights
         of `source`) loaded when given."""
-        _check_sizes(config, source, vocab_size, seq_length)
+        _check_sizes(config, source, vocab_size, seq_length, self.positions(config))
         model = self.pretraining_model(config)
         if state is not None:
             _load_weights(model, state, source)
@@ -175,27 +204,8 @@ class _Family:
     def flops_per_sequence(self, config, seq_length: int, max_predictions: float) -> float:
         return self.module.flops_per_sequence(config, seq_length, max_predictions)
 
-
-class BertFamily(_Family):
-    """NVIDIA's BERT (workflow/train/models/bert.py): NSP or not, DLE checkpoints in and out."""
-
-    name = "bert"
-    model_type = "bert"
-    module_name, config_name, pretraining_name = "workflow.train.models.bert", "BertConfig", "BertForPreTraining"
-    objectives = ("nsp", "full_sentences", "documents")
-    unpads_in_fp32 = True  # its unpadded path (nested tensors) runs in any precision, on CPU too
-
-    @staticmethod
-    def load_directory(directory):
-        from workflow.train.models.bert import load_pretrained
-
-        return load_pretrained(directory)
-
-    @staticmethod
-    def save_directory(model, config, vocab, directory, normalization) -> None:
-        from workflow.train.models.bert import save_pretrained
-
-        save_pretrained(model, config, vocab, directory, normalization)
+    def fingerprint(self, config) -> dict:
+        return {"model family": self.name, "model": config.to_dict()}
 
     @staticmethod
     def rows_host_indices(batch: dict) -> dict:
@@ -208,13 +218,69 @@ class BertFamily(_Family):
 
         return packed and device_type in VARLEN_DEVICE_TYPES
 
+    def check_objective(self, objective: str) -> None:
+        if objective not in self.objectives:
+            raise UserError(f"encode.objective {objective}: model.family {self.name} has no next-sentence head; "
+                            f"encode the data with encode.objective: {' or '.join(self.objectives)}")
+
+    def check_fine_tuning(self, config: dict) -> None:
+        """A family without fine-tuning heads: refused where `all` would fine-tune its export (no init_from of its
+        own), at parse time rather than after pretraining."""
+        if self.fine_tunes:
+            return
+        squad, glue = config.get("squad", {}), config.get("glue", {})
+        planned = [key for key, on in (("squad.enabled", squad.get("enabled") and not squad.get("init_from")),
+                                       ("glue.tasks", glue.get("tasks") and not glue.get("init_from")),
+                                       ("tasks", config.get("tasks") and not (squad.get("init_from")
+                                                                              and glue.get("init_from")))) if on]
+        if planned:
+            raise UserError(f"config {planned[0]}: model.family {self.name} has no fine-tuning heads here; set "
+                            "squad: {enabled: false}, glue: {tasks: []} and no tasks (or an init_from of another "
+                            f"family), and fine-tune the export with Hugging Face's {self.display_name} classes")
+
     def check_settings(self, m: ModelSettings) -> None:
+        """The model keys that apply to this family; another family's key refused in one line naming who takes it."""
         if m.preset_name not in PRESETS[self.name]:
-            raise UserError(f"config model.preset: {m.preset_name!r} is not a bert preset (one of "
-                            f"{', '.join(PRESETS[self.name])}); a ModernBERT preset needs model.family: modernbert")
-        if m.global_rope_theta is not None:
-            raise UserError(f"config pretrain.{m.phase}.global_rope_theta: BERT has learned positions, no rotary "
-                            "theta; it applies to model.family: modernbert")
+            owner = next((name for name, presets in PRESETS.items() if m.preset_name in presets), None)
+            hint = f"; a {FAMILIES[owner].display_name} preset needs model.family: {owner}" if owner else ""
+            raise UserError(f"config model.preset: {m.preset_name!r} is not a {self.name} preset (one of "
+                            f"{', '.join(PRESETS[self.name])}){hint}")
+        if m.global_rope_theta is not None and not self.has_rotary_theta:
+            raise UserError(f"config pretrain.{m.phase}.global_rope_theta: {self.display_name} has learned positions, "
+                            f"no rotary theta; it applies to model.family: {_families_with('has_rotary_theta')}")
+        if self.reads_dle_checkpoints:
+            return
+        dle = f"NVIDIA DLE checkpoints are read by model.family: {_families_with('reads_dle_checkpoints')}"
+        if m.bert_config:
+            raise UserError(f"config model.bert_config: a BERT config file does not apply to model.family: {self.name} "
+                            "(set model.preset and model.architecture, or start from an HF directory with "
+                            f"model.init_from); {dle}")
+        if m.dle_gelu != DLE_GELU_DEFAULT:
+            raise UserError(f"config model.dle_gelu: {dle}; it does not apply to model.family: {self.name}")
+        if m.init_from and not Path(m.init_from).is_dir():
+            raise UserError(f"model.init_from {m.init_from}: model.family {self.name} starts from a Hugging Face "
+                            f"{self.display_name} directory (config.json, model.safetensors), not a file ({dle})")
+
+
+class BertFamily(_Family):
+    """NVIDIA's BERT (workflow/train/models/bert.py): NSP or not, DLE checkpoints in and out."""
+
+    name, display_name, model_types = "bert", "BERT", ("bert",)
+    module_name, config_name, pretraining_name = "workflow.train.models.bert", "BertConfig", "BertForPreTraining"
+    objectives = ("nsp", "full_sentences", "documents")
+    reads_dle_checkpoints = True
+
+    @staticmethod
+    def load_directory(directory):
+        from workflow.train.models.bert import load_pretrained
+
+        return load_pretrained(directory)
+
+    @staticmethod
+    def save_directory(model, config, vocab, directory, normalization) -> None:
+        from workflow.train.models.bert import save_pretrained
+
+        save_pretrained(model, config, vocab, directory, normalization)
 
     def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
         """Model from (in order of precedence) an HF directory or a DLE checkpoint (with its bert_config.json), a
@@ -234,11 +300,8 @@ class BertFamily(_Family):
             source = f"preset {m.preset_name}"
         return config, self._checked_model(config, state, source, vocab_size, seq_length)
 
-    def check_objective(self, objective: str) -> None:
-        pass
-
     def fingerprint(self, config) -> dict:
-        return {"model": config.to_dict()}
+        return {"model": config.to_dict()}  # without the family's name: BERT's fingerprints as before families
 
     def export(self, model, config, vocab, directory, normalization, next_sentence_prediction: bool,
                dle_gelu: str) -> None:
@@ -253,12 +316,13 @@ class BertFamily(_Family):
 class ModernBertFamily(_Family):
     """ModernBERT (workflow/train/models/modernbert.py): masked LM only, HF directories in and out."""
 
-    name = "modernbert"
-    model_type = "modernbert"
+    name, display_name, model_types = "modernbert", "ModernBERT", ("modernbert",)
     module_name, config_name, pretraining_name = ("workflow.train.models.modernbert", "ModernBertConfig",
                                                   "ModernBertForMaskedLM")
-    objectives = ("full_sentences", "documents")
+    has_rotary_theta = True
     unpads_in_fp32 = False  # flash kernels only: 16-bit, CUDA
+    special_token_roles = {"pad_token_id": "pad", "cls_token_id": "cls", "bos_token_id": "cls", "sep_token_id": "sep",
+                           "eos_token_id": "sep"}
 
     @staticmethod
     def load_directory(directory):
@@ -284,26 +348,9 @@ class ModernBertFamily(_Family):
 
         return device_type in VARLEN_DEVICE_TYPES and precision in ("bf16", "fp16")
 
-    def check_settings(self, m: ModelSettings) -> None:
-        if m.preset_name not in PRESETS[self.name]:
-            raise UserError(f"config model.preset: {m.preset_name!r} is not a modernbert preset (one of "
-                            f"{', '.join(PRESETS[self.name])})")
-        if m.bert_config:
-            raise UserError("config model.bert_config: a BERT config file does not apply to model.family: "
-                            "modernbert (set model.preset and model.architecture, or start from an HF directory "
-                            "with model.init_from)")
-        if m.dle_gelu != DLE_GELU_DEFAULT:
-            raise UserError("config model.dle_gelu: NVIDIA DLE checkpoints are BERT's; it does not apply to "
-                            "model.family: modernbert")
-        if m.init_from and not Path(m.init_from).is_dir():
-            raise UserError(f"model.init_from {m.init_from}: model.family modernbert starts from a Hugging Face "
-                            "ModernBERT directory (config.json, model.safetensors), not a file (DLE checkpoints are "
-                            "BERT's)")
-
     def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
         """Model from an HF ModernBERT directory (ModernBERT's, Ettin's, mmBERT's) or a preset sized to the vocab,
         with the vocab's special ids."""
-        from workflow.data.tokenizer import Vocabulary
         from workflow.train.models import modernbert
 
         if m.init_from:
@@ -311,28 +358,56 @@ class ModernBertFamily(_Family):
             check_same_vocab(m.init_from, config.vocab_size, vocab_size, vocab, padded_rows=True)
             source = m.init_from
         else:
-            specials = Vocabulary.load(vocab).special_ids if vocab else {}
-            ids = {key: specials[token] for key, token in (("pad_token_id", "[PAD]"), ("cls_token_id", "[CLS]"),
-                                                          ("bos_token_id", "[CLS]"), ("sep_token_id", "[SEP]"),
-                                                          ("eos_token_id", "[SEP]")) if token in specials}
-            config = _preset(modernbert.ModernBertConfig, m, vocab_size=(vocab_size + 7) // 8 * 8, **ids)
+            config = _preset(modernbert.ModernBertConfig, m, vocab_size=(vocab_size + 7) // 8 * 8,
+                             **_special_ids(vocab, self.special_token_roles))
             source, state = f"preset {m.preset_name}", None
         if m.global_rope_theta is not None:  # context extension: the phase's own theta over its start's
             log.info("%s: global rotary theta %g (was %g)", m.phase, m.global_rope_theta, config.global_rope_theta)
             config = dataclasses.replace(config, global_rope_theta=float(m.global_rope_theta))
         return config, self._checked_model(config, state, source, vocab_size, seq_length)
 
-    def check_objective(self, objective: str) -> None:
-        if objective not in self.objectives:
-            raise UserError(f"encode.objective {objective}: model.family modernbert has no next-sentence head; "
-                            f"encode the data with encode.objective: full_sentences or documents")
-
-    def fingerprint(self, config) -> dict:
-        return {"model family": self.name, "model": config.to_dict()}
-
     def export(self, model, config, vocab, directory, normalization, next_sentence_prediction: bool,
                dle_gelu: str) -> None:
         save_pretrained(model, config, vocab, directory)
+
+
+class RobertaFamily(_Family):
+    """RoBERTa and XLM-R (workflow/train/models/roberta.py): BERT's encoder with RoBERTa's positions and LM head,
+    masked LM only, HF directories in and out (config.json's model_type, roberta or xlm-roberta, kept)."""
+
+    name, display_name, model_types = "roberta", "RoBERTa", ("roberta", "xlm-roberta")
+    module_name, config_name, pretraining_name = ("workflow.train.models.roberta", "RobertaConfig",
+                                                  "RobertaForMaskedLM")
+    special_token_roles = {"pad_token_id": "pad", "bos_token_id": "cls", "eos_token_id": "sep"}
+    fine_tunes = False  # the heads (workflow/classify, squad, tasks) are BERT's and ModernBERT's
+
+    def positions(self, config) -> int:
+        return config.positions  # the rows past the padding index
+
+    @staticmethod
+    def load_directory(directory):
+        raise UserError(f"{directory}: a RoBERTa / XLM-R model; the fine-tuning heads (GLUE, SQuAD, tasks) are "
+                        "BERT's and ModernBERT's: continue its pretraining with model.family: roberta and "
+                        "model.init_from, and fine-tune the export with Hugging Face's RobertaFor* classes")
+
+    def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
+        """Model from an HF RoBERTa or XLM-R directory, or a preset sized to the vocab with its special ids (the
+        position table sized past its padding id)."""
+        from workflow.train.models import roberta
+
+        if m.init_from:
+            config, state = roberta.load_pretrained(m.init_from)
+            check_same_vocab(m.init_from, config.vocab_size, vocab_size, vocab, padded_rows=True)
+            source = m.init_from
+        else:
+            config = _preset(roberta.RobertaConfig, m, vocab_size=(vocab_size + 7) // 8 * 8,
+                             **_special_ids(vocab, self.special_token_roles))
+            source, state = f"preset {m.preset_name}", None
+        return config, self._checked_model(config, state, source, vocab_size, seq_length)
+
+    def export(self, model, config, vocab, directory, normalization, next_sentence_prediction: bool,
+               dle_gelu: str) -> None:
+        self.module.save_pretrained(model, config, vocab, directory)
 
 
 def load_pretrained(directory: str | Path, key: str | None = "model.init_from"):
@@ -380,7 +455,11 @@ def save_pretrained(model, config, vocab, directory) -> None:
         save_tokenizer(vocab, directory, None, config.max_position_embeddings)
 
 
-FAMILIES = {each.name: each for each in (BertFamily(), ModernBertFamily())}
+FAMILIES = {each.name: each for each in (BertFamily(), ModernBertFamily(), RobertaFamily())}
+
+
+def _families_with(capability: str) -> str:
+    return " or ".join(name for name, each in FAMILIES.items() if getattr(each, capability))
 
 
 def family(name: str):
@@ -390,10 +469,10 @@ def family(name: str):
 
 
 def directory_family(directory: str | Path):
-    """The family of the model an HF directory holds, by its config.json's model_type: ModernBERT's for modernbert
-    (ModernBERT's, Ettin's, mmBERT's), else BERT's (whose loader reads BERT configs and judges the rest)."""
+    """The family of the model an HF directory holds, by its config.json's model_type (Family.model_types), else
+    BERT's (whose loader reads BERT configs and judges the rest)."""
     from workflow.train.models.kit import read_config_json
 
     config_path = Path(directory) / "config.json"
     model_type = read_config_json(config_path).get("model_type") if config_path.is_file() else None
-    return next((each for each in FAMILIES.values() if each.model_type == model_type), FAMILIES["bert"])
+    return next((each for each in FAMILIES.values() if model_type in each.model_types), FAMILIES["bert"])
