@@ -53,7 +53,9 @@ MARKERS = {
 SLOW_TESTS = ("test_learning_parity.py::test_snakebert_and", "test_learning_parity.py::test_modernbert_and",
               "test_demo_dag.py::", "test_multinode.py::", "test_long_context.py::", "test_modernbert_dag.py::",
               "test_glue_rules.py::", "test_squad_rules.py::", "test_slurm.py::", "test_scaling.py::",
-              "test_documents.py::", "test_corpora.py::", "test_tasks.py::")
+              "test_documents.py::", "test_corpora.py::", "test_tasks.py::", "test_modernbert_resume.py::",
+              "test_modernbert_heads.py::test_squad_and_glue_run_through", "test_roberta.py::test_both_phases",
+              "test_roberta.py::test_the_dags")
 RUNS_SNAKEMAKE = re.compile(r"""["']snakemake["']|\bsnakemake\w*\(""")
 
 

@@ -174,13 +174,19 @@ def family_model_and_batch(name: str):
     torch.manual_seed(0)
     if name == "bert":
         model, batch = BertForPreTraining(BERT_CONFIG), host_indices(packed_rows())
+    elif name == "roberta":
+        from workflow.train.models.roberta import RobertaConfig, RobertaForMaskedLM
+
+        config = RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=48, max_position_embeddings=34)
+        model, batch = RobertaForMaskedLM(config), host_indices(packed_rows())
     else:
         model, batch = ModernBertForMaskedLM(small_config()), training_batch(*packed_batch())
     batch.setdefault("next_sentence_labels", (batch["cls_positions"] > 0).long())  # a label per sequence slot
     return model, batch, name == "bert"
 
 
-@pytest.mark.parametrize("name", ["bert", "modernbert"])
+@pytest.mark.parametrize("name", ["bert", "modernbert", "roberta"])
 def test_training_takes_the_fused_loss_from_the_heads_hidden_states_as_the_logits_path_does(name, monkeypatch):
     """PretrainingTask.loss with the fused loss (liger's contract stood in on CPU) gives the logits path's loss,
     accuracy and gradients: the head's hidden states and the tied decoder (mlm_decoder) are the logits' inputs."""

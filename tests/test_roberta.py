@@ -429,7 +429,6 @@ def dag_run(tmp_path_factory):
     return root
 
 
-@pytest.mark.slow
 def test_both_phases_train_roberta_through_the_dag_and_phase_2_continues_phase_1s_export(dag_run):
     summaries = [json.loads((dag_run / f"results/pretrain/{phase}/summary.json").read_text())
                  for phase in ("phase1", "phase2")]
@@ -439,7 +438,6 @@ def test_both_phases_train_roberta_through_the_dag_and_phase_2_continues_phase_1
     assert [(s["model"]["pad_token_id"], s["model"]["max_position_embeddings"]) for s in summaries] == [(0, 513)] * 2
 
 
-@pytest.mark.slow
 def test_the_dags_export_is_hfs_roberta_and_fills_masks_as_ours_does(dag_run):
     from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline
 

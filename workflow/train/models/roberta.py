@@ -132,8 +132,12 @@ class RobertaLMHead(nn.Module):
         nn.init.normal_(self.dense.weight, std=config.initializer_range)
         nn.init.zeros_(self.dense.bias)
 
+    def transform(self, x):
+        """The hidden states the decoder projects: dense, exact GELU, layer_norm."""
+        return self.layer_norm(F.gelu(self.dense(x)))
+
     def forward(self, x, decoder_weight):
-        return F.linear(self.layer_norm(F.gelu(self.dense(x))), decoder_weight, self.bias)
+        return F.linear(self.transform(x), decoder_weight, self.bias)
 
 
 class RobertaForMaskedLM(nn.Module):
@@ -147,25 +151,34 @@ class RobertaForMaskedLM(nn.Module):
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, masked_lm_positions=None,
                 position_ids=None, cls_positions=None, masked_lm_valid=None, masked_lm_index=None,
-                unpadded: Unpadded | None = None, mask_needed: bool | None = None):
+                unpadded: Unpadded | None = None, mask_needed: bool | None = None, return_hidden: bool = False):
         """(mlm_logits, None): [B, P, V] at every slot of `masked_lm_positions`, [M, V] at the real slots given
-        `masked_lm_valid` or `masked_lm_index` (row-major; the index avoids a host sync on CUDA), [B, L, V] without
-        slots (HF's logits). token_type_ids are ignored."""
-        hidden, tokens = self.roberta.encode(input_ids, None, attention_mask, position_ids, cls_positions is not None,
-                                             unpadded, mask_needed)
+        `masked_lm_valid`, [N, V] at the row-major positions `masked_lm_index` (host_indices: every slot, a fixed
+        shape, no host sync on CUDA), [B, L, V] without slots (HF's logits). With `return_hidden`, the head's hidden
+        states before its decoder (mlm_decoder(): a fused loss takes them) in the logits' place. token_type_ids are
+        ignored."""
+        hidden = self.roberta.encode(input_ids, None, attention_mask, position_ids, cls_positions is not None,
+                                     unpadded, mask_needed)
         batch, length = input_ids.shape
         rows = torch.arange(batch, device=input_ids.device).unsqueeze(1) * length
         slots = rows + (torch.arange(length, device=input_ids.device) if masked_lm_positions is None
                         else masked_lm_positions.long())
         if masked_lm_index is not None:
-            return self.logits(at_positions(hidden, tokens, masked_lm_index)), None
-        if masked_lm_valid is not None:
-            return self.logits(at_positions(hidden, tokens, slots[masked_lm_valid])), None
-        return self.logits(at_positions(hidden, tokens, slots)), None
+            predicted = masked_lm_index
+        elif masked_lm_valid is not None:  # a data-dependent selection: one host sync on CUDA
+            predicted = slots[masked_lm_valid]
+        else:
+            predicted = slots
+        at_slots = at_positions(hidden, predicted)
+        return (self.lm_head.transform(at_slots) if return_hidden else self.logits(at_slots)), None
 
     def logits(self, hidden):
         """The MLM head over final hidden states [..., H] -> [..., V]."""
         return self.lm_head(hidden, self.roberta.embeddings.word_embeddings.weight)
+
+    def mlm_decoder(self):
+        """(weight [V, H], bias [V]) of the tied decoder: the word embeddings and the head's bias."""
+        return self.roberta.embeddings.word_embeddings.weight, self.lm_head.bias
 
 
 # ---------------------------------------------------------------- Hugging Face directories
