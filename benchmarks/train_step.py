@@ -356,6 +356,8 @@ def gpu_benchmark(args) -> None:
     pretrain_config = load_config(args.configfile)["pretrain"]
     for phase, seq, predictions, micro in configured_phases(args.configfile, args.gpu_micro_batch1,
                                                             args.gpu_micro_batch2):
+        if phase not in args.phases.split(","):
+            continue
         config = BertConfig.preset(args.preset, vocab_size=(args.vocab + 7) // 8 * 8)  # padded to 8, as pretrain does
         n = micro * args.steps
         padded, packed, real, fill_padded, fill_packed = padded_and_packed(config, seq, predictions, n, micro,
@@ -462,6 +464,7 @@ def main(argv=None) -> None:
                    "comma list of hf, eager, compiled, compiled+float8")
     p.add_argument("--max-micro-batch-cap", type=int, default=8192, help="--find-max-micro-batch: stop there")
     p.add_argument("--optimizer-repeats", type=int, default=5, help="--gpu: optimizer steps timed (median)")
+    p.add_argument("--phases", default="phase1,phase2", help="--gpu: the phases timed, a comma list")
     p.add_argument("--compile-mode", default="default", help="--gpu --compile: torch.compile's mode "
                    "(pretrain.compile_mode's values)")
     args = p.parse_args(argv)
