@@ -100,22 +100,22 @@ def mlm_loss_path(device: Device) -> str:
     return "fused (liger-kernel's fused linear cross-entropy)" if reason is None else f"reference logits ({reason})"
 
 
-def variant_models(model: torch.nn.Module, device: Device, compile_mode: str, variants=VARIANTS) -> dict:
-    """{variant: the module it calls, or the one line why it is skipped (a str)}. compiled+float8 converts a copy, so
-    the other variants keep their nn.Linear."""
-    made = {}
+def variant_models(model: torch.nn.Module, device: Device, compile_mode: str, variants=VARIANTS):
+    """(variant, the module it calls, or the one line why it is skipped: a str) in turn, each made when the previous
+    one is done with: compiled+float8 converts a copy, which then exists only while it is measured."""
+    # Each variant and each micro-batch size searched is one more compilation of the same forward.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for variant in variants:
         if variant == "eager":
-            made[variant] = model
+            yield variant, model
         elif variant == "compiled":
-            made[variant] = torch.compile(model, mode=compile_mode, dynamic=False)
+            yield variant, torch.compile(model, mode=compile_mode, dynamic=False)
         elif variant == "compiled+float8":
             error = float8_error(device.torch)
-            made[variant] = error or torch.compile(convert_to_float8(copy.deepcopy(model)), mode=compile_mode,
-                                                   dynamic=False)
+            yield variant, error or torch.compile(convert_to_float8(copy.deepcopy(model)), mode=compile_mode,
+                                                  dynamic=False)
         else:
             raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
-    return made
 
 
 def compiled_graphs() -> int:
@@ -152,17 +152,18 @@ def largest_micro_batch(run_once, start: int, cap: int, device: Device) -> str:
     or "< start" when even `start` did not fit."""
     largest, rows = None, start
     while rows <= cap:
+        out_of_memory = False
         try:
             run_once(rows)
             device.sync()
         except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
             if not is_out_of_memory(error):
                 raise
-            del error
-            device.reset_peak_memory()
+            out_of_memory = True  # freed below, once the exception's frames (holding tensors) are gone
+        device.reset_peak_memory()
+        if out_of_memory:
             return str(largest) if largest else f"< {start}"
         largest, rows = rows, rows * 2
-        device.reset_peak_memory()
     return f">= {largest} (cap {cap})"
 
 

@@ -406,7 +406,7 @@ def gpu_benchmark(args) -> None:
         ours = ours.to(device.torch)
         micro_batch_seconds = None
         with device.packed_path():
-            for variant, model in variant_models(ours, device, args.compile_mode, variants).items():
+            for variant, model in variant_models(ours, device, args.compile_mode, variants):
                 if isinstance(model, str):
                     rows.append(skipped_row(f"ours {variant}", model))
                     continue
