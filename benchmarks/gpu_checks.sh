@@ -109,14 +109,14 @@ benchmark_steps() {  # the GPU step benchmarks; in the rehearsal tiny models on 
         # ~120 s each on an H200: two compilations of BERT-large (~40 s each), the search (~20 s), LAMB (~15 s)
         size=()
         [ "$cpu" = 1 ] && size=(--preset tiny --vocab 1024 --gpu-micro-batch1 8 --gpu-micro-batch2 4)
-        TAIL=20 step "train_step_$phase" "${BENCH_LIMIT_S:-200}" "$py" benchmarks/train_step.py --gpu --phases "$phase" \
-            "${measure[@]}" "${size[@]}"
+        TAIL=20 step "train_step_$phase" "${BENCH_LIMIT_S:-200}" "$py" benchmarks/train_step.py --gpu \
+            --phases "$phase" "${measure[@]}" "${size[@]}"
     done
     for vocab in ${VOCABS:-50368}; do  # ModernBERT's own vocabulary
         for seq_rows in 1024:64 8192:8; do
             # ~100 s each on an H200: two compilations of ModernBERT-base (~35 s each), HF's two sides, the search
             if [ "$cpu" = 1 ]; then
-                size=(--preset modernbert-tiny --gpu-seq $((${seq_rows%:*} / 8)) --micro-batch 2)
+                size=(--preset modernbert-tiny --gpu-seq $((${seq_rows%:*} / 16)) --micro-batch 2)
             else
                 size=(--gpu-seq "${seq_rows%:*}" --micro-batch "${seq_rows#*:}")
             fi

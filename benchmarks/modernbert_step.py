@@ -3,19 +3,20 @@ the same batch and the same weights, steps alternating between the sides.
 
     python benchmarks/modernbert_step.py                    # CPU, fp32: the tiny preset and a base-shaped small model
     python benchmarks/modernbert_step.py --repeats 3 --seq 128 --micro-batch 4   # a short CPU run
-    python benchmarks/modernbert_step.py --gpu              # CUDA, bf16 autocast, base-shaped models at --gpu-seq;
-                                                            # without a CUDA device it says so and exits 0
-    python benchmarks/modernbert_step.py --gpu --compile [--compile-mode max-autotune-no-cudagraphs]
-                                                            # also ours under torch.compile, on the same batch
+    python benchmarks/modernbert_step.py --gpu --compile --float8 --find-max-micro-batch --gpu-seq 8192 \
+        --micro-batch 8 --vocab 50368                       # CUDA, bf16: the GPU mode below; without a CUDA device
+                                                            # it says so and exits 0
+    python benchmarks/modernbert_step.py --gpu --device cpu --preset modernbert-tiny --gpu-seq 128 --micro-batch 2 \
+        --compile --float8 --steps 1 --warmup 0             # the GPU mode's code rehearsed on CPU
 
-Models (workflow.train.models.modernbert presets, --vocab tokens): `tiny` (modernbert-tiny: 4 layers x 128) and `base-small`
-(modernbert-base's widths, 768 hidden, 12 heads, 1,152 intermediate, window 128, with --base-layers layers: a global
-layer and local ones). `--gpu` runs modernbert-base whole (22 layers) instead.
+CPU comparison (no --gpu), fp32. Models (workflow.train.models.modernbert presets, --vocab tokens): `tiny`
+(modernbert-tiny: 4 layers x 128) and `base-small` (modernbert-base's widths, 768 hidden, 12 heads, 1,152
+intermediate, window 128, with --base-layers layers: a global layer and local ones).
 Batch: --micro-batch rows of --seq tokens, real lengths drawn between half and all of a row (the rest padding), 30%
 of the real tokens predicted (ModernBERT's masking rate). Sides, each a forward, the MLM cross-entropy and a backward
 (gradients zeroed after; no optimizer step):
    - ours: ModernBertForMaskedLM as training calls it (modernbert.host_indices: the head at the predicted tokens only;
-     on CUDA the real tokens through torch's varlen flash attention with the local window, on CPU rows with masks);
+     on CPU rows with masks);
    - hf: transformers' ModernBertForMaskedLM (attn_implementation sdpa), labels -100 elsewhere: the head at every
      position (its default);
    - hf sparse: the same with sparse_prediction (the head at the labelled tokens only, as ModernBERT's recipe trains);
@@ -23,8 +24,17 @@ of the real tokens predicted (ModernBERT's masking rate). Sides, each a forward,
      runs it (compiled before the timed rounds).
 Each repeat runs every side once, the order rotating, after --warmup untimed rounds; medians printed, with each
 side's time relative to hf: wall time, and the process's CPU time (summed over its threads: what other processes
-on a shared machine disturb least; on CUDA it is the host's share only). GPU: also peak memory and MFU (FLOPs: modernbert.flops_per_sequence at the mean real
-length, counting the GLU and the window; peak: the card's datasheet bf16 figure).
+on a shared machine disturb least).
+
+GPU mode (--gpu): --preset (modernbert-base) at --gpu-seq tokens, --micro-batch rows, bf16, --steps micro-batches
+like the above, each side timed over them after --warmup, forward + loss + backward (no optimizer: timed apart).
+One Markdown table (benchmarks/gpu_measure.py): HF's ModernBertForMaskedLM (head at every token; with
+sparse_prediction) and ours eager, compiled (--compile), compiled+float8 (--float8; skipped saying why where it
+cannot run), our loss as training computes it (summed_mlm_loss, fused=True: liger's kernel on CUDA where installed,
+else the reference; the header says which); real tokens/s, MFU (modernbert.flops_per_sequence at the mean real
+length and predictions, counting the GLU and the window), peak memory, the largest micro-batch that fits
+(--find-max-micro-batch). Then the recipe's StableAdamW (recipes/modernbert-base.yaml; fused and for-loop) per
+global batch: global_batch_tokens / (micro-batch x length) micro-batches, world 1.
 """
 from __future__ import annotations
 

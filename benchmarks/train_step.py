@@ -2,11 +2,13 @@
 
     python benchmarks/train_step.py                 # CPU: the three comparisons below
     python benchmarks/train_step.py --step-only --seq 512 --predictions 80 --micro-batch 4   # CPU: 1. at seq 512
-    python benchmarks/train_step.py --gpu           # CUDA (an H100/H200): the GPU mode below, at config.yaml's
+    python benchmarks/train_step.py --gpu --compile --float8 --find-max-micro-batch
+                                                    # CUDA (an H100/H200): the GPU mode below, at config.yaml's
                                                     # micro-batches; without a CUDA device it prints
                                                     # "no CUDA device: GPU benchmark skipped" and exits 0
-    python benchmarks/train_step.py --gpu --device cpu --preset tiny --vocab 1024 --steps 2 --warmup 1 \
-        --gpu-micro-batch1 8 --gpu-micro-batch2 4   # the GPU mode's code rehearsed on CPU (tests/test_benchmarks.py)
+    python benchmarks/train_step.py --gpu --device cpu --preset tiny --vocab 1024 --steps 1 --warmup 0 \
+        --gpu-micro-batch1 8 --gpu-micro-batch2 4 --compile --float8
+                                                    # the GPU mode's code rehearsed on CPU (tests/test_benchmarks.py)
 
 CPU, fp32, one small BERT, the same weights on every side; steps alternate between the sides so machine noise
 hits them alike (medians printed):
@@ -26,31 +28,26 @@ hits them alike (medians printed):
    forward + MLM/NSP loss + backward (MLM head at the real slots, as in training); real tokens per second of each,
    fill beside (expect the ratio ~ fill packed / fill padded).
 
-GPU mode (--gpu): BERT-large (--preset) phase 1 and phase 2 as --configfile (config.yaml) configures them: sequence
-length and predictions (encode.phaseN), rows per micro-batch (pretrain.phaseN.micro_batch_size: 64 and 16; or
---gpu-micro-batch1/2), bf16 autocast, on the same --steps micro-batches of
-Wikipedia-like instances (the generator of 3.): three sides, each timed over all its micro-batches after --warmup
-untimed steps, a step being forward, MLM + NSP loss, backward and one LAMB step (workflow.train.optim.lamb.Lamb) per
-micro-batch (NVIDIA accumulates many micro-batches per LAMB step, so this charges both sides more optimizer time
-than a real run):
-   - HF padded: Hugging Face transformers.BertForPreTraining, attn_implementation="sdpa", our initial weights, on the
-     padded rows: the baseline, run by the benchmark itself;
-   - ours padded: our model on the same padded rows;
-   - ours packed: our model on the same instances packed as the pack stage packs them (PackSettings), through the
-     unpadded varlen attention path (model.VARLEN_DEVICE_TYPES; forced on CPU by --device cpu): on CUDA in bf16
-     the flash kernels called once per layer (workflow.train.models.flash_varlen);
-   - ours packed, nested SDPA: the same, through nested jagged tensors' SDPA (model.FLASH_VARLEN off), the path
-     before flash_varlen;
-   - with --compile, beside ours padded and ours packed: "ours compiled" padded and packed, the same model under
-     torch.compile(mode=--compile-mode, dynamic=False) as pretrain.compile runs it (compiled in the warm-up: every
-     micro-batch has one shape, so "graphs compiled while timed" stays 0).
-Our batches carry the indices training's loader computes on the host (model.host_indices), as in training.
-Printed per phase and side: fill, seq/s, real tokens/s, MFU, peak memory; then our speedups over HF. All
-device-specific calls sit in `Device` (CUDA, or CPU stand-ins: no sync, peak RSS, MFU "n/a"). NVIDIA's
-DeepLearningExamples BERT (DLE) cannot be installed here: the issue's goal of >= 1.5x DLE's seq/s on the same GPU
-needs DLE's published figure for that GPU beside this run's "ours" figures; no DLE figure is measured here.
+GPU mode (--gpu): BERT-large (--preset) phase 1 and phase 2 as --configfile (config.yaml) configures them
+(--phases): sequence length and predictions (encode.phaseN), rows per micro-batch (pretrain.phaseN.micro_batch_size:
+64 and 16; or --gpu-micro-batch1/2), bf16 autocast, on the same --steps micro-batches' worth of Wikipedia-like
+instances (the generator of 3.), each side timed over all its micro-batches after --warmup untimed steps, a step
+being forward, loss and backward (no optimizer: timed apart, below). One Markdown table per phase
+(benchmarks/gpu_measure.py):
+   - HF BertForPreTraining: Hugging Face transformers, attn_implementation="sdpa", our initial weights, on the
+     padded rows, its own MLM (every position) + NSP loss: the baseline, run by the benchmark itself;
+   - ours eager, compiled (--compile, --compile-mode), compiled+float8 (--float8; skipped saying why where float8
+     cannot run): our model on the same instances packed as the pack stage packs them (PackSettings), through the
+     unpadded varlen attention path (forced on CPU by --device cpu), the loss as training computes it
+     (PretrainingTask.loss, fused_loss: liger's kernel on CUDA where installed, else the reference; the header says
+     which). Our batches carry the indices training's loader computes on the host (model.host_indices).
+Per side: real tokens/s, MFU, peak memory and, with --find-max-micro-batch, the largest micro-batch that fits. Then
+LAMB (ours: torch _foreach; the per-parameter loop of tests/test_lamb.py; apex FusedLAMB where present) timed as the
+phase's accumulation amortises it: one step per global_batch_size / micro-batch micro-batches (world 1), its ms and
+share of that global step. All device-specific calls sit in gpu_measure.Device (CUDA, or CPU stand-ins: no sync,
+peak RSS, MFU "n/a").
 
-GPU MFU = seq/s x FLOPs per sequence / peak, peak = the card's datasheet dense bf16 peak (accelerator.peak_flops:
+GPU MFU = sequences/s x FLOPs per sequence / peak, peak = the card's datasheet dense bf16 peak (accelerator.peak_flops:
 989.4 TFLOP/s on an H100 SXM or H200, 312 on an A100; "n/a" for a card not in its table).
 FLOPs per sequence (workflow.train.models.bert.flops_per_sequence, matmuls only, training = 3 x forward):
     3 x [ n_layers x L x (2 (4h^2 + 2 h i) + 4 L h)  +  P (2 h^2 + 2 h V)  +  2 h^2 ]

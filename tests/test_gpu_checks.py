@@ -102,7 +102,8 @@ def test_on_a_gpu_the_step_benchmarks_run_full_size_bert_large_and_modernbert_ba
     for seq, rows in ((1024, "64"), (8192, "8")):
         command = modernbert[seq]
         assert "--device" not in command and "--preset" not in command  # CUDA, modernbert-base: the defaults
-        assert command[command.index("--gpu-seq") + 1] == str(seq) and command[command.index("--micro-batch") + 1] == rows
+        assert command[command.index("--gpu-seq") + 1] == str(seq)
+        assert command[command.index("--micro-batch") + 1] == rows
         assert command[command.index("--vocab") + 1] == "50368"
     bert = (tmp_path / "out" / "train_step_phase1.log").read_text().split()
     assert "--device" not in bert and "--preset" not in bert  # CUDA, BERT-large, config.yaml's micro-batches
