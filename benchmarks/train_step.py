@@ -73,7 +73,6 @@ import numpy as np  # noqa: E402
 from workflow.config import load_config  # noqa: E402
 from workflow.data.pack import PackSettings, pack_arrays  # noqa: E402
 from workflow.train import accelerator  # noqa: E402
-from workflow.train.models import kit  # noqa: E402
 from workflow.train.optim.lamb import Lamb, param_groups  # noqa: E402
 from workflow.train.pretraining_data import make_batch as data_batch, padded as padded_rows  # noqa: E402
 from workflow.train.models.bert import BertConfig, BertForPreTraining, flops_per_sequence  # noqa: E402
