@@ -6,15 +6,22 @@
 #   data_FAMILY                   synthetic shards for the check below (checked non-empty before it runs)
 #   cluster_check_FAMILY          cluster_check on one node: BERT (config.yaml's recipe: LAMB) and ModernBERT-base
 #                                 (StableAdamW, full-sentence rows): every fast path against its reference, the trainer
-#   train_step                    benchmarks/train_step.py --gpu: BERT-large phase 1 and 2 steps, seq/s and MFU
-#   modernbert_step_SEQ_VOCAB     benchmarks/modernbert_step.py --gpu at 1,024 and 8,192 tokens, vocab 8,192 and 50,368
+#   train_step_PHASE              benchmarks/train_step.py --gpu: BERT-large phase 1 (128) and 2 (512), HF beside ours
+#                                 eager, compiled, compiled + float8: real tokens/s, MFU, peak memory, largest
+#                                 micro-batch (HF and eager), LAMB per global batch
+#   modernbert_step_SEQ_VOCAB     benchmarks/modernbert_step.py --gpu: ModernBERT-base at 1,024 and 8,192 tokens, vocab
+#                                 50,368, the same variants and figures, StableAdamW per global batch
 #   learning_parity_FAMILY_TEXT   (LEARNING=1) benchmarks/learning_parity.py --device cuda on the texts in $TEXTS
 #
 #     bash benchmarks/gpu_checks.sh [OUT_DIR]
-#     GPU_CHECKS_CPU=1 bash benchmarks/gpu_checks.sh    a rehearsal on CPU: the same steps at tiny sizes, the GPU-only
-#                                                       ones "skipped (no GPU)"
+#     GPU_CHECKS_CPU=1 bash benchmarks/gpu_checks.sh    a rehearsal on CPU: the same steps at tiny sizes (the
+#                                                       benchmarks on tiny models, their GPU code path), the
+#                                                       GPU-only ones "skipped (no GPU)"
 #     GPU_CHECKS_STEPS=FILE ...                         the steps FILE declares (bash, `step` lines) instead of these
 # A new check is one more `step NAME LIMIT_S COMMAND...` line in gpu_steps (or `gpu_step` for a GPU-only one).
+# Device time: the whole run is meant to take ~12 minutes on one H200 (a lent GPU has 15, its start included): each
+# step's comment says its expected time there (~40 + 2 x 115 + 2 x 120 + 2 x 100 s), its limit stops one that runs
+# long. Expected times are estimates until a run's verdict table gives the seconds.
 set -u
 out=${1:-gpu_checks}
 mkdir -p "$out"
@@ -75,18 +82,48 @@ print(json.dumps({key: config[key] for key in sections}))
 EOF
 }
 
-cluster_check() {  # cluster_check FAMILY: its synthetic data, then the check on them
+cluster_check() {  # cluster_check FAMILY: its synthetic data (~15 s), then the check on them
     local family=$1 data=$work/$1
-    step "data_$family" 600 "$py" -m workflow.data.synthetic_shards --config "$(config "$family" seed,vocab,encode)" \
+    step "data_$family" 120 "$py" -m workflow.data.synthetic_shards --config "$(config "$family" seed,vocab,encode)" \
         --output-data "$data/hdf5" --output-vocab "$data/vocab.txt" \
         --training-instances "$training" --test-instances "$test"
     made "cluster_check_$family" "$data/hdf5" "$data/vocab.txt" || return
-    # BERT-large took > 80 s on one H200 (one rank, 10 steps); 8 ranks start, check and gather more
-    step "cluster_check_$family" "${CHECK_LIMIT_S:-900}" \
+    # ~100 s each on one H200 (BERT-large took > 80 s: one rank, 10 steps); on 8 ranks raise CHECK_LIMIT_S
+    step "cluster_check_$family" "${CHECK_LIMIT_S:-240}" \
         "$py" -m workflow.slurm.launch --run-dir "$work/run_$family" -- \
         "$py" -m workflow.slurm.cluster_check --config "$(config "$family" seed,model,pretrain)" \
         --data-dir "$data/hdf5" --vocab "$data/vocab.txt" --run-dir "$work/run_$family" \
         --output "$out/cluster_check_$family.json" --steps "$steps"
+}
+
+benchmark_steps() {  # the GPU step benchmarks; in the rehearsal tiny models on CPU through the same code
+    local size
+    # HF and eager searched for the largest micro-batch: a compiled variant recompiles at each size (`all` does it)
+    local measure=(--compile --float8 --find-max-micro-batch hf,eager)
+    if [ "$cpu" = 1 ]; then
+        measure+=(--device cpu --threads 1 --steps 1 --warmup 0 --optimizer-repeats 1 --max-micro-batch-cap 8)
+    else
+        measure+=(--steps 5 --warmup 1 --optimizer-repeats 3)
+    fi
+    for phase in phase1 phase2; do
+        # ~120 s each on an H200: two compilations of BERT-large (~40 s each), the search (~20 s), LAMB (~15 s)
+        size=()
+        [ "$cpu" = 1 ] && size=(--preset tiny --vocab 1024 --gpu-micro-batch1 8 --gpu-micro-batch2 4)
+        TAIL=20 step "train_step_$phase" "${BENCH_LIMIT_S:-200}" "$py" benchmarks/train_step.py --gpu \
+            --phases "$phase" "${measure[@]}" "${size[@]}"
+    done
+    for vocab in ${VOCABS:-50368}; do  # ModernBERT's own vocabulary
+        for seq_rows in 1024:64 8192:8; do
+            # ~100 s each on an H200: two compilations of ModernBERT-base (~35 s each), HF's two sides, the search
+            if [ "$cpu" = 1 ]; then
+                size=(--preset modernbert-tiny --gpu-seq $((${seq_rows%:*} / 16)) --micro-batch 2)
+            else
+                size=(--gpu-seq "${seq_rows%:*}" --micro-batch "${seq_rows#*:}")
+            fi
+            TAIL=20 step "modernbert_step_${seq_rows%:*}_$vocab" "${BENCH_LIMIT_S:-180}" "$py" \
+                benchmarks/modernbert_step.py --gpu --vocab "$vocab" "${measure[@]}" "${size[@]}"
+        done
+    done
 }
 
 gpu_steps() {  # the checks, in order
@@ -97,17 +134,12 @@ gpu_steps() {  # the checks, in order
     else
         training=${CHECK_TRAINING:-40000} test=${CHECK_TEST:-10000} steps=${CHECK_STEPS:-10}
     fi
-    gpu_step gpu_tests 600 "$py" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_flash_varlen.py
+    # ~40 s: the flash kernels' tests
+    gpu_step gpu_tests 120 "$py" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_flash_varlen.py
     for family in ${FAMILIES:-bert modernbert}; do
         cluster_check "$family"
     done
-    gpu_step train_step 900 "$py" benchmarks/train_step.py --gpu
-    for vocab in ${VOCABS:-8192 50368}; do  # the benchmark's default and ModernBERT's own
-        gpu_step "modernbert_step_1024_$vocab" 600 "$py" benchmarks/modernbert_step.py --gpu --gpu-seq 1024 \
-            --micro-batch 64 --vocab "$vocab"
-        gpu_step "modernbert_step_8192_$vocab" 600 "$py" benchmarks/modernbert_step.py --gpu --gpu-seq 8192 \
-            --micro-batch 8 --vocab "$vocab"
-    done
+    benchmark_steps
     if [ "${LEARNING:-0}" = 1 ]; then
         for text in ${TEXTS:-python-docs wikipedia}; do
             for family in ${FAMILIES:-bert}; do

@@ -2,11 +2,13 @@
 
     python benchmarks/train_step.py                 # CPU: the three comparisons below
     python benchmarks/train_step.py --step-only --seq 512 --predictions 80 --micro-batch 4   # CPU: 1. at seq 512
-    python benchmarks/train_step.py --gpu           # CUDA (an H100/H200): the GPU mode below, at config.yaml's
+    python benchmarks/train_step.py --gpu --compile --float8 --find-max-micro-batch
+                                                    # CUDA (an H100/H200): the GPU mode below, at config.yaml's
                                                     # micro-batches; without a CUDA device it prints
                                                     # "no CUDA device: GPU benchmark skipped" and exits 0
-    python benchmarks/train_step.py --gpu --device cpu --preset tiny --vocab 1024 --steps 2 --warmup 1 \
-        --gpu-micro-batch1 8 --gpu-micro-batch2 4   # the GPU mode's code rehearsed on CPU (tests/test_benchmarks.py)
+    python benchmarks/train_step.py --gpu --device cpu --preset tiny --vocab 1024 --steps 1 --warmup 0 \
+        --gpu-micro-batch1 8 --gpu-micro-batch2 4 --compile --float8
+                                                    # the GPU mode's code rehearsed on CPU (tests/test_benchmarks.py)
 
 CPU, fp32, one small BERT, the same weights on every side; steps alternate between the sides so machine noise
 hits them alike (medians printed):
@@ -26,31 +28,26 @@ hits them alike (medians printed):
    forward + MLM/NSP loss + backward (MLM head at the real slots, as in training); real tokens per second of each,
    fill beside (expect the ratio ~ fill packed / fill padded).
 
-GPU mode (--gpu): BERT-large (--preset) phase 1 and phase 2 as --configfile (config.yaml) configures them: sequence
-length and predictions (encode.phaseN), rows per micro-batch (pretrain.phaseN.micro_batch_size: 64 and 16; or
---gpu-micro-batch1/2), bf16 autocast, on the same --steps micro-batches of
-Wikipedia-like instances (the generator of 3.): three sides, each timed over all its micro-batches after --warmup
-untimed steps, a step being forward, MLM + NSP loss, backward and one LAMB step (workflow.train.optim.lamb.Lamb) per
-micro-batch (NVIDIA accumulates many micro-batches per LAMB step, so this charges both sides more optimizer time
-than a real run):
-   - HF padded: Hugging Face transformers.BertForPreTraining, attn_implementation="sdpa", our initial weights, on the
-     padded rows: the baseline, run by the benchmark itself;
-   - ours padded: our model on the same padded rows;
-   - ours packed: our model on the same instances packed as the pack stage packs them (PackSettings), through the
-     unpadded varlen attention path (model.VARLEN_DEVICE_TYPES; forced on CPU by --device cpu): on CUDA in bf16
-     the flash kernels called once per layer (workflow.train.models.flash_varlen);
-   - ours packed, nested SDPA: the same, through nested jagged tensors' SDPA (model.FLASH_VARLEN off), the path
-     before flash_varlen;
-   - with --compile, beside ours padded and ours packed: "ours compiled" padded and packed, the same model under
-     torch.compile(mode=--compile-mode, dynamic=False) as pretrain.compile runs it (compiled in the warm-up: every
-     micro-batch has one shape, so "graphs compiled while timed" stays 0).
-Our batches carry the indices training's loader computes on the host (model.host_indices), as in training.
-Printed per phase and side: fill, seq/s, real tokens/s, MFU, peak memory; then our speedups over HF. All
-device-specific calls sit in `Device` (CUDA, or CPU stand-ins: no sync, peak RSS, MFU "n/a"). NVIDIA's
-DeepLearningExamples BERT (DLE) cannot be installed here: the issue's goal of >= 1.5x DLE's seq/s on the same GPU
-needs DLE's published figure for that GPU beside this run's "ours" figures; no DLE figure is measured here.
+GPU mode (--gpu): BERT-large (--preset) phase 1 and phase 2 as --configfile (config.yaml) configures them
+(--phases): sequence length and predictions (encode.phaseN), rows per micro-batch (pretrain.phaseN.micro_batch_size:
+64 and 16; or --gpu-micro-batch1/2), bf16 autocast, on the same --steps micro-batches' worth of Wikipedia-like
+instances (the generator of 3.), each side timed over all its micro-batches after --warmup untimed steps, a step
+being forward, loss and backward (no optimizer: timed apart, below). One Markdown table per phase
+(benchmarks/gpu_measure.py):
+   - HF BertForPreTraining: Hugging Face transformers, attn_implementation="sdpa", our initial weights, on the
+     padded rows, its own MLM (every position) + NSP loss: the baseline, run by the benchmark itself;
+   - ours eager, compiled (--compile, --compile-mode), compiled+float8 (--float8; skipped saying why where float8
+     cannot run): our model on the same instances packed as the pack stage packs them (PackSettings), through the
+     unpadded varlen attention path (forced on CPU by --device cpu), the loss as training computes it
+     (PretrainingTask.loss, fused_loss: liger's kernel on CUDA where installed, else the reference; the header says
+     which). Our batches carry the indices training's loader computes on the host (model.host_indices).
+Per side: real tokens/s, MFU, peak memory and, with --find-max-micro-batch, the largest micro-batch that fits. Then
+LAMB (ours: torch _foreach; the per-parameter loop of tests/test_lamb.py; apex FusedLAMB where present) timed as the
+phase's accumulation amortises it: one step per global_batch_size / micro-batch micro-batches (world 1), its ms and
+share of that global step. All device-specific calls sit in gpu_measure.Device (CUDA, or CPU stand-ins: no sync,
+peak RSS, MFU "n/a").
 
-GPU MFU = seq/s x FLOPs per sequence / peak, peak = the card's datasheet dense bf16 peak (accelerator.peak_flops:
+GPU MFU = sequences/s x FLOPs per sequence / peak, peak = the card's datasheet dense bf16 peak (accelerator.peak_flops:
 989.4 TFLOP/s on an H100 SXM or H200, 312 on an A100; "n/a" for a card not in its table).
 FLOPs per sequence (workflow.train.models.bert.flops_per_sequence, matmuls only, training = 3 x forward):
     3 x [ n_layers x L x (2 (4h^2 + 2 h i) + 4 L h)  +  P (2 h^2 + 2 h V)  +  2 h^2 ]
@@ -62,14 +59,9 @@ counts the real work, the same for every side: L the mean real length, P the mea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import itertools
-import platform
-import resource
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -81,13 +73,16 @@ import numpy as np  # noqa: E402
 from workflow.config import load_config  # noqa: E402
 from workflow.data.pack import PackSettings, pack_arrays  # noqa: E402
 from workflow.train import accelerator  # noqa: E402
-from workflow.train.models import kit  # noqa: E402
 from workflow.train.optim.lamb import Lamb, param_groups  # noqa: E402
 from workflow.train.pretraining_data import make_batch as data_batch, padded as padded_rows  # noqa: E402
 from workflow.train.models.bert import BertConfig, BertForPreTraining, flops_per_sequence  # noqa: E402
 from workflow.train.models.kit import host_indices, pretraining_loss  # noqa: E402
 from workflow.train.precision import autocast as precision_autocast  # noqa: E402
+from workflow.train.pretrain import PretrainingTask, unwrapped  # noqa: E402
 from workflow.train.pretrain import forward as pretraining_forward  # noqa: E402
+from benchmarks.gpu_measure import (HF, Device, Row, largest_micro_batch, mlm_loss_path, optimizer_ms,  # noqa: E402
+                                    optimizer_table, searched, skipped_row, table, timed, timed_steps,
+                                    variant_models)
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 
@@ -156,14 +151,6 @@ def hf_step(model, optimizer, b, autocast):
     out.loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def timed(fn, sync) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
 
 
 def cpu_comparison(args) -> None:
@@ -308,84 +295,49 @@ def packed_vs_padded(model, seq, predictions, args) -> None:
           f"{rates['packed'] / rates['padded']:.2f}x (fill ratio {fill_packed / fill_padded:.2f})")
 
 
-class Device:
-    """The --gpu mode's device: CUDA (through workflow.train.accelerator, where every CUDA call lives), or the CPU
-    with its stand-ins (no sync, peak RSS, MFU "n/a"), so the rest of the mode runs (and is tested) without a GPU."""
-
-    def __init__(self, kind: str):
-        self.type = kind
-        self.is_cuda = kind == "cuda"
-        self.torch = torch.device(kind)
-
-    def available(self) -> bool:
-        return accelerator.available() if self.is_cuda else True
-
-    def prepare(self, threads: int) -> None:
-        if self.is_cuda:
-            accelerator.allow_tf32(True)  # fp32 matmuls outside autocast, as on any Ampere+ run
-        else:
-            torch.set_num_threads(threads)
-
-    def name(self) -> str:
-        if self.is_cuda:
-            return f"GPU {accelerator.device_name(self.torch)}"
-        return f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
-
-    def sync(self) -> None:
-        """Wait for the queued kernels (CUDA runs asynchronously; CPU ops are done when they return)."""
-        accelerator.synchronize(self.torch)
-
-    def reset_peak_memory(self) -> None:
-        """Free the cache and restart the peak (CUDA); a process's peak RSS cannot be restarted (CPU)."""
-        accelerator.reset_peak_memory(self.torch)
-
-    def peak_memory(self) -> str:
-        if self.is_cuda:
-            return f"peak {accelerator.peak_memory_bytes(self.torch) / 2**30:.1f} GiB allocated"
-        return f"process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB"
-
-    def peak_flops(self) -> float | None:
-        """The card's datasheet dense bf16 peak (None: a CPU, or a card not in accelerator's table)."""
-        return accelerator.peak_flops(accelerator.device_name(self.torch), "bf16") if self.is_cuda else None
-
-    def mfu(self, flops_per_second: float) -> str:
-        """Model FLOPs utilisation of the card's datasheet bf16 peak: n/a on CPU or an unknown card."""
-        peak = self.peak_flops()
-        return f"{flops_per_second / peak:.1%}" if peak else "n/a"
-
-    @contextlib.contextmanager
-    def packed_path(self):
-        """Packed rows on the unpadded varlen path the model takes on CUDA (model.VARLEN_DEVICE_TYPES), forced on
-        CPU too so that a CPU run exercises the code a GPU run times."""
-        saved = kit.VARLEN_DEVICE_TYPES
-        kit.VARLEN_DEVICE_TYPES = tuple({*saved, self.type})
-        try:
-            yield "unpadded varlen"
-        finally:
-            kit.VARLEN_DEVICE_TYPES = saved
+def loss_step(model, task: PretrainingTask, b: dict, autocast) -> None:
+    """Forward, the MLM + NSP loss as training computes it (PretrainingTask.loss: the fused loss where it runs),
+    backward; gradients dropped after (the optimizer is timed apart, amortised)."""
+    with autocast():
+        loss = task.loss(model, b, task.count(b))["loss"]
+    loss.backward()
+    unwrapped(model).zero_grad(set_to_none=True)
 
 
-def compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process so far."""
-    from torch._dynamo.utils import counters
+def hf_loss_step(model, b: dict, autocast) -> None:
+    """HF's forward with its own MLM (every position) + NSP loss, backward; gradients dropped after."""
+    with autocast():
+        out = model(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"],
+                    labels=b["full_labels"], next_sentence_label=b["next_sentence_labels"])
+    out.loss.backward()
+    model.zero_grad(set_to_none=True)
 
-    return counters["stats"]["unique_graphs"]
 
-
-def timed_steps(step, batches: list[dict], warmup: int, device: Device) -> tuple[float, int]:
-    """(seconds of `step` over every batch, graphs compiled meanwhile), after `warmup` untimed steps on the batches in
-    turn (one sync at each end: nothing in between waits for the device but the model's own data-dependent shapes)."""
-    for b in itertools.islice(itertools.cycle(batches), warmup):
-        step(b)
-    graphs = compiled_graphs()
-    return timed(lambda: [step(b) for b in batches], device.sync), compiled_graphs() - graphs
+def lamb_steps(model, device: Device) -> dict:
+    """{name: a zero-argument optimizer step, or why it cannot run} for the LAMBs on `model`'s parameters: ours
+    (torch _foreach), the per-parameter loop it is tested equal to (tests/test_lamb.py), apex FusedLAMB."""
+    groups = param_groups(model)
+    steps = {"Lamb (torch _foreach, ours)": Lamb(param_groups(model), lr=1e-3).step}
+    try:
+        from tests.test_lamb import reference_lamb
+    except ImportError as error:
+        steps["LAMB per-parameter loop (tests/test_lamb.py)"] = f"not importable ({error})"
+    else:
+        params = [p for group in groups for p in group["params"]]
+        decays = [group["weight_decay"] for group in groups for _ in group["params"]]
+        # fp32 on the device; it allocates its moments each call and reads norms back per parameter (host syncs)
+        steps["LAMB per-parameter loop (tests/test_lamb.py)"] = lambda: reference_lamb(
+            [p.detach() for p in params], [[p.grad for p in params]], 1e-3, decays, dtype=torch.float32)
+    fused_lamb, reason = accelerator.fused_lamb(device.torch)
+    steps["apex FusedLAMB"] = fused_lamb(param_groups(model), lr=1e-3).step if fused_lamb else reason
+    return steps
 
 
 def gpu_benchmark(args) -> None:
-    """Phase 1 (128) and 2 (512), bf16, full training steps (one LAMB step per micro-batch) on the same instances:
-    HF sdpa on padded rows, ours on padded rows, ours on packed rows; seq/s, real tokens/s and MFU (FLOPs of the real
-    tokens: flops_per_sequence at the mean real length and the mean number of real prediction slots), and our
-    speedups over HF."""
+    """Phase 1 (128) and 2 (512), bf16, forward + loss + backward on the same instances: HF's BertForPreTraining on
+    padded rows, ours packed in each variant (gpu_measure.VARIANTS); per side real tokens/s, MFU (FLOPs of the real
+    tokens), peak memory and, with --find-max-micro-batch, the largest micro-batch that fits; then LAMB's step as
+    the phase's accumulation amortises it."""
     device = Device(args.device)
     if not device.available():
         print("no CUDA device: GPU benchmark skipped")
@@ -395,77 +347,83 @@ def gpu_benchmark(args) -> None:
     def bf16():
         return precision_autocast(device.torch, "bf16")
 
-    peak = device.peak_flops()
+    variants = ["eager"] + ["compiled"] * args.compile + ["compiled+float8"] * args.float8
+    search = set(args.find_max_micro_batch.split(",")) if args.find_max_micro_batch else set()
+    pretrain_config = load_config(args.configfile)["pretrain"]
     for phase, seq, predictions, micro in configured_phases(args.configfile, args.gpu_micro_batch1,
                                                             args.gpu_micro_batch2):
+        if phase not in args.phases.split(","):
+            continue
         config = BertConfig.preset(args.preset, vocab_size=(args.vocab + 7) // 8 * 8)  # padded to 8, as pretrain does
         n = micro * args.steps
         padded, packed, real, fill_padded, fill_packed = padded_and_packed(config, seq, predictions, n, micro,
                                                                            device.torch)
         mean_predictions = sum(int((b["masked_lm_labels"] >= 0).sum()) for b in padded) / n
         flops = flops_per_sequence(config, round(real / n), mean_predictions)
-        warmup = f"{args.warmup} warmup steps" + (" (ours compiled: at least 1)" if args.compile else "")
-        print(f"{device.name()}: {args.preset} {phase}, bf16 autocast, seq {seq}, {n} instances ({real / n:.1f} real "
-              f"tokens, {mean_predictions:.1f} predictions each), micro-batches of {micro} rows, step = forward + "
-              f"MLM/NSP loss + backward + LAMB, {warmup}; MFU of "
-              f"{f'{peak / 1e12:.1f} TFLOP/s (datasheet dense bf16)' if peak else 'n/a (no datasheet peak)'} at "
-              f"{flops / 1e9:.1f} GFLOP per sequence (real tokens and slots)")
-        seq_per_s = {}
+        task = PretrainingTask(None, seq, fused_loss=True)
 
-        def report(side, batches, fill, timing):
-            seconds, recompiled = timing
-            seq_per_s[side] = n / seconds
-            shapes = sorted({tuple(b["input_ids"].shape) for b in batches})
-            print(f"  {phase} | {side:<24} | fill {fill:.4f} | {len(batches):3d} micro-batches | "
-                  f"{seq_per_s[side]:10.1f} seq/s | {real / seconds:12,.0f} real tokens/s | "
-                  f"MFU {device.mfu(seq_per_s[side] * flops)} | {device.peak_memory()} | shapes {shapes}"
-                  + (f" | graphs compiled while timed: {recompiled}" if "compiled" in side else ""))
+        def rows_of(rows: int) -> tuple[dict, dict]:
+            """(padded, packed) micro-batches of `rows` rows, for the largest micro-batch search."""
+            padded_batches, packed_batches, *_ = padded_and_packed(config, seq, predictions, 2 * rows, rows,
+                                                                   device.torch)
+            return with_hf_labels(padded_batches[0]), packed_batches[0]
+
+        print(f"\n### {args.preset} {phase}: {seq} tokens, {n} instances ({real / n:.1f} real tokens, "
+              f"{mean_predictions:.1f} predictions each), micro-batches of {micro} rows, bf16 autocast, "
+              f"{device.name()}")
+        print(f"HF: transformers BertForPreTraining, sdpa attention, padded rows, its MLM head at every position + "
+              f"cross-entropy, NSP; ours: packed rows (fill {fill_packed:.3f} vs padded {fill_padded:.3f}), "
+              f"varlen attention (flash_varlen on CUDA), MLM loss as training computes it (PretrainingTask.loss, "
+              f"fused_loss: {mlm_loss_path(device)}), NSP. Both: forward + loss + backward, no optimizer (below), "
+              f"{args.warmup} warm-up steps (compiled variants: at least 1, where they compile); MFU of "
+              f"{device.peak_line()} at {flops / 1e9:.1f} GFLOP per sequence (real tokens and predictions)")
+        rows = []
+
+        def measured(side, step, batches, warmup, search_name, one_step) -> float:
+            device.reset_peak_memory()
+            seconds, recompiled = timed_steps(step, batches, warmup, device)
+            row = Row(side, real / seconds, device.mfu(n / seconds * flops), device.peak_memory(),
+                      note=f"{len(batches)} micro-batches" + (f", graphs compiled while timed: {recompiled}"
+                                                              if "compiled" in side else ""))
+            if searched(search_name, search):
+                row.max_micro_batch = largest_micro_batch(one_step, micro, args.max_micro_batch_cap, device)
+            rows.append(row)
+            return seconds
 
         torch.manual_seed(0)
         ours = BertForPreTraining(config).train()
         # The baseline first, alone on the device, then freed: each side's peak memory is its own.
         hf = hf_twin(ours).to(device.torch)
-        hf_optimizer = Lamb(param_groups(hf), lr=1e-3)
-        hf_batches = [with_hf_labels(b) for b in padded]
-        report("HF padded", padded, fill_padded, timed_steps(lambda b: hf_step(hf, hf_optimizer, b, bf16),
-                                                             hf_batches, args.warmup, device))
-        del hf, hf_optimizer, hf_batches
+        measured("HF BertForPreTraining", lambda b: hf_loss_step(hf, b, bf16), [with_hf_labels(b) for b in padded],
+                 args.warmup, HF, lambda r: hf_loss_step(hf, rows_of(r)[0], bf16))
+        del hf
         device.reset_peak_memory()
 
         ours = ours.to(device.torch)
-        optimizer = Lamb(param_groups(ours), lr=1e-3)
-        # Eager and, with --compile, the same model compiled (shared weights) as pretrain.compile runs it.
-        steps = {"ours": lambda b: ours_step(ours, optimizer, b, bf16)}
-        if args.compile:
-            compiled_model = torch.compile(ours, mode=args.compile_mode, dynamic=False)
-            steps["ours compiled"] = lambda b: ours_step(compiled_model, optimizer, b, bf16)
+        micro_batch_seconds = None
+        with device.packed_path():
+            for variant, model in variant_models(ours, device, args.compile_mode, variants):
+                if isinstance(model, str):
+                    rows.append(skipped_row(f"ours {variant}", model))
+                    continue
+                step = lambda b, model=model: loss_step(model, task, b, bf16)  # noqa: E731
+                seconds = measured(f"ours {variant}", step, packed,
+                                   args.warmup if variant == "eager" else max(args.warmup, 1), variant,
+                                   lambda r, step=step: step(rows_of(r)[1]))
+                if variant == "eager":
+                    micro_batch_seconds = seconds / len(packed)
+                del model, step
+        print(table(rows))
 
-        def warmup_of(label):
-            return max(args.warmup, 1) if label == "ours compiled" else args.warmup  # compiled before the clock
-
-        for label, step in steps.items():
-            report(f"{label} padded", padded, fill_padded, timed_steps(step, padded, warmup_of(label), device))
-            device.reset_peak_memory()
-        with device.packed_path() as path:
-            for label, step in steps.items():
-                report(f"{label} packed", packed, fill_packed, timed_steps(step, packed, warmup_of(label), device))
-                device.reset_peak_memory()
-            kit.FLASH_VARLEN = False  # the same packed rows through nested tensors' SDPA (eager only)
-            try:
-                report("ours packed, nested SDPA", packed, fill_packed,
-                       timed_steps(steps["ours"], packed, args.warmup, device))
-            finally:
-                kit.FLASH_VARLEN = True
-
-        def over_hf(side):
-            return f"{seq_per_s[side] / seq_per_s['HF padded']:.2f}x"
-
-        compiled_speedups = (f"; compiled: padded {over_hf('ours compiled padded')}, "
-                             f"packed {over_hf('ours compiled packed')}") if args.compile else ""
-        print(f"  {phase}: ours over HF (seq/s, = real tokens/s: same instances): padded {over_hf('ours padded')}, "
-              f"packed ({path}) {over_hf('ours packed')} (through nested SDPA {over_hf('ours packed, nested SDPA')})"
-              f"{compiled_speedups}")
-        del ours, steps, optimizer, padded, packed
+        accumulation = max(1, pretrain_config[phase]["global_batch_size"] // micro)  # world 1
+        timings = {name: step if isinstance(step, str) else optimizer_ms(step, list(ours.parameters()),
+                                                                          args.optimizer_repeats, device)
+                   for name, step in lamb_steps(ours, device).items()}
+        print(f"\nLAMB, one step per global batch ({pretrain_config[phase]['global_batch_size']} sequences = "
+              f"{accumulation} micro-batches of {micro}, world 1), against ours eager's "
+              f"{micro_batch_seconds * 1e3:.1f} ms a micro-batch, median of {args.optimizer_repeats} steps:")
+        print(optimizer_table(micro_batch_seconds * 1e3, accumulation, timings))
+        del ours, padded, packed
         device.reset_peak_memory()
 
 
@@ -495,6 +453,14 @@ def main(argv=None) -> None:
     p.add_argument("--preset", choices=("bert-large", "bert-base", "tiny"), default="bert-large",
                    help="--gpu: model size (vocab: --vocab padded to a multiple of 8, 30528 by default)")
     p.add_argument("--compile", action="store_true", help="--gpu: also time our model under torch.compile")
+    p.add_argument("--float8", action="store_true", help="--gpu: also time it float8-converted, then compiled "
+                   "(skipped, saying why, where float8 cannot run)")
+    p.add_argument("--find-max-micro-batch", nargs="?", const="all", default=None, metavar="SIDES",
+                   help="--gpu: double each side's micro-batch until out of memory; SIDES: all (no value) or a "
+                   "comma list of hf, eager, compiled, compiled+float8")
+    p.add_argument("--max-micro-batch-cap", type=int, default=8192, help="--find-max-micro-batch: stop there")
+    p.add_argument("--optimizer-repeats", type=int, default=5, help="--gpu: optimizer steps timed (median)")
+    p.add_argument("--phases", default="phase1,phase2", help="--gpu: the phases timed, a comma list")
     p.add_argument("--compile-mode", default="default", help="--gpu --compile: torch.compile's mode "
                    "(pretrain.compile_mode's values)")
     args = p.parse_args(argv)

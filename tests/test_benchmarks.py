@@ -1,5 +1,7 @@
-"""benchmarks/train_step.py's --gpu mode, run on CPU: every side of both phases is timed on the instances it says,
-packed rows take the unpadded varlen path a GPU run times, and without a GPU the default run says it skipped."""
+"""The GPU modes of benchmarks/train_step.py and benchmarks/modernbert_step.py, rehearsed on CPU: HF's class and every
+variant of ours (eager, compiled, compiled + float8's skip line) in one table per run, with the training loss, the
+largest micro-batch search and the optimizer per global batch (benchmarks/gpu_measure.py); packed rows take the
+unpadded varlen path a GPU run times, and without a GPU the default run says it skipped."""
 import re
 import subprocess
 import sys
@@ -12,7 +14,8 @@ import torch.nested._internal.nested_tensor as nested_internals
 
 
 from workflow.train.models import kit
-from benchmarks.train_step import Device, configured_phases, instances, ours_step, row_batches
+from benchmarks.gpu_measure import Device, largest_micro_batch, optimizer_table
+from benchmarks.train_step import configured_phases, instances, ours_step, row_batches
 from tests.conftest import REPO
 from workflow.data.pack import PackSettings, pack_arrays
 from workflow.train.optim.lamb import Lamb, param_groups
@@ -22,48 +25,111 @@ from workflow.train.precision import autocast
 from workflow.train.pretrain import forward
 
 SCRIPT = REPO / "benchmarks" / "train_step.py"
-STEPS, MICRO, VOCAB = 2, {"phase1": 8, "phase2": 4}, 1024  # a small vocab: the same code, a fraction of the time
+MODERNBERT_SCRIPT = REPO / "benchmarks" / "modernbert_step.py"
+STEPS, MICRO, VOCAB = 1, {"phase1": 8, "phase2": 4}, 1024  # a small vocab: the same code, a fraction of the time
 PHASES = {"phase1": (128, 20), "phase2": (512, 80)}
-SIDES = ("HF padded", "ours padded", "ours packed", "ours packed, nested SDPA")
-SIDE_LINE = re.compile(r"^  (phase[12]) \| (.+?) +\| fill ([0-9.]+) \| +(\d+) micro-batches \| +(\S+) seq/s \| "
-                       r"+([0-9,]+) real tokens/s \| MFU (\S+) \|", re.M)
+REHEARSAL = ["--device", "cpu", "--threads", "1", "--steps", str(STEPS), "--warmup", "0", "--compile", "--float8",
+             "--find-max-micro-batch", "hf,eager", "--max-micro-batch-cap", "8", "--optimizer-repeats", "1"]
+FLOAT8_SKIP = ("skipped ours compiled+float8: config pretrain.float8: float8 training needs a CUDA GPU (the model is "
+               "on cpu); set pretrain.float8: false")
+TABLE_ROW = re.compile(r"^\| (HF [^|]+?|ours [^|]+?) \| ([0-9,]+|skipped)" + r" \| ([^|]*)" * 4 + r" \|$", re.M)
+
+
+def rehearsal(script, *args) -> str:
+    """The GPU mode's stdout, run on CPU at tiny sizes; it must exit 0 within a minute's CPU time."""
+    result = subprocess.run([sys.executable, str(script), "--gpu", *REHEARSAL, *args], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def variant_rows(stdout: str) -> dict:
+    """{side: (real tokens/s, MFU, peak memory, largest micro-batch, note)} of every table in `stdout`, per table."""
+    return [{side: rest for side, *rest in TABLE_ROW.findall(block)} for block in stdout.split("\n### ")[1:]]
 
 
 def expected_fills(phase):
-    """(fill padded, fill packed, padded rows, packed rows) of the phase's instances, packed as the stage packs."""
+    """(fill padded, fill packed) of the phase's instances, packed as the stage packs."""
     seq, predictions = PHASES[phase]
     arrays = instances(BertConfig.preset("tiny", vocab_size=VOCAB), seq, predictions, STEPS * MICRO[phase])
     settings = PackSettings()
     packed = pack_arrays(arrays, settings.max_sequences_per_pack, algorithm=settings.algorithm)
     real = np.count_nonzero(arrays["input_mask"])
-    return real / arrays["input_mask"].size, real / packed["input_mask"].size, len(arrays["input_mask"]), len(
-        packed["input_mask"])
+    return real / arrays["input_mask"].size, real / packed["input_mask"].size
 
 
-def test_gpu_mode_on_cpu_times_hf_and_ours_padded_and_packed_on_the_same_instances_in_both_phases():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--gpu", "--device", "cpu", "--preset", "tiny",
-                             "--vocab", str(VOCAB), "--steps", str(STEPS), "--warmup", "1",
-                             "--gpu-micro-batch1", str(MICRO["phase1"]),
-                             "--gpu-micro-batch2", str(MICRO["phase2"])], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = SIDE_LINE.findall(result.stdout)
-    assert sorted((phase, side) for phase, side, *_ in lines) == sorted(
-        (phase, side) for phase in PHASES for side in SIDES), result.stdout
-    for phase, side, fill, batches, seq_per_s, tokens_per_s, mfu in lines:
-        fill_padded, fill_packed, padded_rows, packed_rows = expected_fills(phase)
-        assert fill_packed > fill_padded
-        packed_side = side.startswith("ours packed")
-        expected_fill, rows = (fill_packed, packed_rows) if packed_side else (fill_padded, padded_rows)
-        assert fill == f"{expected_fill:.4f}", (phase, side)
-        assert int(batches) == -(-rows // MICRO[phase]), (phase, side)
-        assert float(seq_per_s) > 0 and int(tokens_per_s.replace(",", "")) > 0
-        assert mfu == "n/a"  # the MFU peak is a GPU figure
-    for phase, (seq, _) in PHASES.items():  # every micro-batch of one shape, the last filled up with empty rows
-        assert len(re.findall(rf"^  {phase} \|.* \| shapes \[\({MICRO[phase]}, {seq}\)\]$", result.stdout, re.M)) == 4
+def assert_every_variant_measured(tables: list[dict], hf_sides: list[str]) -> None:
+    for rows in tables:
+        assert list(rows) == [*hf_sides, "ours eager", "ours compiled", "ours compiled+float8"], rows
+        for side in [*hf_sides, "ours eager", "ours compiled"]:
+            tokens_per_s, mfu, memory, largest, note = rows[side]
+            assert int(tokens_per_s.replace(",", "")) > 0 and mfu == "n/a" and memory.endswith("GiB RSS"), side
+            # HF and eager searched (CPU: no out-of-memory, so the cap stops it); compiled ones recompile per size
+            assert largest == (">= 8 (cap 8)" if side != "ours compiled" else "not searched"), side
+        assert "graphs compiled while timed: 0" in rows["ours compiled"][4]  # compiled in the warm-up
+        assert rows["ours compiled+float8"][0] == "skipped" and "needs a CUDA GPU" in rows["ours compiled+float8"][4]
+
+
+def optimizer_rows(stdout: str) -> list[tuple[str, str, str, str]]:
+    return re.findall(r"^\| ((?:Lamb|LAMB|apex|optimi)[^|]*?) \| ([^|]+?) \| (\d+) \| ([^|]*?) ?\|$", stdout, re.M)
+
+
+def test_gpu_mode_on_cpu_prints_hf_and_every_variant_with_the_training_loss_in_both_phases():
+    stdout = rehearsal(SCRIPT, "--preset", "tiny", "--vocab", str(VOCAB), "--gpu-micro-batch1", str(MICRO["phase1"]),
+                       "--gpu-micro-batch2", str(MICRO["phase2"]))
+    tables = variant_rows(stdout)
+    assert len(tables) == 2 and stdout.count(FLOAT8_SKIP) == 2, stdout
+    assert_every_variant_measured(tables, ["HF BertForPreTraining"])
     for phase in PHASES:
-        assert re.search(rf"^  {phase}: ours over HF .*: padded \d+\.\d+x, packed \(unpadded varlen\) \d+\.\d+x "
-                         rf"\(through nested SDPA \d+\.\d+x\)$",
-                         result.stdout, re.M), result.stdout
+        fill_padded, fill_packed = expected_fills(phase)
+        assert f"(fill {fill_packed:.3f} vs padded {fill_padded:.3f})" in stdout, phase
+    assert stdout.count("PretrainingTask.loss, fused_loss: reference logits (liger-kernel's fused linear "
+                        "cross-entropy runs on CUDA only") == 2
+    # LAMB once per global batch: config.yaml's global_batch_size / micro-batch micro-batches
+    optimizers = optimizer_rows(stdout)
+    assert [(name, count) for name, _, count, _ in optimizers] == [
+        ("Lamb (torch _foreach, ours)", "8192"), ("LAMB per-parameter loop (tests/test_lamb.py)", "8192"),
+        ("apex FusedLAMB", "8192")] * 2, stdout  # 65,536 / 8 and 32,768 / 4
+    for name, ms, _, share in optimizers:
+        if name == "apex FusedLAMB":
+            assert ms.startswith("not run: apex FusedLAMB runs on CUDA only") and share == ""
+        else:
+            assert float(ms) > 0 and share.endswith("%")
+
+
+def test_modernbert_gpu_mode_on_cpu_prints_hf_and_every_variant_with_the_training_loss():
+    stdout = rehearsal(MODERNBERT_SCRIPT, "--preset", "modernbert-tiny", "--gpu-seq", "128", "--micro-batch", "2",
+                       "--vocab", "1024")
+    tables = variant_rows(stdout)
+    assert len(tables) == 1 and stdout.count(FLOAT8_SKIP) == 1, stdout
+    assert_every_variant_measured(tables, ["HF ModernBertForMaskedLM", "HF ModernBertForMaskedLM (sparse_prediction)"])
+    assert "summed_mlm_loss: reference logits (liger-kernel's fused linear cross-entropy runs on CUDA only" in stdout
+    # the recipe's global batch, 4,718,592 tokens, in micro-batches of 2 x 128
+    optimizers = optimizer_rows(stdout)
+    assert [(name, count) for name, _, count, _ in optimizers] == [
+        ("optimi.StableAdamW (foreach, decouple_lr)", "18432"), ("optimi.StableAdamW (for-loop, decouple_lr)", "18432")]
+
+
+def test_largest_micro_batch_doubles_until_out_of_memory_and_reports_the_last_that_ran():
+    tried = []
+
+    def run_once(rows):
+        tried.append(rows)
+        if rows > 40:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    device = Device("cpu")
+    assert largest_micro_batch(run_once, 5, 1000, device) == "40" and tried == [5, 10, 20, 40, 80]
+    assert largest_micro_batch(run_once, 80, 1000, device) == "< 80"
+    assert largest_micro_batch(lambda rows: None, 4, 16, device) == ">= 16 (cap 16)"
+    with pytest.raises(RuntimeError, match="not memory"):
+        largest_micro_batch(lambda rows: (_ for _ in ()).throw(RuntimeError("not memory")), 4, 16, device)
+
+
+def test_the_optimizer_share_is_one_step_over_the_accumulated_micro_batches():
+    text = optimizer_table(100.0, 1024, {"fast": 10.0, "absent": "apex is not importable"})
+    assert "| fast | 10.00 | 1024 | 0.010% |" in text  # 10 / (1,024 x 100 + 10)
+    assert "| absent | not run: apex is not importable | 1024 | |" in text
 
 
 def test_gpu_mode_times_the_micro_batches_the_config_file_sets():

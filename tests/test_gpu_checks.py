@@ -1,5 +1,6 @@
 """benchmarks/gpu_checks.sh gives a verdict: each step's pass/fail (a timeout named so) in one Markdown table, a
-non-zero exit when one failed, and a step whose synthetic data are missing fails saying so, before it runs."""
+non-zero exit when one failed, and a step whose synthetic data are missing fails saying so, before it runs; the step
+benchmarks run full size on a GPU and tiny on CPU in the rehearsal, never skipped."""
 import os
 import subprocess
 
@@ -68,3 +69,41 @@ def test_without_a_gpu_the_checks_stop_at_once_pointing_to_the_cpu_rehearsal(tmp
                          timeout=120, env={**env, "PYTHON": sys.executable})
     assert ran.returncode == 2 and ran.stderr.splitlines() == [
         "error: gpu_checks: no CUDA device here; GPU_CHECKS_CPU=1 rehearses the steps on CPU at tiny sizes"]
+
+
+def test_the_cpu_rehearsal_runs_every_step_benchmark_tiny_on_cpu_with_every_variant(tmp_path):
+    """The benchmark steps are not skipped on CPU: each runs its GPU mode (--gpu) at tiny sizes on the CPU, compiled
+    and float8 asked for, the largest micro-batch searched; the benchmarks' own tests run these command lines."""
+    stub = tmp_path / "python"
+    stub.write_text('#!/bin/sh\necho "$@"\n')  # stands in for Python: each step's log is its command line
+    stub.chmod(0o755)
+    ran = run_steps(tmp_path, "benchmark_steps\n", GPU_CHECKS_CPU="1", PYTHON=str(stub))
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    names = ["train_step_phase1", "train_step_phase2", "modernbert_step_1024_50368", "modernbert_step_8192_50368"]
+    assert table(ran.stdout) == [[name, "passed", f"{tmp_path}/out/{name}.log"] for name in names]
+    for name in names:
+        command = (tmp_path / "out" / f"{name}.log").read_text().split()
+        assert command[1:2] == ["--gpu"] and "--compile" in command and "--float8" in command
+        assert command[command.index("--device") + 1] == "cpu"
+        assert command[command.index("--find-max-micro-batch") + 1] == "hf,eager"
+        assert command[command.index("--preset") + 1] == ("tiny" if name.startswith("train") else "modernbert-tiny")
+    phases = [(tmp_path / "out" / f"train_step_{phase}.log").read_text().split() for phase in ("phase1", "phase2")]
+    assert [command[command.index("--phases") + 1] for command in phases] == ["phase1", "phase2"]
+
+
+def test_on_a_gpu_the_step_benchmarks_run_full_size_bert_large_and_modernbert_base_at_both_lengths(tmp_path):
+    stub = tmp_path / "python"
+    stub.write_text('#!/bin/sh\necho "$@"\n')
+    stub.chmod(0o755)
+    ran = run_steps(tmp_path, "benchmark_steps\n", PYTHON=str(stub))
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    modernbert = {seq: (tmp_path / "out" / f"modernbert_step_{seq}_50368.log").read_text().split()
+                  for seq in (1024, 8192)}
+    for seq, rows in ((1024, "64"), (8192, "8")):
+        command = modernbert[seq]
+        assert "--device" not in command and "--preset" not in command  # CUDA, modernbert-base: the defaults
+        assert command[command.index("--gpu-seq") + 1] == str(seq)
+        assert command[command.index("--micro-batch") + 1] == rows
+        assert command[command.index("--vocab") + 1] == "50368"
+    bert = (tmp_path / "out" / "train_step_phase1.log").read_text().split()
+    assert "--device" not in bert and "--preset" not in bert  # CUDA, BERT-large, config.yaml's micro-batches
