@@ -100,8 +100,8 @@ def test_every_fast_path_agrees_with_its_reference_and_each_rank_says_what_it_us
     assert disagreement([result]) is None
     report_fast_paths([result])
     assert re.match(r"rank   0: optimizer apex.FusedLAMB, attention math, precision bf16; against the references: "
-                    r"flash_varlen \S+, unpadded attention \S+, precision \S+, apex FusedLAMB 0.0e\+00, checkpoint 0.0e\+00, "
-                    r"rng restore 0.0e\+00\n$", capsys.readouterr().err)
+                    r"flash_varlen \S+, unpadded attention \S+, precision \S+, apex FusedLAMB 0.0e\+00, "
+                    r"checkpoint 0.0e\+00, rng restore 0.0e\+00\n$", capsys.readouterr().err)
 
 
 def test_a_plain_cpu_rank_checks_only_the_paths_it_takes(packed_batch, tmp_path):
@@ -314,6 +314,34 @@ def test_a_modernbert_rank_checks_its_16_bit_unpadded_attention_against_dense_ma
     assert "set pretrain.precision: fp32 until it is fixed" in str(error)
 
 
+def test_modernberts_per_layer_probe_runs_through_the_flash_varlen_custom_op_with_each_layer_types_window(
+        packed_batch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from workflow.slurm.cluster_check import windowed_attention_difference
+    from workflow.train.models.family import family
+    from workflow.train.models.modernbert import ModernBertConfig
+
+    config = ModernBertConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                              num_attention_heads=2, local_attention=8, max_position_embeddings=64, pad_token_id=0,
+                              cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3)
+    model = family("modernbert").pretraining_model(config).eval()
+    windows = []
+
+    class CustomOps(TorchDispatchMode):  # the snakebert ops dispatched, with their (window_left, window_right)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "snakebert":
+                windows.append((func.name(), args[6], args[7]))
+            return func(*args, **(kwargs or {}))
+
+    with CustomOps():
+        difference = windowed_attention_difference(model, family("modernbert").host_indices(packed_batch),
+                                                   CPU.device, "bf16")
+    assert 0 < difference <= FAST_PATHS["unpadded attention (16-bit)"][1]
+    assert windows == [("snakebert::flash_varlen_forward", -1, -1),
+                       ("snakebert::flash_varlen_forward", config.sliding_window, config.sliding_window)]
+
+
 # ---------------------------------------------------------------- each kernel the job runs, and each path it turns on
 
 
@@ -405,7 +433,7 @@ def test_the_fused_loss_is_checked_on_the_models_own_head_and_a_wrong_one_names_
                                "is fixed")
 
 
-def test_float8_is_checked_against_the_16_bit_loss_where_it_runs_and_skipped_with_its_reason_elsewhere(
+def test_float8_is_checked_against_the_loss_without_it_where_it_runs_and_skipped_with_its_reason_elsewhere(
         packed_batch, tmp_path, monkeypatch):
     from workflow.slurm import cluster_check
     from workflow.train.float8 import float8_error
@@ -425,7 +453,7 @@ def test_float8_is_checked_against_the_16_bit_loss_where_it_runs_and_skipped_wit
 
     monkeypatch.setattr(cluster_check, "convert_to_float8", overflowing)
     error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s3", float8=True)])
-    assert re.match(r"rank 0: float8 differs from the 16-bit step's loss by nan \(relative; at most 0.05\) on this "
+    assert re.match(r"rank 0: float8 differs from the same step's loss without float8 by nan \(relative; at most 0.05\) on this "
                     r"cluster; set pretrain.float8: false until it is fixed$", str(error))
 
 
@@ -441,7 +469,8 @@ def test_the_last_line_lists_every_path_checked_and_each_one_not_checked_with_wh
     assert passed(result) == (
         "cluster_check: passed on 2 ranks (flash_varlen, flash_varlen dropout mask, flash_varlen dropout rate, "
         "unpadded attention, precision, checkpoint, rng restore against their references, attention math; float8 not "
-        f"checked ({float8_error(CPU.device)}); 2 steps of the trainer in bf16 with torch.Lamb and packed vs unpacked loss)")
+        f"checked ({float8_error(CPU.device)}); 2 steps of the trainer in bf16 with torch.Lamb and packed vs unpacked "
+        "loss)")
 
 
 # ---------------------------------------------------------------- its last line, and full fp32 where it compares
@@ -463,8 +492,9 @@ def test_the_check_ends_with_one_line_saying_it_passed_on_how_many_ranks_and_wha
     main(check_argv(s, tmp_path))
     assert capsys.readouterr().err.splitlines()[-1] == (
         "cluster_check: passed on 1 rank (unpadded attention, checkpoint, rng restore against their references, "
-        "attention rows (SDPA with a mask); 2 steps of the trainer in fp32 with torch.Lamb and packed vs unpacked "
-        "loss)")
+        "attention rows (SDPA with a mask); fused loss not checked (liger-kernel's fused linear cross-entropy runs on "
+        "CUDA only (the model is on cpu)); 2 steps of the trainer in fp32 with torch.Lamb and packed vs unpacked "
+        "loss)")  # pretrain.fused_loss is on by default: the trainer takes the logits path here, and says why
 
 
 def test_a_failed_check_ends_with_one_error_line_naming_the_key_that_turns_the_path_off(

@@ -15,8 +15,12 @@ MFU against the card's datasheet peak for the math its matmuls ran in (tf32 for 
 First, before the trainer, every rank proves each fast path it will train with against its reference on its own
 device, on a few sequences of the phase-1 data and the configured model (no dropout; `fast_paths`): apex FusedLAMB
 (when it runs here) against the torch LAMB for one step, the unpadded (varlen) attention of packed rows against the
-same rows with a block-diagonal mask, the training precision's loss against fp32's, a checkpoint's save -> load
-(identical weights and optimizer state), the RNG state's restore, and (on CUDA) a packed forward with no host sync.
+same rows with a block-diagonal mask, BERT's 16-bit flash kernel against nested SDPA in the same precision
+(outputs, gradients, and its dropout: the backward's mask the forward's, the kept fraction 1 - p), ModernBERT's
+windowed attention per layer type, each path the config turns on (a compiled step against eager, the fused MLM loss
+against the logits path, float8 against 16-bit; one that cannot run here is listed as not checked, with why), the
+training precision's loss against fp32's, a checkpoint's save -> load (identical weights and optimizer state), the
+RNG state's restore, and (on CUDA) a packed forward with no host sync.
 Each rank prints which optimizer, attention kernel (the one that trains: workflow/train/models/kernels.py) and
 precision it uses; a fast path that disagrees with its reference stops the check with one `error:` line naming the
 config key that turns it off (FAST_PATHS). Comparisons in fp32 run in full fp32 (TF32 off, restored after). The
@@ -87,7 +91,7 @@ FAST_PATHS = {
                       "pretrain.compile: false"),
     "fused loss": ("the logits path's MLM loss and gradients on the model's own head", STEP_TOLERANCE,
                    "pretrain.fused_loss: false"),
-    "float8": ("the 16-bit step's loss", 5e-2, "pretrain.float8: false"),
+    "float8": ("the same step's loss without float8", 5e-2, "pretrain.float8: false"),
     "checkpoint": ("the weights and optimizer state saved", 0.0, None),
     "rng restore": ("the draws after the saved state", 0.0, None),
 }
@@ -344,8 +348,9 @@ def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: P
     paths, skipped = {}, {}
     if training_path and model_family.unpads_in_fp32 and precision != "fp32":  # BERT's packed rows in 16-bit
         probe = torch.empty(0, 1, head_size, dtype=autocast_dtype(precision), device=device)
-        flash_kernel = kernels.bert_flash_kernel(device, kit.flash_varlen) if runs_flash_varlen(probe) else None
-        if flash_kernel is not None:  # else nested SDPA trains: the unpadded attention check below is its
+        flash_kernel = (kernels.bert_flash_kernel(device, kit.flash_varlen)
+                        if kit.FLASH_VARLEN and runs_flash_varlen(probe) else None)
+        if flash_kernel is not None:  # else nested SDPA trains, which the unpadded attention check below covers
             paths.update(flash_varlen_differences(flash_kernel, on_device, config, device, precision))
     with torch.no_grad():
         if packed and model_family.unpads_in_fp32:  # checked on any device (BERT's nested tensors run on CPU)
