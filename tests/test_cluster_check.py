@@ -21,6 +21,7 @@ from tests.test_pretrain import config_of, packed_data, settings  # noqa: F401  
 from workflow.slurm.cluster_check import (AGREEMENT, FAST_PATHS, check, disagreement, fast_paths, report,
                                           report_fast_paths, unpacked)
 from workflow.train.models import kit
+from workflow.train.models.kit import flash_varlen as FLASH_VARLEN
 from workflow.train.distributed import DistEnv
 from workflow.train.models.bert import BertConfig
 from workflow.train.pretraining_data import PretrainingSequences, list_shards, make_batch
@@ -88,8 +89,10 @@ def test_every_fast_path_agrees_with_its_reference_and_each_rank_says_what_it_us
                                                                                   gpu_paths_on_cpu, capsys):
     result = fast_paths(CONFIG, packed_batch, CPU, "bf16", True, tmp_path / "scratch")
     assert (result["optimizer"], result["attention"], result["precision"]) == ("apex.FusedLAMB", "math", "bf16")
-    assert set(result["paths"]) == set(FAST_PATHS) - {"unpadded attention (16-bit)", "fused AdamW",
-                                                     "fused StableAdamW"}  # ModernBERT's, the other optimizers' (below)
+    # BERT's 16-bit kernel (CONFIG has no dropout to check); not ModernBERT's, the other optimizers' or the paths the
+    # config turns on (below)
+    assert set(result["paths"]) == {"flash_varlen", "unpadded attention", "precision", "apex FusedLAMB", "checkpoint",
+                                     "rng restore"}
     assert result["paths"]["unpadded attention"] <= 1e-5 and result["paths"]["apex FusedLAMB"] == 0.0
     assert 0 < result["paths"]["precision"] <= 2e-2  # bf16 rounds; its tolerance holds
     assert result["paths"]["checkpoint"] == result["paths"]["rng restore"] == 0.0
@@ -97,8 +100,8 @@ def test_every_fast_path_agrees_with_its_reference_and_each_rank_says_what_it_us
     assert disagreement([result]) is None
     report_fast_paths([result])
     assert re.match(r"rank   0: optimizer apex.FusedLAMB, attention math, precision bf16; against the references: "
-                    r"unpadded attention \S+, precision \S+, apex FusedLAMB 0.0e\+00, checkpoint 0.0e\+00, "
-                    r"rng restore 0.0e\+00\n$", capsys.readouterr().err)
+                    r"flash_varlen \S+, unpadded attention \S+, precision \S+, apex FusedLAMB 0.0e\+00, "
+                    r"checkpoint 0.0e\+00, rng restore 0.0e\+00\n$", capsys.readouterr().err)
 
 
 def test_a_plain_cpu_rank_checks_only_the_paths_it_takes(packed_batch, tmp_path):
@@ -311,6 +314,165 @@ def test_a_modernbert_rank_checks_its_16_bit_unpadded_attention_against_dense_ma
     assert "set pretrain.precision: fp32 until it is fixed" in str(error)
 
 
+def test_modernberts_per_layer_probe_runs_through_the_flash_varlen_custom_op_with_each_layer_types_window(
+        packed_batch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from workflow.slurm.cluster_check import windowed_attention_difference
+    from workflow.train.models.family import family
+    from workflow.train.models.modernbert import ModernBertConfig
+
+    config = ModernBertConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                              num_attention_heads=2, local_attention=8, max_position_embeddings=64, pad_token_id=0,
+                              cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3)
+    model = family("modernbert").pretraining_model(config).eval()
+    windows = []
+
+    class CustomOps(TorchDispatchMode):  # the snakebert ops dispatched, with their (window_left, window_right)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "snakebert":
+                windows.append((func.name(), args[6], args[7]))
+            return func(*args, **(kwargs or {}))
+
+    with CustomOps():
+        difference = windowed_attention_difference(model, family("modernbert").host_indices(packed_batch),
+                                                   CPU.device, "bf16")
+    assert 0 < difference <= FAST_PATHS["unpadded attention (16-bit)"][1]
+    assert windows == [("snakebert::flash_varlen_forward", -1, -1),
+                       ("snakebert::flash_varlen_forward", config.sliding_window, config.sliding_window)]
+
+
+# ---------------------------------------------------------------- each kernel the job runs, and each path it turns on
+
+
+DROPOUT_CONFIG = BertConfig(**{**CONFIG.__dict__, "attention_probs_dropout_prob": 0.1})
+
+
+def flash_varlen_paths(result: dict) -> dict:
+    return {path: value for path, value in result["paths"].items() if path.startswith("flash_varlen")}
+
+
+def other_mask(q, k, v, offsets, max_seqlen, dropout_p=0.0):
+    """The forward's output, the gradient of another draw: a backward that drops other entries than its forward."""
+    drawn = FLASH_VARLEN(q, k, v, offsets, max_seqlen, dropout_p)
+    return FLASH_VARLEN(q, k, v, offsets, max_seqlen, dropout_p).detach() + drawn - drawn.detach()
+
+
+@pytest.mark.parametrize("broken, path", [
+    (lambda q, k, v, offsets, max_seqlen, dropout_p=0.0: FLASH_VARLEN(q, k, v, offsets, max_seqlen, dropout_p).flip(0),
+     "flash_varlen"),                                                  # tokens swapped
+    (other_mask, "flash_varlen dropout mask"),
+    (lambda q, k, v, offsets, max_seqlen, dropout_p=0.0: FLASH_VARLEN(q, k, v, offsets, max_seqlen, 0.0),
+     "flash_varlen dropout rate"),                                      # dropout ignored
+], ids=["output", "dropout mask", "dropout rate"])
+def test_berts_flash_varlen_is_checked_against_nested_sdpa_and_its_dropout_and_a_wrong_one_names_the_key(
+        packed_batch, tmp_path, monkeypatch, broken, path):
+    """16-bit packed BERT trains through flash_varlen (on CPU its exact reference): its outputs and gradients against
+    nested SDPA at p = 0, its backward's dropout mask (<dv, v> = <g, out>) and its kept fraction at the model's p."""
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+    result = fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch")
+    checked = flash_varlen_paths(result)
+    assert set(checked) == {"flash_varlen", "flash_varlen dropout mask", "flash_varlen dropout rate"}
+    assert checked["flash_varlen"] <= 1e-2 and checked["flash_varlen dropout mask"] <= 5e-3  # bf16 rounding
+    assert checked["flash_varlen dropout rate"] <= FAST_PATHS["flash_varlen dropout rate"][1]
+    assert disagreement([result]) is None
+    monkeypatch.setattr(kit, "flash_varlen", broken)
+    error = disagreement([fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s2")])
+    assert str(error).startswith(f"rank 0: {path} differs from {FAST_PATHS[path][0]} by ")
+    assert str(error).endswith("set pretrain.precision: fp32 until it is fixed")
+    assert "flash_varlen" not in fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "fp32", False, tmp_path / "s3")[
+        "paths"]  # fp32 trains with nested SDPA: no flash kernel to check
+
+
+def test_a_compiled_step_is_checked_against_eager_and_a_miscompiled_one_names_pretrain_compile(
+        packed_batch, tmp_path, monkeypatch):
+    result = fast_paths(CONFIG, packed_batch, CPU, "fp32", False, tmp_path / "scratch", compile_mode="default")
+    assert 0 <= result["paths"]["compiled step"] <= FAST_PATHS["compiled step"][1]["fp32"]
+    assert disagreement([result]) is None
+    compile_ = torch.compile
+
+    def miscompiling(model, **options):  # a backend whose graphs return 1% too much
+        def backend(graph, example_inputs):
+            def run(*args):
+                return type(out := graph(*args))(
+                    o * 1.01 if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in out)
+            return run
+        return compile_(model, backend=backend, dynamic=False)
+
+    monkeypatch.setattr(torch, "compile", miscompiling)
+    torch._dynamo.reset()
+    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "fp32", False, tmp_path / "s2",
+                                     compile_mode="default")])
+    assert re.match(r"rank 0: compiled step differs from the eager step's loss and gradients in the same precision by "
+                    r"\S+ \(relative; at most 0.001\) on this cluster; set pretrain.compile: false until it is fixed$",
+                    str(error))
+
+
+def test_the_fused_loss_is_checked_on_the_models_own_head_and_a_wrong_one_names_pretrain_fused_loss(
+        packed_batch, tmp_path, monkeypatch):
+    """Off CUDA the trainer runs the logits path: nothing fused, the check says why. With liger's kernel stood in
+    (the reference's arithmetic), it is held against the logits path in loss and gradients."""
+    from workflow.train.models import fused_loss
+
+    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch", fused_mlm_loss=True)
+    assert "fused loss" not in result["paths"] and result["skipped"] == {
+        "fused loss": fused_loss.fused_mlm_loss_reason(CPU.device)}
+    monkeypatch.setattr(fused_loss, "fused_mlm_loss_reason", lambda device: None)
+    monkeypatch.setattr(fused_loss, "_liger_summed_loss", fused_loss._reference_summed_loss)
+    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s2", fused_mlm_loss=True)
+    assert result["paths"]["fused loss"] == 0.0 and result["skipped"] == {} and disagreement([result]) is None
+
+    def off(hidden, weight, bias, labels):  # the bias left out, as a kernel given the wrong arguments might
+        return fused_loss._reference_summed_loss(hidden, weight, torch.zeros_like(bias) + 1.0, labels)
+
+    monkeypatch.setattr(fused_loss, "_liger_summed_loss", off)
+    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s3", fused_mlm_loss=True)])
+    assert str(error).startswith("rank 0: fused loss differs from the logits path's MLM loss and gradients on the "
+                                 "model's own head by ")
+    assert str(error).endswith("(relative; at most 0.05) on this cluster; set pretrain.fused_loss: false until it "
+                               "is fixed")
+
+
+def test_float8_is_checked_against_the_loss_without_it_where_it_runs_and_skipped_with_its_reason_elsewhere(
+        packed_batch, tmp_path, monkeypatch):
+    from workflow.slurm import cluster_check
+    from workflow.train.float8 import float8_error
+
+    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch", float8=True)
+    assert "float8" not in result["paths"] and result["skipped"] == {"float8": float8_error(CPU.device)}
+    monkeypatch.setattr(cluster_check, "float8_error", lambda device: None)
+    monkeypatch.setattr(cluster_check, "convert_to_float8", lambda model: model)  # torchao's, as exact as can be
+    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s2", float8=True)
+    assert result["paths"]["float8"] == 0.0 and disagreement([result]) is None
+
+    def overflowing(model):  # every linear's output inf: scales that overflow
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(lambda module, inputs, output: output * float("inf"))
+        return model
+
+    monkeypatch.setattr(cluster_check, "convert_to_float8", overflowing)
+    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s3", float8=True)])
+    assert re.match(r"rank 0: float8 differs from the same step's loss without float8 by nan \(relative; at most 0.05\) on this "
+                    r"cluster; set pretrain.float8: false until it is fixed$", str(error))
+
+
+def test_the_last_line_lists_every_path_checked_and_each_one_not_checked_with_why(packed_batch, tmp_path,
+                                                                                 monkeypatch):
+    from workflow.slurm.cluster_check import passed
+    from workflow.train.float8 import float8_error
+
+    monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
+    fast = fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch", float8=True)
+    result = {"world_size": 2, "fast_paths": [fast], "steps": 2, "precision": "bf16", "optimizer": "torch.Lamb",
+              "packed_vs_unpacked": [{"packed": True}]}
+    assert passed(result) == (
+        "cluster_check: passed on 2 ranks (flash_varlen, flash_varlen dropout mask, flash_varlen dropout rate, "
+        "unpadded attention, precision, checkpoint, rng restore against their references, attention math; float8 not "
+        f"checked ({float8_error(CPU.device)}); 2 steps of the trainer in bf16 with torch.Lamb and packed vs unpacked "
+        "loss)")
+
+
 # ---------------------------------------------------------------- its last line, and full fp32 where it compares
 
 
@@ -330,8 +492,9 @@ def test_the_check_ends_with_one_line_saying_it_passed_on_how_many_ranks_and_wha
     main(check_argv(s, tmp_path))
     assert capsys.readouterr().err.splitlines()[-1] == (
         "cluster_check: passed on 1 rank (unpadded attention, checkpoint, rng restore against their references, "
-        "attention rows (SDPA with a mask); 2 steps of the trainer in fp32 with torch.Lamb and packed vs unpacked "
-        "loss)")
+        "attention rows (SDPA with a mask); fused loss not checked (liger-kernel's fused linear cross-entropy runs on "
+        "CUDA only (the model is on cpu)); 2 steps of the trainer in fp32 with torch.Lamb and packed vs unpacked "
+        "loss)")  # pretrain.fused_loss is on by default: the trainer takes the logits path here, and says why
 
 
 def test_a_failed_check_ends_with_one_error_line_naming_the_key_that_turns_the_path_off(

@@ -237,22 +237,42 @@ def test_the_reported_bert_kernel_is_the_one_that_trains(platform):
 
 
 
-def test_a_job_below_its_floor_warns_where_it_starts_before_the_first_step(
-        platform, packed_data, tmp_path, monkeypatch, caplog):  # noqa: F811
+def start_job(s, device: torch.device, monkeypatch) -> None:
+    """pretrain.train_phase on `device` until its model is built: stopped before any data is read or step taken."""
     from workflow.train import pretrain
     from workflow.train.distributed import DistEnv
 
-    platform(capability=T4)
-    s = settings(packed_data, tmp_path / "out", precision="bf16")
-
-    def stop(*args):  # the model is built: stop before any data is read or step taken
+    def stop(*args):
         raise SystemExit("stopped before training")
 
     monkeypatch.setattr(pretrain, "check_token_ids", stop)
     with pytest.raises(SystemExit):
-        pretrain.train_phase(s, DistEnv(rank=0, world_size=1, local_rank=0, device=CPU, backend=None))
+        pretrain.train_phase(s, DistEnv(rank=0, world_size=1, local_rank=0, device=device, backend=None))
+
+
+def test_a_job_below_its_floor_warns_where_it_starts_before_the_first_step(
+        platform, packed_data, tmp_path, monkeypatch, caplog):  # noqa: F811
+    platform(capability=T4)
+    start_job(settings(packed_data, tmp_path / "out", precision="bf16"), CPU, monkeypatch)
     [warning] = floor_warnings(caplog)
     assert warning.startswith("BERT's varlen flash attention with dropout needs torch >= 2.7")
+
+
+@pytest.mark.parametrize("precision, warned", [("fp32", True), ("bf16", False)])
+def test_bert_training_packed_rows_on_cuda_in_fp32_warns_where_it_starts_naming_the_precision_key(
+        platform, packed_data, tmp_path, monkeypatch, caplog, precision, warned):  # noqa: F811
+    """fp32 has no flash kernel: packed BERT takes nested SDPA, ~4x slower than bf16's flash_varlen. The job starts
+    on a stand-in CUDA device (its compute capability an H100's); it is stopped before the model moves there."""
+    from workflow.train import pretrain
+
+    platform(capability=H100)
+    caplog.set_level(logging.WARNING)
+    start_job(settings(packed_data, tmp_path / "out", precision=precision), torch.device("cuda"), monkeypatch)
+    slower = [r.getMessage() for r in caplog.records if r.name == pretrain.log.name and "fp32" in r.getMessage()]
+    assert slower == (["pretrain.precision fp32: packed rows train with nested SDPA (exact, ~4x slower) on CUDA, not "
+                       "the flash kernels of bf16 and fp16; set pretrain.precision: bf16 to train faster"]
+                      if warned else [])
+    assert floor_warnings(caplog) == []  # at its floors: the fast path trains in 16-bit
 
 
 def test_a_compiled_forward_takes_the_kernel_choice_as_a_constant(platform):

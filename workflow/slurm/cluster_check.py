@@ -15,8 +15,12 @@ MFU against the card's datasheet peak for the math its matmuls ran in (tf32 for 
 First, before the trainer, every rank proves each fast path it will train with against its reference on its own
 device, on a few sequences of the phase-1 data and the configured model (no dropout; `fast_paths`): apex FusedLAMB
 (when it runs here) against the torch LAMB for one step, the unpadded (varlen) attention of packed rows against the
-same rows with a block-diagonal mask, the training precision's loss against fp32's, a checkpoint's save -> load
-(identical weights and optimizer state), the RNG state's restore, and (on CUDA) a packed forward with no host sync.
+same rows with a block-diagonal mask, BERT's 16-bit flash kernel against nested SDPA in the same precision
+(outputs, gradients, and its dropout: the backward's mask the forward's, the kept fraction 1 - p), ModernBERT's
+windowed attention per layer type, each path the config turns on (a compiled step against eager, the fused MLM loss
+against the logits path, float8 against 16-bit; one that cannot run here is listed as not checked, with why), the
+training precision's loss against fp32's, a checkpoint's save -> load (identical weights and optimizer state), the
+RNG state's restore, and (on CUDA) a packed forward with no host sync.
 Each rank prints which optimizer, attention kernel (the one that trains: workflow/train/models/kernels.py) and
 precision it uses; a fast path that disagrees with its reference stops the check with one `error:` line naming the
 config key that turns it off (FAST_PATHS). Comparisons in fp32 run in full fp32 (TF32 off, restored after). The
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -45,7 +50,9 @@ from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.train import engine
-from workflow.train.models import kernels, kit
+from workflow.train.float8 import convert_to_float8, float8_error
+from workflow.train.models import fused_loss, kernels, kit
+from workflow.train.models.flash_varlen import runs_flash_varlen
 from workflow.train.optim.optimizers import make_optimizer
 from workflow.train.precision import autocast, autocast_dtype, matmul_math, resolve_precision
 from workflow.train.models.family import family
@@ -53,6 +60,10 @@ from workflow.train.pretrain import PretrainingTask, TrainSettings, forward, rea
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
 AGREEMENT = 1e-4  # relative difference of the packed and unpacked losses in fp32 (summation order only)
+# A step's loss and gradients through another kernel path (compiled, fused): its rounding, per precision (gradients
+# relative in norm, parameter by parameter; the loss relative)
+STEP_TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 5e-2}
+BINOMIAL_SIGMAS = 5.0  # a kept fraction further from 1 - p than this many standard deviations: not dropout p
 # Each fast path: its reference, the largest relative difference allowed, and what to set when it is exceeded
 # (None: no key turns it off; the message says what is wrong instead).
 FUSED_OPTIMIZERS = {"lamb": "apex FusedLAMB", "adamw": "fused AdamW", "stable_adamw": "fused StableAdamW"}
@@ -69,6 +80,18 @@ FAST_PATHS = {
                     "pretrain.adamw.fused: false"),
     "fused StableAdamW": ("one for-loop StableAdamW step of torch-optimi from the same gradients (relative to the "
                           "update)", 1e-3, "pretrain.stable_adamw.fused: false"),
+    # BERT's packed rows in 16-bit: the flash kernel that trains (kernels.bert_flash_kernel) on the batch's sequences
+    "flash_varlen": ("nested SDPA in the same precision (outputs and gradients, dropout 0)", 3e-2,
+                     "pretrain.precision: fp32"),
+    "flash_varlen dropout mask": ("the forward's dropout mask (<dv, v> = <g, out>, relative to the root sum of "
+                                  "squares of g x out per token)", 2e-2, "pretrain.precision: fp32"),
+    "flash_varlen dropout rate": ("the kept fraction 1 - p (in binomial standard deviations)", BINOMIAL_SIGMAS,
+                                  "pretrain.precision: fp32"),
+    "compiled step": ("the eager step's loss and gradients in the same precision", STEP_TOLERANCE,
+                      "pretrain.compile: false"),
+    "fused loss": ("the logits path's MLM loss and gradients on the model's own head", STEP_TOLERANCE,
+                   "pretrain.fused_loss: false"),
+    "float8": ("the same step's loss without float8", 5e-2, "pretrain.float8: false"),
     "checkpoint": ("the weights and optimizer state saved", 0.0, None),
     "rng restore": ("the draws after the saved state", 0.0, None),
 }
@@ -193,12 +216,114 @@ def windowed_attention_difference(model, host: dict, device: torch.device, preci
     return max(differences)
 
 
+def nested_sdpa(q, k, v, offsets, min_seqlen: int, max_seqlen: int):
+    """kit.VarlenAttention with flash_varlen off: nested tensors' SDPA, the exact path, without dropout."""
+    saved, kit.FLASH_VARLEN = kit.FLASH_VARLEN, False
+    try:
+        return kit.VarlenAttention(offsets, min_seqlen, max_seqlen)(q, k, v, 0.0)
+    finally:
+        kit.FLASH_VARLEN = saved
+
+
+DROPOUT_QUANTUM = 1 / 256  # flash kernels keep an entry when an 8-bit random number is below (1 - p) x 255
+
+
+def flash_varlen_differences(kernel, host: dict, config, device: torch.device, precision: str) -> dict:
+    """BERT's 16-bit training kernel (`kernel`, in flash_varlen's signature) on the batch's sequences (host_indices'
+    offsets) and random q, k, v: outputs and gradients against nested SDPA at dropout 0; at the model's attention
+    dropout p, whether the backward drops what the forward dropped (out = A_dropped v is linear in v, so <dv, v> =
+    <g, out> exactly then) and whether it keeps 1 - p of the weights: with q = k = 0 and v = 1, sequences of one token
+    each give out = 1 / (1 - p) where kept and 0 where dropped, a binomial proportion over tokens x heads."""
+    dtype, heads = autocast_dtype(precision), config.num_attention_heads
+    offsets = host["cu_seqlens"].to(device)
+    offsets32 = offsets.to(torch.int32)
+    shape = (len(host["unpadded_tokens"]), heads, config.hidden_size // heads)
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v, g = (torch.randn(shape, device=device, generator=generator).to(dtype) for _ in range(4))
+
+    def output_and_gradients(attention):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = attention(*inputs)
+        return [out.detach(), *torch.autograd.grad(out, inputs, g)]
+
+    fast = output_and_gradients(lambda *qkv: kernel(*qkv, offsets32, host["max_seqlen"], 0.0))
+    exact = output_and_gradients(lambda *qkv: nested_sdpa(*qkv, offsets, host["min_seqlen"], host["max_seqlen"]))
+    differences = {"flash_varlen": max(relative(a.float(), b.float()) for a, b in zip(fast, exact))}
+    p = config.attention_probs_dropout_prob
+    if not p:
+        return differences
+    dropped_v = v.clone().requires_grad_()
+    out = kernel(q, k, dropped_v, offsets32, host["max_seqlen"], p)
+    (dv,) = torch.autograd.grad(out, dropped_v, g)
+    per_token = (g.double() * out.detach().double()).sum((1, 2))
+    differences["flash_varlen dropout mask"] = float(
+        (per_token.sum() - (dv.double() * v.double()).sum()).abs() / per_token.square().sum().sqrt())
+    singles = torch.arange(shape[0] + 1, device=device, dtype=torch.int32)
+    zeros = torch.zeros_like(q)
+    kept = (kernel(zeros, zeros, torch.ones_like(v), singles, 1, p)[..., 0] != 0).double().mean()
+    sigma = (p * (1 - p) / (shape[0] * heads)) ** 0.5
+    differences["flash_varlen dropout rate"] = max(0.0, abs(float(kept) - (1 - p)) - DROPOUT_QUANTUM) / sigma
+    return differences
+
+
+def loss_and_gradients(model, compute) -> tuple[torch.Tensor, list]:
+    """compute()'s loss and the gradients its backward leaves on `model`'s parameters (cleared before and after)."""
+    model.zero_grad(set_to_none=True)
+    value = compute()
+    value.backward()
+    gradients = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return value.detach(), gradients
+
+
+GRADIENT_FLOOR = 1e-3  # of all gradients' norm: a gradient that is zero in exact arithmetic (a key's bias) is noise
+
+
+def step_difference(got: tuple, expected: tuple) -> float:
+    """The larger of the losses' relative difference and each parameter's gradients' (in norm, relative to the
+    reference gradient's, at least GRADIENT_FLOOR of all the reference gradients')."""
+    (loss, gradients), (reference_loss, reference_gradients) = got, expected
+    floor = GRADIENT_FLOOR * torch.stack([b.double().norm() for b in reference_gradients]).norm().clamp(min=1e-30)
+    return max([relative(loss, reference_loss), *(
+        float((a.double() - b.double()).norm() / torch.maximum(b.double().norm(), floor))
+        for a, b in zip(gradients, reference_gradients))])
+
+
+def compiled_step_difference(model, loss_of, compile_mode: str) -> float:
+    """One step's loss and gradients through torch.compile as the trainer compiles (engine.compiled) against eager's;
+    `loss_of(network)` is the step's loss."""
+    compiled = engine.compiled(model, argparse.Namespace(compile=True, compile_mode=compile_mode))
+    return step_difference(loss_and_gradients(model, lambda: loss_of(compiled)),
+                           loss_and_gradients(model, lambda: loss_of(model)))
+
+
+def fused_loss_difference(model, batch: dict, device: torch.device, unpadded: bool, precision: str) -> float:
+    """The MLM loss of the model's own head through the fused kernel (fused_loss.summed_mlm_loss, liger on CUDA)
+    against the logits path, in loss and gradients."""
+    def loss_of(fused: bool):
+        def compute():
+            with attention_path(device, unpadded), autocast(device, precision):
+                hidden, _, labels = forward(model, batch, return_hidden=True)
+                return fused_loss.summed_mlm_loss(hidden, *model.mlm_decoder(), labels, fused=fused)[0].float()
+        return compute
+
+    return step_difference(loss_and_gradients(model, loss_of(True)), loss_and_gradients(model, loss_of(False)))
+
+
+def float8_difference(model, loss_of) -> float:
+    """The loss with torchao's float8 matmuls (a converted copy of the model) against the model's own."""
+    with torch.no_grad():
+        return relative(loss_of(convert_to_float8(copy.deepcopy(model))), loss_of(model))
+
+
 def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: Path,
-               model_family=family("bert"), optimizer_kind: str = "lamb") -> dict:
+               model_family=family("bert"), optimizer_kind: str = "lamb", compile_mode: str | None = None,
+               fused_mlm_loss: bool = False, float8: bool = False) -> dict:
     """This rank's fast paths on its device, each against its reference (FAST_PATHS), on `batch` (host tensors, as
     the data reader gives them) and a fresh model of `config` (of `model_family`) in eval mode (no dropout: both
-    sides compute one function): {"rank", "optimizer", "attention", "precision", "paths": {name: relative
-    difference}, "syncs"}."""
+    sides compute one function), with the paths the config turns on (`compile_mode`: pretrain.compile's mode, None
+    when off; pretrain.fused_loss; pretrain.float8): {"rank", "optimizer", "attention", "precision", "paths": {name:
+    relative difference}, "skipped": {name: why}, "syncs"}."""
     device, packed = env.device, "cls_positions" in batch
     task = PretrainingTask(None, batch["input_ids"].shape[1], host_indices=model_family.host_indices)
     host = model_family.host_indices(batch)
@@ -220,7 +345,13 @@ def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: P
         nsp = [] if nsp_logits is None else [nsp_logits[on_device["next_sentence_labels"] >= 0].float().flatten()]
         return torch.cat([mlm_logits.float().flatten(), *nsp])
 
-    paths = {}
+    paths, skipped = {}, {}
+    if training_path and model_family.unpads_in_fp32 and precision != "fp32":  # BERT's packed rows in 16-bit
+        probe = torch.empty(0, 1, head_size, dtype=autocast_dtype(precision), device=device)
+        flash_kernel = (kernels.bert_flash_kernel(device, kit.flash_varlen)
+                        if kit.FLASH_VARLEN and runs_flash_varlen(probe) else None)
+        if flash_kernel is not None:  # else nested SDPA trains, which the unpadded attention check below covers
+            paths.update(flash_varlen_differences(flash_kernel, on_device, config, device, precision))
     with torch.no_grad():
         if packed and model_family.unpads_in_fp32:  # checked on any device (BERT's nested tensors run on CPU)
             paths["unpadded attention"] = relative(outputs(True), outputs(False))
@@ -228,6 +359,24 @@ def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: P
             paths["unpadded attention (16-bit)"] = windowed_attention_difference(model, host, device, precision)
         if precision != "fp32":
             paths["precision"] = relative(loss(model, training_path, precision), loss(model, training_path, "fp32"))
+
+    def step_loss(network):
+        return loss(network, training_path, precision)
+
+    if compile_mode is not None:
+        paths["compiled step"] = compiled_step_difference(model, step_loss, compile_mode)
+    if fused_mlm_loss:
+        why = fused_loss.fused_mlm_loss_reason(device)
+        if why is None:
+            paths["fused loss"] = fused_loss_difference(model, on_device, device, training_path, precision)
+        else:  # the trainer runs the logits path here too: nothing fused to check
+            skipped["fused loss"] = why
+    if float8:
+        why = float8_error(device)
+        if why is None:
+            paths["float8"] = float8_difference(model, step_loss)
+        else:
+            skipped["float8"] = why
     optimizer, name = make_optimizer(optimizer_kind, model, 1e-3, fused=fused)
     twin = reference = None
     if fused:  # the unfused twin, stepped only where the fused path is another than its own
@@ -257,7 +406,7 @@ def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: P
     kernel = (accelerator.attention_kernel(device, autocast_dtype(precision), head_size, family=model_family.name)
               if training_path else kernels.ROWS)
     return {"rank": env.rank, "optimizer": name, "attention": kernel, "precision": precision, "paths": paths,
-            "syncs": accelerator.host_syncs(device, lambda: loss(model, training_path, precision))}
+            "skipped": skipped, "syncs": accelerator.host_syncs(device, lambda: loss(model, training_path, precision))}
 
 
 def disagreement(results: list[dict]) -> UserError | None:
@@ -265,6 +414,8 @@ def disagreement(results: list[dict]) -> UserError | None:
     for result in results:
         for path, difference in result["paths"].items():
             reference, tolerance, key = FAST_PATHS[path]
+            if isinstance(tolerance, dict):  # stated per precision
+                tolerance = tolerance[result["precision"]]
             if not difference <= tolerance:
                 fix = (f"set {key} until it is fixed" if key else
                        "training cannot resume exactly here; check the device and the run directory's filesystem")
@@ -277,6 +428,7 @@ def report_fast_paths(results: list[dict]) -> None:
     for r in results:
         checks = ", ".join(f"{path} {difference:.1e}" for path, difference in r["paths"].items())
         syncs = "" if r["syncs"] is None else f"; host syncs in a packed forward: {r['syncs'] or 'none'}"
+        syncs += "".join(f"; {path} not checked: {why}" for path, why in r.get("skipped", {}).items())
         print(f"rank {r['rank']:>3}: optimizer {r['optimizer']}, attention {r['attention']}, precision "
               f"{r['precision']}; against the references: {checks}{syncs}", file=sys.stderr, flush=True)
 
@@ -311,7 +463,8 @@ def check_fast_paths(s: TrainSettings, shards, env, scratch: Path, sequences: in
         reader.close()
     with accelerator.full_fp32():
         return fast_paths(config, batch, env, resolve_precision(s.precision, env.device, "pretrain.precision"),
-                          s.fused, scratch, family(s.family), s.optimizer)
+                          s.fused, scratch, family(s.family), s.optimizer, s.compile_mode if s.compile else None,
+                          s.fused_loss, s.float8)
 
 
 def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, allreduce_mb: int,
@@ -443,8 +596,9 @@ def passed(result: dict) -> str:
     """The check's last line when every rank passed: what was checked, on how many ranks."""
     fast = result["fast_paths"][0]
     packed = " and packed vs unpacked loss" if result["packed_vs_unpacked"][0]["packed"] else ""
+    skipped = "".join(f"; {path} not checked ({why})" for path, why in fast.get("skipped", {}).items())
     return (f"cluster_check: passed on {result['world_size']} rank{'s' if result['world_size'] != 1 else ''} "
-            f"({', '.join(fast['paths'])} against their references, attention {fast['attention']}; "
+            f"({', '.join(fast['paths'])} against their references, attention {fast['attention']}{skipped}; "
             f"{_steps(result['steps'])} of the trainer in {result['precision']} with {result['optimizer']}{packed})")
 
 

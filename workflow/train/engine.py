@@ -15,7 +15,8 @@ API:
 
 Elastic resume: the data position is the number of sequences consumed. Step k reads sequences
 [k*G, (k+1)*G) of the task's global order (G = global batch size) and rank r takes its share of them: the task's
-micro_batches (pretraining: the step's rows split into contiguous parts, micro-batches of micro_batch_size rows), or
+micro_batches (pretraining: the step's rows split into contiguous parts, micro-batches of micro_batch_size rows, as
+many on every rank, ramped steps too: a rank short of rows fills up with all-padding ones), or
 the micro-batches r*A .. r*A+A-1 of micro_batch_size sequences (A = accumulation steps), so a run checkpointed on 2
 ranks continues on 1 or 4 with exactly the next sequences. The loss is normalised by global counts (masked tokens,
 sequences) summed over the whole step, so the gradient does not depend on how the global batch is split into ranks and micro-batches either: world size,

@@ -445,8 +445,13 @@ def train_phase(s: TrainSettings, env) -> dict:
     torch.manual_seed(s.seed)  # identical initial weights on every rank
     model_family = family(s.family)
     model_family.check_objective(train_shards[0].objective)
-    if model_family.trains_unpadded(env.device.type, train_shards[0].packed, precision) and precision != "fp32":
-        kernels.fast_kernel(model_family.name, env.device)  # below its torch or GPU floor: one warning, here
+    if model_family.trains_unpadded(env.device.type, train_shards[0].packed, precision):
+        if precision != "fp32":
+            kernels.fast_kernel(model_family.name, env.device)  # below its torch or GPU floor: one warning, here
+        elif env.device.type == "cuda":  # flash kernels are 16-bit only: fp32 takes the family's exact path
+            log.warning("pretrain.precision fp32: packed rows train with %s on CUDA, not the flash kernels of bf16 "
+                        "and fp16; set pretrain.precision: bf16 to train faster",
+                        kernels.SLOWER[kernels.trained_path(model_family.name, env.device, torch.float32)])
     config, model = model_family.build(s.model_settings, s.vocab, read_vocab_size(s.vocab), seq_length)
     check_token_ids(train_shards + test_shards, s.vocab, config.vocab_size)
     model.to(env.device)

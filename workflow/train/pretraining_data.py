@@ -406,9 +406,13 @@ class PretrainingSequences:
     def micro_batches(self, start: int, count: int, rank: int, world: int, rows: int) -> list[dict]:
         """Rank `rank`'s share of the step of sequences [start, start + count) as micro-batches of exactly `rows` rows:
         the step's rows (a straddling row on both sides, as in `read`) split into `world` contiguous parts, the last
-        micro-batch filled up with empty rows, which carry no label. Only this rank's rows are read."""
+        micro-batch filled up with empty rows, which carry no label. Every rank runs as many micro-batches as the one
+        with the most rows (a part of ceil(total / world) rows): a rank with fewer ends with all-padding ones (no label:
+        the step's loss is unchanged), so every rank does the same work per step. Only this rank's rows are read."""
         step = self._step_rows(start, count)
         total = sum(b - a for _, a, b, _, _ in step)
+        largest_part = -(-total // world)  # rows (ceiling divisions)
+        micro_batches = max(1, -(-largest_part // rows))
         low, high, seen, mine = total * rank // world, total * (rank + 1) // world, 0, []
         for chunk, a, b, live, epoch in step:
             first, stop = max(a, a + low - seen), min(b, a + high - seen)
@@ -417,7 +421,7 @@ class PretrainingSequences:
             seen += b - a
         arrays = self._arrays(mine)
         return [make_batch(*padded({name: values[k:k + rows] for name, values in arrays.items()}, rows))
-                for k in range(0, max(high - low, 1), rows)]
+                for k in range(0, micro_batches * rows, rows)]
 
     def close(self) -> None:
         if self._pid == os.getpid():
