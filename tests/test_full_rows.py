@@ -76,6 +76,12 @@ def test_the_loader_masks_and_unpads_rows_of_thousands_of_slots_sequence_by_sequ
     predicted = int((masked["masked_lm_positions"] > 0).sum())
     assert abs(predicted / text - 0.3) < 4 * np.sqrt(0.3 * 0.7 / text)
     batch = family("modernbert").host_indices(make_batch(masked, slice(None)))
-    lengths = packed["sequence_lengths"][packed["sequence_lengths"] > 0]  # row-major: the varlen order
-    np.testing.assert_array_equal(torch.diff(batch["cu_seqlens"]).numpy(), lengths)
+    # The static layout (kit.unpad): each row's sequences in order, then its padding run, then empty sequences up to
+    # a fixed count; the runs that start at a real token are the packed sequences, row-major.
+    offsets = batch["cu_seqlens"]
+    assert len(offsets) == len(packed["input_ids"]) * (2730 + 1) + 1
+    starts, runs = offsets[:-1], torch.diff(offsets)
+    real = (runs > 0) & (batch["attention_mask"].flatten()[starts.clamp(max=offsets[-1] - 1)] > 0)
+    lengths = packed["sequence_lengths"][packed["sequence_lengths"] > 0]
+    np.testing.assert_array_equal(runs[real].numpy(), lengths)
     assert batch["cls_positions"].shape == (len(packed["input_ids"]), 2730)
