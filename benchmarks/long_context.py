@@ -129,7 +129,8 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--vocab-size", type=int, default=50368, help="BPE ids (ModernBERT's)")
     parser.add_argument("--no-model", action="store_true", help="skip the activation-memory measurement")
-    parser.add_argument("--max-sequences-per-pack", type=int, default=3, help="encode.packing.max_sequences_per_pack")
+    parser.add_argument("--max-sequences-per-pack", default="3",
+                        help="encode.packing.max_sequences_per_pack: a count or auto (as many as fit)")
     parser.add_argument("--read", type=Path, help=argparse.SUPPRESS)  # the loader's own process
     parser.add_argument("--encode", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # the encoder's own process
     args = parser.parse_args(argv)
