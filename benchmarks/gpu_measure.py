@@ -27,6 +27,7 @@ from workflow.train import accelerator
 from workflow.train.float8 import convert_to_float8, float8_error
 from workflow.train.models import kit
 from workflow.train.models.fused_loss import fused_mlm_loss_reason
+from workflow.train.precision import autocast
 
 VARIANTS = ("eager", "compiled", "compiled+float8")
 HF = "hf"  # the name --find-max-micro-batch gives Hugging Face's sides
@@ -82,6 +83,10 @@ class Device:
         peak = self.peak_flops()
         return f"{peak / 1e12:.1f} TFLOP/s (datasheet dense bf16)" if peak else "n/a (no datasheet peak)"
 
+    def bf16(self):
+        """bf16 autocast on this device, as training runs it."""
+        return autocast(self.torch, "bf16")
+
     @contextlib.contextmanager
     def packed_path(self):
         """Packed rows on the unpadded varlen path the model takes on CUDA (kit.VARLEN_DEVICE_TYPES), forced on CPU
@@ -98,6 +103,13 @@ def mlm_loss_path(device: Device) -> str:
     """Which MLM loss summed_mlm_loss(fused=True) runs here, in words."""
     reason = fused_mlm_loss_reason(device.torch)
     return "fused (liger-kernel's fused linear cross-entropy)" if reason is None else f"reference logits ({reason})"
+
+
+def requested(args) -> tuple[list[str], set[str]]:
+    """The variants the flags ask for (eager always; --compile, --float8) and the sides whose largest micro-batch
+    --find-max-micro-batch searches."""
+    variants = ["eager"] + ["compiled"] * args.compile + ["compiled+float8"] * args.float8
+    return variants, set(args.find_max_micro_batch.split(",")) if args.find_max_micro_batch else set()
 
 
 def variant_models(model: torch.nn.Module, device: Device, compile_mode: str, variants=VARIANTS):

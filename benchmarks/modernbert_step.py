@@ -62,7 +62,8 @@ from workflow.train.models.fused_loss import summed_mlm_loss  # noqa: E402
 from workflow.train.optim.optimizers import make_stable_adamw  # noqa: E402
 from workflow.train.pretrain import unwrapped  # noqa: E402
 from benchmarks.gpu_measure import (HF, Device, Row, largest_micro_batch, mlm_loss_path, optimizer_ms,  # noqa: E402
-                                    optimizer_table, searched, skipped_row, table, timed_steps, variant_models)
+                                    optimizer_table, requested, searched, skipped_row, table, timed_steps,
+                                    variant_models)
 
 MASKING = 0.3  # ModernBERT's masking rate
 
@@ -239,11 +240,8 @@ def gpu_benchmark(args) -> None:
         return
     device.prepare(args.threads)
 
-    def bf16():
-        return autocast(device.torch, "bf16")
-
-    variants = ["eager"] + ["compiled"] * args.compile + ["compiled+float8"] * args.float8
-    search = set(args.find_max_micro_batch.split(",")) if args.find_max_micro_batch else set()
+    bf16 = device.bf16
+    variants, search = requested(args)
     seq, micro = args.gpu_seq, args.micro_batch
     config = ModernBertConfig.preset(args.preset, vocab_size=args.vocab, pad_token_id=0, bos_token_id=1,
                                      cls_token_id=1, eos_token_id=2, sep_token_id=2)

@@ -77,11 +77,10 @@ from workflow.train.optim.lamb import Lamb, param_groups  # noqa: E402
 from workflow.train.pretraining_data import make_batch as data_batch, padded as padded_rows  # noqa: E402
 from workflow.train.models.bert import BertConfig, BertForPreTraining, flops_per_sequence  # noqa: E402
 from workflow.train.models.kit import host_indices, pretraining_loss  # noqa: E402
-from workflow.train.precision import autocast as precision_autocast  # noqa: E402
 from workflow.train.pretrain import PretrainingTask, unwrapped  # noqa: E402
 from workflow.train.pretrain import forward as pretraining_forward  # noqa: E402
 from benchmarks.gpu_measure import (HF, Device, Row, largest_micro_batch, mlm_loss_path, optimizer_ms,  # noqa: E402
-                                    optimizer_table, searched, skipped_row, table, timed, timed_steps,
+                                    optimizer_table, requested, searched, skipped_row, table, timed, timed_steps,
                                     variant_models)
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
@@ -344,11 +343,8 @@ def gpu_benchmark(args) -> None:
         return
     device.prepare(args.threads)
 
-    def bf16():
-        return precision_autocast(device.torch, "bf16")
-
-    variants = ["eager"] + ["compiled"] * args.compile + ["compiled+float8"] * args.float8
-    search = set(args.find_max_micro_batch.split(",")) if args.find_max_micro_batch else set()
+    bf16 = device.bf16
+    variants, search = requested(args)
     pretrain_config = load_config(args.configfile)["pretrain"]
     for phase, seq, predictions, micro in configured_phases(args.configfile, args.gpu_micro_batch1,
                                                             args.gpu_micro_batch2):
