@@ -44,14 +44,14 @@ from workflow.train import accelerator
 
 log = logging.getLogger(__name__)
 
-FLASH_VARLEN, VARLEN_ATTN, FLASH_ATTN = "flash_varlen", "flash_varlen (windowed)", "flash_attn_varlen_func"
+FLASH_VARLEN, WINDOWED_FLASH_VARLEN, FLASH_ATTN = "flash_varlen", "flash_varlen (windowed)", "flash_attn_varlen_func"
 NESTED_SDPA, ROWS = "nested SDPA", "rows (SDPA with a mask)"
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_CAPABILITY = (8, 0)  # flash kernels (torch's and flash-attn 2's): Ampere and newer; T4 / RTX 20xx are (7, 5)
 # family: (its fast path, the torch it needs, its exact path, what the fast path is)
 FAST_PATHS = {
     "bert": (FLASH_VARLEN, (2, 7), NESTED_SDPA, "BERT's varlen flash attention with dropout"),
-    "modernbert": (VARLEN_ATTN, (2, 11), ROWS, "ModernBERT's windowed varlen flash attention"),
+    "modernbert": (WINDOWED_FLASH_VARLEN, (2, 11), ROWS, "ModernBERT's windowed varlen flash attention"),
 }
 SLOWER = {NESTED_SDPA: "nested SDPA (exact, ~4x slower)", ROWS: "rows with masks (exact, slower)",
           FLASH_ATTN: "flash-attn's flash_attn_varlen_func"}
@@ -139,7 +139,7 @@ def bert_flash_kernel(device: torch.device, flash_varlen):
 
 def windowed_varlen_kernel(device: torch.device, windowed_flash_varlen):
     """See the module docstring."""
-    return {VARLEN_ATTN: windowed_flash_varlen, FLASH_ATTN: _flash_attn_as_windowed_varlen}.get(
+    return {WINDOWED_FLASH_VARLEN: windowed_flash_varlen, FLASH_ATTN: _flash_attn_as_windowed_varlen}.get(
         fast_kernel("modernbert", device))
 
 
