@@ -16,8 +16,8 @@ from workflow.train import accelerator
 from workflow.train.models import kernels, kit, modernbert
 from workflow.train.models.bert import BertForPreTraining
 from workflow.train.models.flash_varlen import flash_varlen
-from workflow.train.models.kernels import (FLASH_ATTN, FLASH_VARLEN, NESTED_SDPA, ROWS, WINDOWED_FLASH_VARLEN, attention_path,
-                                           trained_path)
+from workflow.train.models.kernels import (FLASH_ATTN, FLASH_VARLEN, NESTED_SDPA, ROWS, WINDOWED_FLASH_VARLEN,
+                                           attention_path, trained_path)
 from workflow.train.models.modernbert import ModernBertForMaskedLM
 from workflow.train.precision import autocast
 from workflow.train.pretrain import forward
@@ -162,7 +162,8 @@ def test_modernbert_at_torch_2_11_calls_torchs_varlen_flash_kernels_with_its_win
     window = model.config.sliding_window
     assert calls == [(None if kind == "full_attention" else window, 0.0) for kind in model.config.layer_types]
     assert flash_attn_calls == [] and floor_warnings(caplog) == []
-    assert accelerator.attention_kernel(torch.device("cuda"), torch.bfloat16, 64, family="modernbert") == WINDOWED_FLASH_VARLEN
+    kernel = accelerator.attention_kernel(torch.device("cuda"), torch.bfloat16, 64, family="modernbert")
+    assert kernel == WINDOWED_FLASH_VARLEN
 
 
 def test_modernbert_on_a_gpu_below_sm80_trains_as_rows(platform, modernbert_rows, monkeypatch, caplog):
