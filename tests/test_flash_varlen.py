@@ -131,3 +131,55 @@ def test_empty_sequences_and_a_padding_run_leave_the_real_tokens_outputs_and_gra
     for ours, reference in zip(torch.autograd.grad(out, (q, k, v), grad),
                                torch.autograd.grad(alone, (q, k, v), grad[:1000])):
         assert torch.equal(ours[:1000], reference[:1000])
+
+
+def aten_flash_standins(windowed: bool, calls: list):
+    """aten._flash_attention_forward / _backward with the keyword arguments of torch 2.7-2.10 (windowed=False: no
+    window_size_left/right, so passing them raises TypeError as the real op does) or of 2.11 on; CPU outputs."""
+
+    def check(window: dict) -> None:
+        unknown = set(window) - ({"window_size_left", "window_size_right"} if windowed else set())
+        if unknown:
+            raise TypeError(f"_flash_attention_forward() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+
+    def forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
+                scale=None, **window):
+        check(window)
+        calls.append(("forward", window))
+        heads, tokens = query.shape[1], query.shape[0]
+        return (torch.zeros_like(query), torch.zeros(heads, tokens), torch.zeros(2, dtype=torch.uint64),
+                torch.empty(0), torch.empty(0))
+
+    def backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                 is_causal, rng_state, unused, *, scale=None, **window):
+        check(window)
+        calls.append(("backward", window))
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+    return forward, backward
+
+
+@pytest.mark.parametrize("windowed_torch", [False, True], ids=["torch-2.10", "torch-2.11"])
+def test_the_cuda_kernels_pass_a_window_only_where_one_is_set(windowed_torch, monkeypatch):
+    """BERT's unwindowed call is the one torch 2.7-2.10's flash kernels take (no window keywords: its floor, 2.7);
+    ModernBERT's windowed call needs 2.11's (kernels.py's floor for it), where it hands the window over."""
+    from workflow.train.models import flash_varlen as ops
+
+    calls = []
+    forward, backward = aten_flash_standins(windowed_torch, calls)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", backward)
+    q = torch.randn(6, 2, 8, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 4, 6, 6], dtype=torch.int32)
+    out, lse, rng_state = ops._forward_cuda(q, q, q, offsets, 6, 0.1, -1, -1)
+    ops._backward_cuda(out, q, q, q, out, lse, offsets, 6, 0.1, -1, -1, rng_state)
+    assert calls == [("forward", {}), ("backward", {})]
+    if not windowed_torch:
+        with pytest.raises(TypeError, match="window_size_left"):
+            ops._forward_cuda(q, q, q, offsets, 6, 0.0, 3, 3)
+        return
+    calls.clear()
+    ops._forward_cuda(q, q, q, offsets, 6, 0.0, 3, 3)
+    ops._backward_cuda(out, q, q, q, out, lse, offsets, 6, 0.0, 3, 3, rng_state)
+    window = {"window_size_left": 3, "window_size_right": 3}
+    assert calls == [("forward", window), ("backward", window)]
