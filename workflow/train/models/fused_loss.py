@@ -72,7 +72,10 @@ def _reference_summed_loss(hidden, decoder_weight, decoder_bias, labels):
 
 
 def _liger_summed_loss(hidden, decoder_weight, decoder_bias, labels):
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    try:  # optional (requirements-gpu.txt): callers ask fused_mlm_loss_reason first
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as error:
+        raise RuntimeError(f"liger-kernel's fused loss asked for where it does not import: {error}") from None
 
     output = liger_fused_linear_cross_entropy(hidden, decoder_weight, labels, bias=decoder_bias,
                                               ignore_index=IGNORED, reduction="sum", accum_dtype=torch.float32,
