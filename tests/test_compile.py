@@ -29,9 +29,10 @@ FAMILIES = {
 }
 
 
-def micro_batch(seed: int, packed: bool) -> dict:
-    """ROWS rows of LENGTH tokens as the loader hands them: packed (up to SEQUENCES_PER_ROW sequences a row, each
-    token's sequence number as its mask) or one sequence a row with padding; PREDICTIONS slots a row, some empty."""
+def micro_batch(seed: int, packed: bool, sequences: int = SEQUENCES_PER_ROW) -> dict:
+    """ROWS rows of LENGTH tokens as the loader hands them: packed (up to `sequences` of SEQUENCES_PER_ROW slots a
+    row, each token's sequence number as its mask) or one sequence a row with padding; PREDICTIONS slots a row, some
+    empty."""
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(5, 64, (ROWS, LENGTH), generator=generator)
     mask, positions = (torch.zeros(ROWS, LENGTH, dtype=torch.long) for _ in range(2))
@@ -39,7 +40,7 @@ def micro_batch(seed: int, packed: bool) -> dict:
     nsp = torch.full((ROWS, SEQUENCES_PER_ROW if packed else 1), -1)
     for row in range(ROWS):
         start = 0
-        for number in range(1, (SEQUENCES_PER_ROW if packed else 1) + 1):
+        for number in range(1, (sequences if packed else 1) + 1):
             size = int(torch.randint(2, 9, (), generator=generator))
             if start + size > LENGTH:
                 break
@@ -108,7 +109,9 @@ def test_micro_batches_of_different_packings_reuse_one_graph_without_a_break(nam
     torch.manual_seed(0)
     model = build().train()
     batches = [host_indices(micro_batch(seed, packed=True)) for seed in range(6)]
-    assert len({tuple(b["cu_seqlens"].tolist()) for b in batches}) == 6  # six packings
+    batches.append(host_indices(micro_batch(6, packed=True, sequences=1)))
+    assert len({tuple(b["cu_seqlens"].tolist()) for b in batches}) == 7  # seven packings
+    assert len({len(b["cu_seqlens"]) for b in batches}) == 2  # kit.unpad: as many offsets as runs, to a power of 2
     # Before static shapes, the real tokens and the real prediction slots set the shapes: they vary here.
     assert len({int((b["attention_mask"] > 0).sum()) for b in batches}) > 1
     assert len({int((b["masked_lm_labels"] >= 0).sum()) for b in batches}) > 1

@@ -55,7 +55,7 @@ def test_a_packed_16_bit_forward_hands_each_layer_to_flash_varlen_and_equals_the
     monkeypatch.setattr(kit, "runs_flash_varlen", lambda q: q.dtype == torch.bfloat16)
     with torch.no_grad(), autocast(torch.device("cpu"), "bf16"):
         got, _, _ = forward(model, indices)
-    # Row 2's padding token is a sequence of its own; empty sequences fill the offsets up to 2 rows x (3 + 1) + 1.
+    # Row 2's padding token is a sequence of its own; empty sequences fill the 6 runs' offsets up to 8 (a power of 2).
     offsets = [0, 5, 12, 16, 25, 31, 32, 32, 32]
     assert calls == [(offsets, 16, 0.0)] * CONFIG.num_hidden_layers
     assert (got.float() - expected.float()).abs().max() <= 0.02 * expected.float().abs().max()
@@ -115,8 +115,8 @@ def test_flash_varlens_backward_applies_the_forwards_dropout_mask():
 @CUDA
 @pytest.mark.parametrize("window", [None, 64])
 def test_empty_sequences_and_a_padding_run_leave_the_real_tokens_outputs_and_gradients_as_they_were(window):
-    """The static-shape layout (kit.unpad): a padding run as a sequence of its own, empty sequences up to a fixed
-    count, max_seqlen the row length; the real tokens' results equal those of their own offsets alone."""
+    """The static-shape layout (kit.unpad): a padding run as a sequence of its own, empty sequences up to a power
+    of two, max_seqlen the row length; the real tokens' results equal those of their own offsets alone."""
     from workflow.train.models.flash_varlen import flash_varlen
 
     real = [0, 100, 228, 300, 811, 1000]

@@ -16,6 +16,16 @@ from workflow.train.models.family import family
 from workflow.train.pretraining_data import make_batch
 
 
+def assert_tight(offsets, capacity: int) -> bool:
+    """kit.unpad's offsets: the runs (sequences and padding runs, none empty), then empty sequences up to the next
+    power of two of their count (at most `capacity`): the flash kernels' grid and dQ buffer follow that count."""
+    sizes = torch.diff(offsets)
+    runs = int((sizes > 0).sum())
+    assert bool((sizes[:runs] > 0).all()) and not bool(sizes[runs:].any())
+    assert len(sizes) == min(capacity, 1 << (runs - 1).bit_length())
+    return True
+
+
 def short_documents(directory, n_documents: int, mean_tokens: int, seed: int = 0):
     """(vocab.txt, tokenized shard) of `n_documents` one-sentence documents of ~`mean_tokens` tokens (log-normal,
     as text lengths are), in made-up words."""
@@ -76,10 +86,10 @@ def test_the_loader_masks_and_unpads_rows_of_thousands_of_slots_sequence_by_sequ
     predicted = int((masked["masked_lm_positions"] > 0).sum())
     assert abs(predicted / text - 0.3) < 4 * np.sqrt(0.3 * 0.7 / text)
     batch = family("modernbert").host_indices(make_batch(masked, slice(None)))
-    # The static layout (kit.unpad): each row's sequences in order, then its padding run, then empty sequences up to
-    # a fixed count; the runs that start at a real token are the packed sequences, row-major.
+    # The layout (kit.unpad): each row's sequences in order, then its padding run, then empty sequences up to the
+    # next power of two; the runs that start at a real token are the packed sequences, row-major.
     offsets = batch["cu_seqlens"]
-    assert len(offsets) == len(packed["input_ids"]) * (2730 + 1) + 1
+    assert_tight(offsets, len(packed["input_ids"]) * (2730 + 1))
     starts, runs = offsets[:-1], torch.diff(offsets)
     real = (runs > 0) & (batch["attention_mask"].flatten()[starts.clamp(max=offsets[-1] - 1)] > 0)
     lengths = packed["sequence_lengths"][packed["sequence_lengths"] > 0]

@@ -12,6 +12,7 @@ import torch
 
 from tests.fixtures.real_shaped_text import tokenized_sample
 from tests.test_encode import assert_packed_equal_unpacked, read_all
+from tests.test_full_rows import assert_tight
 from workflow.data.encode import EncodeSettings, Vocab, encode_shard
 from workflow.data.masking_rule import derived_max_predictions
 from workflow.data.pack import PackSettings
@@ -81,8 +82,8 @@ def test_host_indices_give_each_sequence_with_positions_up_to_its_length(encoded
     lengths = packed["sequence_lengths"][packed["sequence_lengths"] > 0]  # row-major: the varlen order
     rows, slots = batch["cls_positions"].shape
     offsets = batch["cu_seqlens"]
-    assert len(offsets) == rows * (slots + 1) + 1 and batch["max_seqlen"] == LENGTH  # static: fixed by the shapes
     starts, sizes = offsets[:-1], torch.diff(offsets)
+    assert_tight(offsets, rows * (slots + 1)) and batch["max_seqlen"] == LENGTH  # the row length: static
     real = (sizes > 0) & (batch["attention_mask"].flatten()[starts.clamp(max=rows * LENGTH - 1)] > 0)
     np.testing.assert_array_equal(sizes[real].numpy(), lengths)  # the rest: padding runs, then empty sequences
     assert lengths.max() > LENGTH - 64 and int(batch["position_ids"].max()) == lengths.max() - 1

@@ -394,7 +394,8 @@ def _shut_down(steps) -> None:
 
 def compiled(model, s: LoopSettings):
     """`model` under torch.compile with s.compile_mode where s.compile asks for it, else `model`. dynamic=False: every
-    micro-batch of a run has one shape (packed rows too: kit.unpad), so one graph is compiled and reused."""
+    micro-batch of a run has one shape but packed rows' sequence offsets, marked dynamic (kit.unpadded_of), so one
+    graph is compiled and reused."""
     return torch.compile(model, mode=s.compile_mode, dynamic=False) if s.compile else model
 
 

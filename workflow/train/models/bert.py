@@ -36,7 +36,7 @@ Packed batches (rows holding several sequences, workflow.data.pack): pass `cls_p
 number 1..S (0 = padding; a sequence's tokens are contiguous). A token then attends only to its own sequence:
 through a block-diagonal SDPA mask on the rows, or, on the devices of VARLEN_DEVICE_TYPES (CUDA), with the rows laid
 end to end, [B * L, H], and variable-length flash attention (VarlenAttention; a row's padding is a sequence of its
-own, and the offsets have a fixed count: every shape is the rows', for torch.compile). The
+own, and the offsets are padded to a power of two, marked dynamic: one graph under torch.compile). The
 pooler and NSP head run at every [CLS] slot: pooled_output [B, S, H], nsp_logits [B, S, 2] (labels -1 = empty slot).
 Without packing, a mask with no padding is dropped (SDPA may then pick the flash kernel; host_indices checks it on the
 host, else the check costs one device sync per forward on CUDA); padding queries still attend to real keys, as in HF.

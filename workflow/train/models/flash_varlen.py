@@ -11,7 +11,8 @@ state the forward returns. On CPU the same ops run an exact reference (a dense b
 from the offsets inside the op), so that the unpadded path runs, compiles and is tested on CPU.
 
 The ops take zero-length sequences (repeated offsets) and a max_seqlen at least the longest sequence: callers pad
-cu_seqlens to a fixed count and pass the row length, so that a compiled graph sees one shape (kit.unpad).
+cu_seqlens with empty sequences to a power of two (its length marked dynamic) and pass the row length, so that
+a compiled graph is one (kit.unpad).
 
 API:
     flash_varlen(q, k, v, offsets, max_seqlen, dropout_p=0.0, window=None) -> [T, heads, head_size]

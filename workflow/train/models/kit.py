@@ -6,7 +6,7 @@ API:
     RowAttention, row_attention(attention_mask, packed, mask_needed)   SDPA over rows with the rows' mask
     VarlenAttention(offsets, min_seqlen, max_seqlen)   attention within each sequence of tokens laid end to end
     Unpadded, unpad(attention_mask, sequences_per_row), UNPADDED_KEYS, unpadded_of(batch)   rows laid end to end
-                                    for VarlenAttention, in static shapes
+                                    for VarlenAttention (one graph under torch.compile)
     host_indices(batch) -> batch    the indices a forward would read back from the device, computed on the host
     gather_positions(x, positions), at_positions(hidden, flat)   the encoder output at given positions
     pretraining_loss(...), next_sentence_terms(...)   the MLM (+ NSP) loss and accuracies
@@ -72,7 +72,7 @@ class VarlenAttention:
     tokens offsets[i]..offsets[i+1], possibly empty), with dropout: on CUDA in 16-bit torch's variable-length flash
     kernels called once per layer, on CPU their exact reference (workflow.train.models.flash_varlen's custom ops,
     while FLASH_VARLEN); otherwise nested jagged tensors' SDPA (CUDA fp32, eager only; its fused kernels take no
-    empty sequence, so with the fixed-count offsets it falls back to its math kernel: train in 16-bit)."""
+    empty sequence, so with the padded offsets it falls back to its math kernel: train in 16-bit)."""
 
     def __init__(self, offsets, min_seqlen: int, max_seqlen: int):
         self.offsets, self.min_seqlen, self.max_seqlen = offsets, min_seqlen, max_seqlen
@@ -106,11 +106,16 @@ def row_attention(attention_mask, packed: bool, mask_needed: bool | None = None)
 
 
 class Unpadded(NamedTuple):
-    """Rows laid end to end for the varlen attention, in static shapes: every row-major position [B * L] of the rows
-    (`tokens`; padding runs form sequences of their own, so padding attends to padding only), the offsets of their
-    sequences (cu_seqlens [B * (S + 1) + 1] for rows of at most S sequences, padded with empty sequences at the end)
-    and the kernels' bounds on a sequence's length, 0 and L (host ints, the same for every micro-batch: never read
-    from the data, so a compiled graph sees one shape and no host sync happens)."""
+    """Rows laid end to end for the varlen attention: every row-major position [B * L] of the rows (`tokens`, a static
+    shape; padding runs form sequences of their own, so padding attends to padding only), the offsets of their
+    sequences (cu_seqlens: the rows' runs padded with empty sequences to the next power of two, at most B * (S + 1) for
+    rows of at most S sequences) and the kernels' bounds on a sequence's length, 0 and L (host ints, the same for
+    every micro-batch: never read from the data, so no host sync happens).
+    The offsets' length is the one shape that varies, marked dynamic for torch.compile (unpadded_of): one graph. It
+    is tight because the flash kernels' cost follows it: their grid is ceil(L/128) x sequences x heads blocks and
+    the varlen backward allocates (T + 128 x sequences) x heads x head_size fp32 for dQ. At 8,192 with auto's 2,730
+    slots a row, 16 rows of 95-token documents hold ~1,392 runs: 2,048 sequences, where all 43,696 slots would
+    launch 34 M blocks a call and allocate 17.6 GB (ModernBERT-base's 12 heads of 64)."""
     tokens: torch.Tensor
     offsets: torch.Tensor
     min_seqlen: int
@@ -135,7 +140,8 @@ def unpad(attention_mask, sequences_per_row: int | None = None) -> Unpadded:
     if len(starts) > capacity:
         raise ValueError(f"rows hold {len(starts)} runs of sequences and padding, more than {sequences_per_row} "
                          "sequences and one padding run per row")
-    offsets = torch.cat([starts, starts.new_full((capacity + 1 - len(starts),), batch * length)])
+    count = min(capacity, 1 << (len(starts) - 1).bit_length())  # a few lengths a phase (CUDA graphs record each)
+    offsets = torch.cat([starts, starts.new_full((count + 1 - len(starts),), batch * length)])
     return Unpadded(positions, offsets, 0, length)
 
 
@@ -160,8 +166,13 @@ def host_indices(batch: dict) -> dict:
 
 
 def unpadded_of(batch: dict) -> Unpadded | None:
-    """The Unpadded that host_indices put into `batch` (None: not computed there)."""
-    return Unpadded(*(batch[key] for key in UNPADDED_KEYS)) if UNPADDED_KEYS[0] in batch else None
+    """The Unpadded that host_indices put into `batch` (None: not computed there), its offsets' length marked dynamic
+    for torch.compile (one graph whatever the micro-batch's count of sequences; nothing in eager)."""
+    if UNPADDED_KEYS[0] not in batch:
+        return None
+    unpadded = Unpadded(*(batch[key] for key in UNPADDED_KEYS))
+    torch._dynamo.maybe_mark_dynamic(unpadded.offsets, 0)
+    return unpadded
 
 
 def gather_positions(x, positions):

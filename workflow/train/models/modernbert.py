@@ -36,7 +36,7 @@ positions are position_ids (else 0..L-1). Padding attends to padding only (HF le
 token's output differs).
 Two paths: rows with dense boolean SDPA masks (CPU; exact), or, on model.VARLEN_DEVICE_TYPES (CUDA) in a 16-bit
 compute dtype (VARLEN_DTYPES: flash kernels), the rows laid end to end [B * L, H] (a row's padding a sequence of its
-own, offsets of a fixed count: static shapes for torch.compile) through the varlen flash kernels with a window of
+own, offsets padded to a power of two, one graph under torch.compile) through the varlen flash kernels with a window of
 sliding_window each side for local layers, and attention dropout (workflow.train.models.flash_varlen's custom ops,
 whose exact CPU reference the tests run).
 """
