@@ -16,7 +16,9 @@ Sides, each trained for --steps steps of --batch sequences of --seq tokens with 
 learning rate and schedule (--family bert, the default: a BERT; linear warm-up, then NVIDIA's poly decay):
 - snakebert: the data half (tokenize, encode, pack, hdf5_dir: workflow.data) and the engine (workflow.train.pretrain),
   in the rows' recipes: parity (dynamic masks, full sentences, AdamW, packed) and, each held against it, unpacked,
-  static masks, nsp, LAMB.
+  static masks, nsp, LAMB; both families also have the speed rows (SPEED_ROWS): compiled (pretrain.compile, held
+  against parity) and, with --device cuda only, bf16 (precision bf16) and float8 (bf16 with pretrain.float8, held
+  against bf16): the speed work must leave learning as it was.
 - reference: run_mlm's recipe: BertTokenizerFast of the same vocab, each training document tokenized and the
   texts grouped into blocks of --seq tokens, DataCollatorForLanguageModeling (whole-word with --whole-word), Trainer
   with AdamW.
@@ -106,11 +108,16 @@ class Row:
     encode: dict = dataclasses.field(default_factory=dict)
     train: dict = dataclasses.field(default_factory=dict)
     packed: bool = True
+    held_against: str = "parity"
+    cuda_only: bool = False  # a default row with --device cuda only (bf16, float8)
 
 
 PER_TOKEN = {"masking_rule": "per_token"}  # each token masked at the rate on its own: HF's collator's rule
 WSD = {"schedule": "wsd", "decay_proportion": 0.2, "decay_shape": "1-sqrt", "final_lr_fraction": 0.0}  # ModernBERT's
 # decay shape, over the last 20% (Hägele et al. 2024: 1-sqrt over 20% matches cosine)
+# Each family's rows over its parity recipe, for the speed work (issue 43): learning must not change.
+SPEED_ROWS = {"compiled": Row(train={"compile": True}), "bf16": Row(train={"precision": "bf16"}, cuda_only=True),
+              "float8": Row(train={"precision": "bf16", "float8": True}, held_against="bf16", cuda_only=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,11 +161,12 @@ def modernbert_model(vocab: Path, args, work: Path):
 
 FAMILIES = {
     "bert": Family(rows={"parity": Row(), "unpacked": Row(packed=False), "static": Row({"masking": "static"}),
-                         "nsp": Row({"objective": "nsp"}), "lamb": Row(train={"optimizer": "lamb"})},
+                         "nsp": Row({"objective": "nsp"}), "lamb": Row(train={"optimizer": "lamb"}), **SPEED_ROWS},
                    vocab_type="wordpiece", model=bert_model, schedule=lambda args: {}),  # poly: NVIDIA's
     "modernbert": Family(rows={"parity": Row(PER_TOKEN), "stable_adamw": Row(PER_TOKEN, {"optimizer": "stable_adamw"}),
                                "wsd": Row(PER_TOKEN, WSD),
-                               "mask30": Row({**PER_TOKEN, "masked_lm_prob": 0.3})},
+                               "mask30": Row({**PER_TOKEN, "masked_lm_prob": 0.3}),
+                               **{name: dataclasses.replace(row, encode=PER_TOKEN) for name, row in SPEED_ROWS.items()}},
                          vocab_type="bpe", model=modernbert_model,
                          # HF's get_linear_schedule_with_warmup: the peak after the warm-up, linear to 0 at the end
                          schedule=lambda args: {"schedule": "wsd", "decay_proportion": 1.0 - args.warmup,
@@ -424,10 +432,10 @@ def snakebert_run(row: str, data: Path, vocab: Path, model_keys: dict, held, see
                       out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"),
                       out_summary=str(out / "summary.json"), warmup_proportion=args.warmup, total_steps=args.steps,
                       global_batch_size=args.batch, micro_batch_size=args.batch, seed=seed, device=args.device,
-                      precision="fp32", eval_max_sequences=256, loader_workers=0,
+                      eval_max_sequences=256, loader_workers=0,
                       checkpoint_every=args.steps // args.points, log_every=args.steps,
                       threads=torch.get_num_threads(), **model_keys,
-                      **train_settings(FAMILIES[args.family].rows[row], args))
+                      **{"precision": "fp32", **train_settings(FAMILIES[args.family].rows[row], args)})
     curve, every = [], args.steps // args.points
     cpu = 0.0
     for point in range(1, args.points + 1):
@@ -473,12 +481,12 @@ def difference(a: dict, b: dict) -> tuple[float, float]:
     return a["mean"] - b["mean"], math.sqrt(a["spread"] ** 2 / a["n"] + b["spread"] ** 2 / b["n"])
 
 
-def against_what(name: str, results: dict) -> list[str]:
+def against_what(name: str, results: dict, held_against: dict | None = None) -> list[str]:
     """The rows `name` is held against: the reference for parity and unpacked, also unpacked for packed parity,
-    parity for every other recipe."""
+    for every other recipe its Row.held_against (`held_against`: name -> row; parity where not given)."""
     if name in ("parity", "unpacked"):
         return ["reference"] + (["unpacked"] if name == "parity" and "unpacked" in results else [])
-    return ["parity"]
+    return [(held_against or {}).get(name, "parity")]
 
 
 def at_tokens(rows: list[dict], tokens: float) -> dict | None:
@@ -508,14 +516,15 @@ def equal_tokens(results: dict) -> list[str]:
             f"{base['mean']:.4f}, difference {gap:+.4f} ± {Z_95 * error:.4f} (95%): {verdict}"]
 
 
-def verdicts(results: dict, baseline: float = 0.0, shared_predictions: int = 0) -> list[str]:
+def verdicts(results: dict, baseline: float = 0.0, shared_predictions: int = 0,
+             held_against: dict | None = None) -> list[str]:
     """The verdicts (module docstring) on the final points, each at 95% confidence (Z_95 standard errors)."""
     reference = results["reference"]
     lines = []
     for name, rows in results.items():
         if name == "reference":
             continue
-        for other in against_what(name, results):
+        for other in against_what(name, results, held_against):
             final, base = rows[-1], results[other][-1]
             gap, error = difference(final, base)
             verdict = ("BEHIND" if gap < -Z_95 * error else "ahead" if gap > Z_95 * error else "level") if min(
@@ -630,7 +639,10 @@ def main(argv=None) -> None:
     if set(args.rows or ()) - set(rows):
         raise UserError(f"--rows {' '.join(sorted(set(args.rows) - set(rows)))}: not a row of --family "
                         f"{args.family} (its rows: {', '.join(rows)})")
-    args.rows = args.rows or list(rows)
+    gpu_rows = [row for row in args.rows or () if rows[row].cuda_only and args.device != "cuda"]
+    if gpu_rows:
+        raise UserError(f"--rows {' '.join(gpu_rows)}: needs --device cuda (bf16 and float8 matmuls are the GPU's)")
+    args.rows = args.rows or [row for row, spec in rows.items() if args.device == "cuda" or not spec.cuda_only]
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -684,7 +696,8 @@ def measure(args) -> None:
                                                       indent=1))
         results = {name: summarize(c) for name, c in curves.items()}
     print(table(results))
-    print("\n".join(verdicts(results, baseline, shared_predictions)))
+    held_against = {name: row.held_against for name, row in FAMILIES[args.family].rows.items()}
+    print("\n".join(verdicts(results, baseline, shared_predictions, held_against)))
     plot(results, Path(args.png))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "unigram_baseline": baseline,

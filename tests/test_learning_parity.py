@@ -122,7 +122,8 @@ def test_the_bert_rows_are_nvidias_recipes_as_before_and_modernbert_s_change_one
         "parity": ("dynamic", "full_sentences", True, "adamw"),
         "unpacked": ("dynamic", "full_sentences", False, "adamw"),
         "static": ("static", "full_sentences", True, "adamw"), "nsp": ("dynamic", "nsp", True, "adamw"),
-        "lamb": ("dynamic", "full_sentences", True, "lamb")}
+        "lamb": ("dynamic", "full_sentences", True, "lamb"),
+        **{row: ("dynamic", "full_sentences", True, "adamw") for row in ("compiled", "bf16", "float8")}}
     assert all("schedule" not in train for _, train, _ in rows.values())  # poly: NVIDIA's
     assert rows["lamb"][1]["learning_rate"] == 1.6e-2 and rows["parity"][1]["learning_rate"] == 2e-3
     assert rows["parity"][1] == {"optimizer": "adamw", "weight_decay": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-6,
@@ -138,12 +139,21 @@ def test_the_bert_rows_are_nvidias_recipes_as_before_and_modernbert_s_change_one
     assert {key for _, key in changed["wsd"]} == {"decay_proportion", "decay_shape"}
     assert parity[1]["schedule"] == "wsd" and parity[1]["decay_shape"] == "linear"  # HF's linear decay
     assert changed["mask30"] >= {(0, "masked_lm_prob")} and parity[1] == recipe("modernbert", "mask30")[1]
+    for family in ("bert", "modernbert"):  # the speed rows change the step's kernels, never the recipe
+        assert {row: recipe(family, row)[1] for row in ("compiled", "bf16", "float8")} == {
+            "compiled": {**recipe(family, "parity")[1], "compile": True},
+            "bf16": {**recipe(family, "parity")[1], "precision": "bf16"},
+            "float8": {**recipe(family, "parity")[1], "precision": "bf16", "float8": True}}
+        assert learning_parity.against_what("float8", {}, {"float8": "bf16"}) == ["bf16"]
+        assert learning_parity.FAMILIES[family].rows["float8"].held_against == "bf16"
 
 
 def test_a_row_of_the_other_family_is_one_error_naming_the_family_s_rows(books):
     with pytest.raises(UserError, match=r"^--rows nsp: not a row of --family modernbert \(its rows: parity, "
-                                        r"stable_adamw, wsd, mask30\)$"):
+                                        r"stable_adamw, wsd, mask30, compiled, bf16, float8\)$"):
         learning_parity.main(["--family", "modernbert", "--text", str(books), "--rows", "parity", "nsp"])
+    with pytest.raises(UserError, match=r"^--rows float8: needs --device cuda"):
+        learning_parity.main(["--text", str(books), "--rows", "parity", "float8"])
 
 
 def test_copies_of_the_packaged_texts_give_their_documents_in_their_order(tmp_path):
