@@ -13,7 +13,7 @@ sys.path.insert(0, REPO_ROOT)
 # command, so a conda env (which blocks an inherited PYTHONPATH) and a Slurm job (which re-reads this file) get it
 shell.prefix("set -euo pipefail; export PYTHONPATH={REPO_ROOT:q}${{PYTHONPATH:+:$PYTHONPATH}}; ")
 from workflow.cli import UserError
-from workflow.config import optimizer_config_error, phase_forms_error, schedule_config_error, validate_config
+from workflow.config import PHASES, optimizer_config_error, phase_forms_error, schedule_config_error, validate_config
 from workflow.data.corpora import corpora_error
 from workflow.data.download import dump_parts, wikipedia_dump_url
 from workflow.data.masking_rule import encode_config_error
@@ -31,7 +31,7 @@ except UserError as error:
 
 def config_consistency_error(config):
     """What the schema cannot say (relations between keys), as one line naming the key; None when consistent."""
-    for phase in ("phase1", "phase2"):
+    for phase in PHASES:
         section = config["pretrain"][phase]
         key = f"pretrain.{phase}"
         error = phase_forms_error(section, key)
@@ -57,7 +57,7 @@ def config_consistency_error(config):
                     f"for task {task} (glue.overrides.{task} may set either)")
     return (optimizer_config_error(config["pretrain"])
             or next(filter(None, (schedule_config_error(config["pretrain"][phase], f"pretrain.{phase}")
-                                  for phase in ("phase1", "phase2"))), None)
+                                  for phase in PHASES)), None)
             or encode_config_error(config) or task_config_error(config) or corpora_error(config)
             or vocab_config_error(config) or model_config_error(config))
 
@@ -87,7 +87,6 @@ def config_sections(*sections):
 
 
 SPLITS = ["training", "test"]
-PHASES = ["phase1", "phase2"]
 
 
 @functools.cache
@@ -110,7 +109,7 @@ wildcard_constraints:
     split="training|test",
     index=r"\d+",
     seq=r"\d+",
-    phase="phase1|phase2",
+    phase="|".join(PHASES),
     layout=r"\d+x\d+",
 
 
@@ -166,7 +165,7 @@ def summary_squad_inputs():
 
 def pretrain_targets():
     """What `snakemake pretrain` builds: the data, both pretraining phases and the pretraining part of the report."""
-    return [hdf5_dir("phase1"), hdf5_dir("phase2"), "results/pretrain/phase2/model", *PRETRAIN_REPORT_TARGETS]
+    return [*map(hdf5_dir, PHASES), f"results/pretrain/{PHASES[-1]}/model", *PRETRAIN_REPORT_TARGETS]
 
 
 def all_targets():

@@ -4,6 +4,8 @@ Snakefile does when it starts (rules/common.smk calls validate_config), for a st
 API:
     validate_config(config, schema_path=SCHEMA) -> config   in place: defaults filled in; UserError naming the key
     load_config(path) -> config                             a YAML config file, validated
+    PHASES                                                  the pretraining phases, in order (pretrain.<phase>,
+                                                            encode.<phase>, the {phase} wildcard, --phase)
     optimizer_config_error(pretrain) -> one line or None    a key set in the section of the optimizer not chosen
                                                             (Snakefile at parse time, and the phase's own check)
     schedule_config_error(phase, key) -> one line or None   pretrain.<phase>: a wsd key set under schedule poly, or
@@ -21,6 +23,7 @@ import yaml
 from workflow.cli import UserError
 
 SCHEMA = Path(__file__).resolve().parents[1] / "config.schema.yaml"
+PHASES = ("phase1", "phase2")  # the schema's pretrain and encode sections name the same (tests/test_settings.py)
 WSD_KEYS = ("decay_proportion", "decay_shape", "final_lr_fraction")  # pretrain.<phase>'s keys of schedule wsd
 
 

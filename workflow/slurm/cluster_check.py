@@ -46,6 +46,7 @@ import torch
 
 from workflow.atomic import write_text
 from workflow.cli import UserError, config_sections
+from workflow.config import PHASES
 from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
@@ -477,7 +478,7 @@ def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, al
         ranks = gather(env, placement(env))
         bandwidth = allreduce_bus_gbps(env, allreduce_mb)
         s = TrainSettings.from_config(
-            config, "phase1", data_dir=data_dir, vocab=vocab, run_dir=str(scratch / "run"),
+            config, PHASES[0], data_dir=data_dir, vocab=vocab, run_dir=str(scratch / "run"),
             out_model=str(scratch / "model"), out_metrics=str(scratch / "metrics.jsonl"),
             out_summary=str(scratch / "summary.json"), out_telemetry=None, out_optimizer=None,
             init_from=(config.get("model") or {}).get("init_from"), threads=threads)

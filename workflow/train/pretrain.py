@@ -63,7 +63,7 @@ from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, config_sections, run
-from workflow.config import load_config, phase_forms, phase_forms_error, schedule_config_error
+from workflow.config import PHASES, load_config, phase_forms, phase_forms_error, schedule_config_error
 from workflow.data.tokenizer import Vocabulary
 from workflow.data.vocab import Normalization, vocab_file_type
 from workflow.train.engine import LoopSettings, set_threads, train
@@ -568,7 +568,7 @@ def _slow_storage() -> None:
 
 def parse_args(argv=None) -> TrainSettings:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--phase", required=True, choices=["phase1", "phase2"])
+    p.add_argument("--phase", required=True, choices=PHASES)
     config = p.add_mutually_exclusive_group(required=True)
     config.add_argument("--config", type=config_sections, help="JSON of the config sections seed, model and pretrain "
                         "(as the rule hands them over)")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, run
+from workflow.config import PHASES
 from workflow.train import distributed
 from workflow.train.pretrain import TrainSettings, pretrain
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
@@ -150,7 +151,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("benchmark", help="one layout's job (run under workflow.slurm.launch)")
-    bench.add_argument("--phase", required=True, choices=["phase1", "phase2"])
+    bench.add_argument("--phase", required=True, choices=PHASES)
     bench.add_argument("--layout", required=True, help="<nodes>x<gpus_per_node>")
     bench.add_argument("--config", required=True, help="JSON of the config sections seed, model, pretrain, scaling")
     bench.add_argument("--data-dir", required=True)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workflow.cli import UserError
+from workflow.config import PHASES
 
 log = logging.getLogger("family")
 # Each family's presets (its model module's _PRESETS), the first its default.
@@ -85,7 +86,7 @@ def model_config_error(config: dict) -> str | None:
     """The workflow config's model section (and the data's objective) as the phases will read them: the one error
     line, None when they fit."""
     try:
-        for phase in ("phase1", "phase2"):
+        for phase in PHASES:
             theta = config.get("pretrain", {}).get(phase, {}).get("global_rope_theta")
             settings = ModelSettings.from_config(config["model"], global_rope_theta=theta, phase=phase)
         family(settings.family).check_objective(config["encode"]["objective"])
