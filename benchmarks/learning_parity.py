@@ -76,7 +76,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from workflow.cli import UserError, run  # noqa: E402
-from workflow.config import SCHEMA  # noqa: E402
+from workflow.config import PHASES, SCHEMA  # noqa: E402
 from workflow.data.encode import EncodeSettings, encode_shard  # noqa: E402
 from workflow.data.hdf5_dir import build_hdf5_dir  # noqa: E402
 from workflow.data.masking_rule import derived_max_predictions  # noqa: E402
@@ -116,6 +116,7 @@ PER_TOKEN = {"masking_rule": "per_token"}  # each token masked at the rate on it
 WSD = {"schedule": "wsd", "decay_proportion": 0.2, "decay_shape": "1-sqrt", "final_lr_fraction": 0.0}  # ModernBERT's
 # decay shape, over the last 20% (Hägele et al. 2024: 1-sqrt over 20% matches cosine)
 # Each family's rows over its parity recipe, for the speed work (issue 43): learning must not change.
+SPEED_KEYS = ("compile", "precision", "float8")  # keys of the pretrain section, not of a phase
 SPEED_ROWS = {"compiled": Row(train={"compile": True}), "bf16": Row(train={"precision": "bf16"}, cuda_only=True),
               "float8": Row(train={"precision": "bf16", "float8": True}, held_against="bf16", cuda_only=True)}
 
@@ -123,7 +124,7 @@ SPEED_ROWS = {"compiled": Row(train={"compile": True}), "bf16": Row(train={"prec
 @dataclasses.dataclass(frozen=True)
 class Family:
     """What a model family changes in the benchmark: its rows, its vocab type, the model both sides train
-    (model(vocab, args, work) -> (the TrainSettings keys of our side, a function making the reference's fresh HF
+    (model(vocab, args, work) -> (the config model section of our side, a function making the reference's fresh HF
     model, a description)), and the parity recipe's schedule, which the reference follows too (schedule(args) ->
     TrainSettings keys)."""
 
@@ -151,8 +152,8 @@ def modernbert_model(vocab: Path, args, work: Path):
                     "num_attention_heads": max(1, args.hidden // 64), "intermediate_size": args.hidden * 3 // 2,
                     "local_attention": args.seq // 2, "max_position_embeddings": max(args.seq, 64)}
     keys = {"family": "modernbert", "preset": "modernbert-tiny", "architecture": architecture}
-    config, _ = model_family("modernbert").build(ModelSettings(**keys), str(vocab), read_vocab_size(str(vocab)),
-                                                 args.seq)
+    config, _ = model_family("modernbert").build(ModelSettings.from_config(keys), str(vocab),
+                                                 read_vocab_size(str(vocab)), args.seq)
     path = work / "config.json"
     config.to_json(path)
     return (keys, lambda: ModernBertForMaskedLM(HFConfig.from_json_file(str(path))),
@@ -424,23 +425,30 @@ def tokens_per_sequence(data: Path) -> float:
 
 
 def snakebert_run(row: str, data: Path, vocab: Path, model_keys: dict, held, seed: int, args, work: Path):
-    """The engine on the row's data and recipe (model_keys: the family's TrainSettings keys of the model)."""
+    """The engine on the row's data and recipe (model_keys: the family's config model section)."""
     from transformers import AutoModelForMaskedLM
 
     out = work / f"run_{row}_{seed}"
-    s = TrainSettings(phase="phase1", data_dir=str(data), vocab=str(vocab), run_dir=str(out / "run"),
-                      out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"),
-                      out_summary=str(out / "summary.json"), warmup_proportion=args.warmup, total_steps=args.steps,
-                      global_batch_size=args.batch, micro_batch_size=args.batch, seed=seed, device=args.device,
-                      eval_max_sequences=256, loader_workers=0,
-                      checkpoint_every=args.steps // args.points, log_every=args.steps,
-                      threads=torch.get_num_threads(), **model_keys,
-                      **{"precision": "fp32", **train_settings(FAMILIES[args.family].rows[row], args)})
+    phase = train_settings(FAMILIES[args.family].rows[row], args)  # the rest: the phase's own keys
+    optimizer = phase.pop("optimizer")
+    speed = {key: phase.pop(key) for key in SPEED_KEYS if key in phase}  # the speed rows' pretrain keys
+    pretrain_section = {
+        "optimizer": optimizer, optimizer: {key: phase.pop(key) for key in (*HYPER_PARAMETERS, "decouple_lr")
+                                            if key in phase},
+        "precision": "fp32", "eval_max_sequences": 256, "loader_workers": 0,
+        "checkpoint_every": args.steps // args.points, "log_every": args.steps, **speed,
+        PHASES[0]: {**phase, "warmup_proportion": args.warmup, "total_steps": args.steps,
+                    "global_batch_size": args.batch, "micro_batch_size": args.batch}}
+    s = TrainSettings.from_config({"seed": seed, "model": model_keys, "pretrain": pretrain_section}, PHASES[0],
+                                  data_dir=str(data), vocab=str(vocab), run_dir=str(out / "run"),
+                                  out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"),
+                                  out_summary=str(out / "summary.json"), device=args.device,
+                                  threads=torch.get_num_threads())
     curve, every = [], args.steps // args.points
     cpu = 0.0
     for point in range(1, args.points + 1):
         before = resource.getrusage(resource.RUSAGE_SELF)
-        summary = pretrain(TrainSettings(**{**s.__dict__, "max_steps": point * every}))
+        summary = pretrain(dataclasses.replace(s, phase=dataclasses.replace(s.phase, max_steps=point * every)))
         after = resource.getrusage(resource.RUSAGE_SELF)
         cpu += (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)  # export included: an upper bound
         model = AutoModelForMaskedLM.from_pretrained(s.out_model).to(args.device)

@@ -58,6 +58,7 @@ from workflow.train.models.modernbert import (ModernBertConfig, ModernBertForMas
                                        host_indices)
 from workflow.train.precision import autocast  # noqa: E402
 from workflow.cli import UserError  # noqa: E402
+from workflow.config import PHASES  # noqa: E402
 from workflow.train.models.fused_loss import summed_mlm_loss  # noqa: E402
 from workflow.train.optim.optimizers import make_stable_adamw  # noqa: E402
 from workflow.train.pretrain import unwrapped  # noqa: E402
@@ -187,7 +188,7 @@ def recipe_accumulation(seq: int, micro_batch: int) -> tuple[str, int]:
     otherwise): its global_batch_tokens / (micro_batch x seq), world 1."""
     recipe = yaml.safe_load(RECIPE.read_text())
     phase = next((name for name, phase in recipe["encode"].items()
-                  if isinstance(phase, dict) and phase.get("max_seq_length") == seq), "phase1")
+                  if isinstance(phase, dict) and phase.get("max_seq_length") == seq), PHASES[0])
     return phase, max(1, recipe["pretrain"][phase]["global_batch_tokens"] // (micro_batch * seq))
 
 

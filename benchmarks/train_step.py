@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from workflow.config import load_config  # noqa: E402
+from workflow.config import PHASES, load_config  # noqa: E402
 from workflow.data.pack import PackSettings, pack_arrays  # noqa: E402
 from workflow.train import accelerator  # noqa: E402
 from workflow.train.optim.lamb import Lamb, param_groups  # noqa: E402
@@ -92,7 +92,7 @@ def configured_phases(path, micro_batch1: int | None = None, micro_batch2: int |
     config = load_config(path)
     return [(phase, config["encode"][phase]["max_seq_length"], config["encode"][phase]["max_predictions_per_seq"],
              micro or config["pretrain"][phase]["micro_batch_size"])
-            for phase, micro in (("phase1", micro_batch1), ("phase2", micro_batch2))]
+            for phase, micro in zip(PHASES, (micro_batch1, micro_batch2))]
 
 
 def make_batch(config: BertConfig, batch: int, seq: int, predictions: int, device, seed: int = 0) -> dict:

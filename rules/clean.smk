@@ -7,8 +7,7 @@ INTERMEDIATES = ["data/extracted", "data/formatted", "data/punkt", "data/shards"
 
 rule clean_intermediates:
     input:
-        hdf5_dir("phase1"),
-        hdf5_dir("phase2"),
+        [hdf5_dir(phase) for phase in PHASES],
         VOCAB,
         "results/corpora.csv",  # counted from the shards and their tokens: before they go
     params:

@@ -13,7 +13,7 @@ sys.path.insert(0, REPO_ROOT)
 # command, so a conda env (which blocks an inherited PYTHONPATH) and a Slurm job (which re-reads this file) get it
 shell.prefix("set -euo pipefail; export PYTHONPATH={REPO_ROOT:q}${{PYTHONPATH:+:$PYTHONPATH}}; ")
 from workflow.cli import UserError
-from workflow.config import optimizer_config_error, phase_forms_error, schedule_config_error, validate_config
+from workflow.config import PHASES, pretrain_config_error, validate_config
 from workflow.data.corpora import corpora_error
 from workflow.data.download import dump_parts, wikipedia_dump_url
 from workflow.data.masking_rule import encode_config_error
@@ -31,15 +31,9 @@ except UserError as error:
 
 def config_consistency_error(config):
     """What the schema cannot say (relations between keys), as one line naming the key; None when consistent."""
-    for phase in ("phase1", "phase2"):
-        section = config["pretrain"][phase]
-        key = f"pretrain.{phase}"
-        error = phase_forms_error(section, key)
-        if error:
-            return error
-        if section.get("max_steps") and section.get("total_steps") and section["max_steps"] > section["total_steps"]:
-            return (f"config key '{key}.max_steps': {section['max_steps']} exceeds {key}.total_steps "
-                    f"({section['total_steps']})")
+    error = pretrain_config_error(config["pretrain"])
+    if error:
+        return error
     squad = config["squad"]
     if squad["batch_size"] % squad["micro_batch_size"]:
         return (f"config key 'squad.batch_size': {squad['batch_size']} is not a multiple of squad.micro_batch_size "
@@ -55,10 +49,7 @@ def config_consistency_error(config):
         if batch % micro:
             return (f"config key 'glue.batch_size': {batch} is not a multiple of glue.micro_batch_size ({micro}) "
                     f"for task {task} (glue.overrides.{task} may set either)")
-    return (optimizer_config_error(config["pretrain"])
-            or next(filter(None, (schedule_config_error(config["pretrain"][phase], f"pretrain.{phase}")
-                                  for phase in ("phase1", "phase2"))), None)
-            or encode_config_error(config) or task_config_error(config) or corpora_error(config)
+    return (encode_config_error(config) or task_config_error(config) or corpora_error(config)
             or vocab_config_error(config) or model_config_error(config))
 
 
@@ -67,8 +58,8 @@ def glue_setting(task, key):
     return config["glue"]["overrides"].get(task, {}).get(key, config["glue"][key])
 
 
-if config_consistency_error(config):
-    raise ValueError(config_consistency_error(config))
+if (consistency_error := config_consistency_error(config)):
+    raise ValueError(consistency_error)
 
 def config_sections(*sections):
     """A params function: the config `sections` as JSON, handed over whole to a module that validates them.
@@ -87,7 +78,6 @@ def config_sections(*sections):
 
 
 SPLITS = ["training", "test"]
-PHASES = ["phase1", "phase2"]
 
 
 @functools.cache
@@ -110,7 +100,7 @@ wildcard_constraints:
     split="training|test",
     index=r"\d+",
     seq=r"\d+",
-    phase="phase1|phase2",
+    phase="|".join(PHASES),
     layout=r"\d+x\d+",
 
 
@@ -166,7 +156,7 @@ def summary_squad_inputs():
 
 def pretrain_targets():
     """What `snakemake pretrain` builds: the data, both pretraining phases and the pretraining part of the report."""
-    return [hdf5_dir("phase1"), hdf5_dir("phase2"), "results/pretrain/phase2/model", *PRETRAIN_REPORT_TARGETS]
+    return [*map(hdf5_dir, PHASES), f"results/pretrain/{PHASES[-1]}/model", *PRETRAIN_REPORT_TARGETS]
 
 
 def all_targets():

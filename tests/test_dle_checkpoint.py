@@ -33,7 +33,8 @@ from workflow.train.pretrain import pretrain
 
 def build_model(preset, bert_config, init_from, vocab_size, seq_length, vocab=None):
     """The BERT family's model as the phase builds it."""
-    settings = ModelSettings(family="bert", preset=preset, bert_config=bert_config, init_from=init_from)
+    settings = ModelSettings.from_config({"family": "bert", "preset": preset, "bert_config": bert_config,
+                                          "init_from": init_from})
     return family("bert").build(settings, vocab, vocab_size, seq_length)
 
 

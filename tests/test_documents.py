@@ -1,7 +1,6 @@
 """encode.objective: documents (RoBERTa's DOC-SENTENCES): each instance one document's contiguous sentences, packed,
 and no token attending into another instance in either family's model (rows with block-diagonal masks, unpadded
 varlen); trained like full_sentences, without NSP."""
-import dataclasses
 import json
 
 import h5py
@@ -133,6 +132,7 @@ def test_both_families_train_documents_without_next_sentence_prediction():
 
 def test_documents_with_per_token_masks_train_without_nsp_resume_exactly_and_score_at_15_percent(sample, tmp_path):
     from tests.test_objective import tiny_settings
+    from tests.test_pretrain import replace
     from workflow.train.models.bert import load_pretrained
     from workflow.train.pretrain import pretrain
 
@@ -156,7 +156,7 @@ def test_documents_with_per_token_masks_train_without_nsp_resume_exactly_and_sco
     assert abs(summary["test_predictions"] - 0.15 * tokens) < 6 * (0.15 * 0.85 * tokens) ** 0.5
     stopped = tiny_settings(tmp_path, tmp_path / "stopped", eval_max_sequences=None, max_steps=3)
     pretrain(stopped)
-    resumed = pretrain(dataclasses.replace(stopped, max_steps=None))
+    resumed = pretrain(replace(stopped, max_steps=None))
     assert resumed["test_mlm_accuracy"] == summary["test_mlm_accuracy"]
     _, expected = load_pretrained(straight.out_model)
     _, after_resume = load_pretrained(stopped.out_model)

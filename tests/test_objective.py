@@ -1,7 +1,6 @@
 """encode.objective: full_sentences (RoBERTa's FULL-SENTENCES rows, no NSP) with dynamic masking: the rows, the
 bytes against the default recipe, training without NSP, an exact resume (bitwise on one rank, within 1e-5 from 2
 ranks to 1), the export without the NSP head, and a refused resume when the masking or the objective changes."""
-import dataclasses
 import json
 import re
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from tests.fixtures.real_shaped_text import tokenized_sample
-from tests.test_pretrain import _free_port, _rank_worker, command, settings
+from tests.test_pretrain import _free_port, _rank_worker, command, replace, settings
 from workflow.cli import run
 from workflow.data.encode import EncodeSettings, Vocab, encode_shard, plan_full_sentences
 from workflow.data.pack import PackSettings
@@ -118,7 +117,7 @@ def test_full_sentences_train_without_nsp_resume_exactly_and_export_a_masked_lm(
     assert all(m["nsp_loss"] == 0 for m in metrics) and metrics[-1]["mlm_loss"] < metrics[0]["mlm_loss"]
     stopped = tiny_settings(data, tmp_path / "stopped", max_steps=3)
     pretrain(stopped)
-    resumed_summary = pretrain(dataclasses.replace(stopped, max_steps=None))
+    resumed_summary = pretrain(replace(stopped, max_steps=None))
     # The held-out set's masks are fixed: the same weights score the same.
     assert resumed_summary["test_mlm_accuracy"] == summary["test_mlm_accuracy"] and summary["test_predictions"] > 0
     _, expected = load_pretrained(straight.out_model)
@@ -136,7 +135,7 @@ def test_full_sentences_train_without_nsp_resume_exactly_and_export_a_masked_lm(
 def test_a_change_of_masking_or_objective_refuses_to_resume_in_one_line(full_sentence_data, tmp_path, capsys):
     s = tiny_settings(full_sentence_data["default"], tmp_path / "out", max_steps=1)
     pretrain(s)
-    other = dataclasses.replace(s, data_dir=str(full_sentence_data["full"] / "hdf5"), max_steps=2)
+    other = replace(s, data_dir=str(full_sentence_data["full"] / "hdf5"), max_steps=2)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         run(main, command(other)[3:])

@@ -1,12 +1,11 @@
 """A phase given in row tokens (global_batch_tokens, total_tokens: rows x max_seq_length, ModernBERT's count) becomes
 sequences and steps by the data's rows a sequence, read from manifest.json or, without one, the shards alike; and
 such a phase trains on packed rows of as many sequences as fit."""
-import dataclasses
 
 import pytest
 
 from tests.test_full_rows import recipe_settings, short_documents
-from tests.test_pretrain import config_of, settings
+from tests.test_pretrain import config_of, replace, settings
 from workflow.data.encode import encode_shard
 from workflow.data.hdf5_dir import build_hdf5_dir
 from workflow.data.pack import AUTO, PackSettings
@@ -42,11 +41,11 @@ def test_a_phase_in_row_tokens_trains_its_steps_of_sequences_on_rows_of_as_many_
     paths = {key: getattr(s, key) for key in ("data_dir", "vocab", "run_dir", "out_model", "out_metrics",
                                                "out_summary")}
     converted = TrainSettings.from_config(config, "phase1", **paths)
-    assert converted.global_batch_size == round(16 * 32 / per_sequence) > 16  # rows of 32 hold several sequences
-    assert converted.total_steps == 5
-    summary = pretrain(dataclasses.replace(s, global_batch_size=converted.global_batch_size,
-                                           total_steps=converted.total_steps, eval_max_sequences=16))
-    assert summary["steps"] == 5 and summary["global_batch_size"] == converted.global_batch_size
+    assert converted.phase.global_batch_size == round(16 * 32 / per_sequence) > 16  # rows of 32 hold several
+    assert converted.phase.total_steps == 5
+    summary = pretrain(replace(s, global_batch_size=converted.phase.global_batch_size,
+                               total_steps=converted.phase.total_steps, eval_max_sequences=16))
+    assert summary["steps"] == 5 and summary["global_batch_size"] == converted.phase.global_batch_size
 
 
 @pytest.mark.parametrize("tokens", [1, 10**12])

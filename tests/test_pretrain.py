@@ -21,7 +21,8 @@ from workflow.cli import UserError, run
 from workflow.config import validate_config
 from workflow.train.models.bert import BertConfig, load_pretrained
 from workflow.train.engine import accumulation_steps
-from workflow.train.pretrain import LAMB_KEYS, PHASE_KEYS, TrainSettings, main, pretrain
+from workflow.train.pretrain import TrainSettings, main, pretrain
+from workflow.train.settings import OptimizerSettings, PhaseSettings, PretrainSettings
 from workflow.data.synthetic_shards import write_synthetic_shards
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
@@ -44,7 +45,32 @@ def bert_config(path, dropout=0.1):
     return str(path)
 
 
+def _names(settings_class) -> set:
+    return {field.name for field in dataclasses.fields(settings_class)}
+
+
+def config_from(phase: str, values: dict) -> dict:
+    """The config sections (seed, model, pretrain) that set `values`, flat keys each in its section: a phase's,
+    the pretrain section's, its optimizer's or the model's."""
+    optimizer = values.get("optimizer", "lamb")
+    config = {"model": {}, "pretrain": {phase: {}, optimizer: {}}}
+    for key, value in values.items():
+        if key == "seed":
+            config["seed"] = value
+        elif key in _names(PhaseSettings):
+            config["pretrain"][phase][key] = value
+        elif key in _names(OptimizerSettings):
+            config["pretrain"][optimizer][key] = value
+        elif key in _names(PretrainSettings):
+            config["pretrain"][key] = value
+        else:
+            config["model"][key] = value
+    return config
+
+
 def settings(data, out, **overrides) -> TrainSettings:
+    """A tiny BERT's phase-1 settings on `data`, flat keys of any section overriding (config_from), the rest the
+    schema's defaults."""
     out = Path(out)
     values = dict(phase="phase1", data_dir=str(data / "hdf5"), vocab=str(data / "hdf5" / "vocab.txt"),
                   run_dir=str(out / "run"), out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"),
@@ -53,21 +79,36 @@ def settings(data, out, **overrides) -> TrainSettings:
                   bert_config=bert_config(out.parent / f"{out.name}_bert_config.json"), device="cpu", log_every=10,
                   checkpoint_every=50, seed=7, threads=1)
     values.update(overrides)
-    return TrainSettings(**values)
+    phase = values.pop("phase")
+    job = {key: values.pop(key) for key in list(values)
+           if key in _names(TrainSettings) - {"seed", "model", "pretrain"} | {"init_from"}}
+    return TrainSettings.from_config(config_from(phase, values), phase, **job)
+
+
+def replace(s: TrainSettings, **changes) -> TrainSettings:
+    """`s` with flat keys changed in their sections (as config_from places them)."""
+    parts = {part: dataclasses.replace(getattr(s, part), **{key: changes.pop(key) for key in list(changes)
+                                                            if key in _names(type(getattr(s, part))) - {"optimizer"}})
+             for part in ("phase", "pretrain", "model")}
+    return dataclasses.replace(s, **parts, **changes)
 
 
 def config_of(s: TrainSettings) -> dict:
     """The workflow config sections (seed, model, pretrain) that give `s`."""
-    section = {key: getattr(s, key) for key in ("precision", "checkpoint_every", "keep_checkpoints", "log_every",
-                                                  "eval_max_sequences", "compile", "compile_mode", "loader_workers")}
-    section["lamb"] = {key: getattr(s, key) for key in LAMB_KEYS}
-    section[s.phase] = {key: getattr(s, key) for key in PHASE_KEYS}
-    return {"seed": s.seed, "model": {"preset": s.preset, "bert_config": s.bert_config, "init_from": s.init_from},
-            "pretrain": section}
+    phase = {key: getattr(s.phase, key) for key in _names(PhaseSettings) - {"name"}
+             if getattr(s.phase, key) is not None or key == "max_steps"}
+    pretrain = {key: getattr(s.pretrain, key) for key in _names(PretrainSettings) - {"optimizer"}}
+    optimizer = s.pretrain.optimizer
+    section = {key: getattr(optimizer, key) for key in _names(OptimizerSettings) - {"name"}
+               if getattr(optimizer, key) is not None or key == "max_grad_norm"}
+    model = {key: getattr(s.model, key) for key in ("family", "preset", "architecture", "bert_config", "init_from",
+                                                     "dle_gelu")}
+    return {"seed": s.seed, "model": model,
+            "pretrain": {**pretrain, "optimizer": optimizer.name, optimizer.name: section, s.phase.name: phase}}
 
 
 def command(s: TrainSettings) -> list[str]:
-    argv = [sys.executable, "-m", "workflow.train.pretrain", "--phase", s.phase, "--config", json.dumps(config_of(s)),
+    argv = [sys.executable, "-m", "workflow.train.pretrain", "--phase", s.phase.name, "--config", json.dumps(config_of(s)),
             "--data-dir", s.data_dir, "--vocab", s.vocab, "--run-dir", s.run_dir,
             "--out-dir", str(Path(s.out_model).parent), "--device", s.device, "--threads", str(s.threads)]
     return argv + (["--deterministic"] if s.deterministic else [])
@@ -656,7 +697,7 @@ def test_a_change_of_the_math_refuses_to_resume_and_deletes_nothing(data, tmp_pa
     s = settings(data, tmp_path / "out", total_steps=20, max_steps=2, checkpoint_every=1, eval_max_sequences=16)
     pretrain(s)
     before = sorted(p.name for p in (Path(s.run_dir) / "checkpoints").iterdir())
-    changed = dataclasses.replace(s, learning_rate=2e-2, seed=8, max_steps=4, micro_batch_size=8)
+    changed = replace(s, learning_rate=2e-2, seed=8, max_steps=4, micro_batch_size=8)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         run(main, command(changed)[3:])
@@ -667,7 +708,7 @@ def test_a_change_of_the_math_refuses_to_resume_and_deletes_nothing(data, tmp_pa
                      f"to start over, move or delete {s.run_dir} (nothing was deleted)"]
     assert sorted(p.name for p in (Path(s.run_dir) / "checkpoints").iterdir()) == before
     # A change that keeps the math (micro-batch size, max_steps, cadence) resumes.
-    pretrain(dataclasses.replace(s, max_steps=4, micro_batch_size=8, log_every=2))
+    pretrain(replace(s, max_steps=4, micro_batch_size=8, log_every=2))
     assert [m["step"] for m in read_metrics(s.out_metrics)] == [2, 4]  # log_every 10 before, 2 now
 
 
@@ -832,7 +873,7 @@ def test_a_resume_on_other_data_or_optimizer_refuses_with_one_error_line(tmp_pat
             expected += r"; training data settings\.masked_lm_prob 0\.15 -> 0\.2"
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        run(main, command(dataclasses.replace(s, max_steps=2))[3:])
+        run(main, command(replace(s, max_steps=2))[3:])
     assert exit_info.value.code == 1
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and re.fullmatch(
@@ -843,16 +884,16 @@ def test_a_resume_on_other_data_or_optimizer_refuses_with_one_error_line(tmp_pat
 
 def test_a_phase_runs_outside_snakemake_from_the_config_file_validated_as_the_workflow_does(data, tmp_path, capsys):
     s = settings(data, tmp_path / "out", total_steps=2, checkpoint_every=2, eval_max_sequences=16)
-    config = {"seed": s.seed, "model": {"preset": "tiny", "bert_config": s.bert_config},
+    config = {"seed": s.seed, "model": {"preset": "tiny", "bert_config": s.model.bert_config},
               "vocab": {"lowercase": False},
-              "pretrain": {"loader_workers": 0, "phase1": {key: getattr(s, key) for key in PHASE_KEYS}}}
+              "pretrain": {"loader_workers": 0, "phase1": config_of(s)["pretrain"]["phase1"]}}
     configfile = tmp_path / "config.yaml"
     configfile.write_text(json.dumps(config))  # YAML is a superset of JSON
     arguments = [arg for arg in command(s)[3:] if arg != "--config"]
     arguments.remove(json.dumps(config_of(s)))
     run(main, [*arguments, "--configfile", str(configfile)])
     summary = json.loads(Path(s.out_summary).read_text())
-    assert summary["steps"] == 2 and summary["global_batch_size"] == s.global_batch_size
+    assert summary["steps"] == 2 and summary["global_batch_size"] == s.phase.global_batch_size
     assert json.loads((Path(s.out_model) / "tokenizer_config.json").read_text())["do_lower_case"] is False
     # The schema's defaults filled in (pretrain.lamb, precision), and a bad key named as Snakemake names it.
     assert summary["precision"] == "fp32" and summary["optimizer"] == "torch.Lamb"
@@ -871,10 +912,11 @@ def test_phase2_starts_from_an_adamw_phase1_and_a_switch_of_optimizer_refuses_to
                                                         "eps": 1e-8, "max_grad_norm": 0.5, "fused": True})
     s = TrainSettings.from_config(config, "phase1", **{k: getattr(settings(data, tmp_path / "p1"), k) for k in (
         "data_dir", "vocab", "run_dir", "out_model", "out_metrics", "out_summary")})
-    assert (s.optimizer, s.weight_decay, s.beta2, s.eps, s.max_grad_norm) == ("adamw", 0.02, 0.98, 1e-8, 0.5)
-    s = dataclasses.replace(s, bert_config=settings(data, tmp_path / "p1").bert_config, device="cpu", threads=1,
-                            total_steps=20, max_steps=2, checkpoint_every=1, eval_max_sequences=16,
-                            out_optimizer=str(tmp_path / "p1" / "optimizer_state.pt"))
+    o = s.pretrain.optimizer
+    assert (o.name, o.weight_decay, o.beta2, o.eps, o.max_grad_norm) == ("adamw", 0.02, 0.98, 1e-8, 0.5)
+    s = replace(s, bert_config=settings(data, tmp_path / "p1").model.bert_config, device="cpu", threads=1,
+                total_steps=20, max_steps=2, checkpoint_every=1, eval_max_sequences=16,
+                out_optimizer=str(tmp_path / "p1" / "optimizer_state.pt"))
     assert pretrain(s)["optimizer"] == "torch.AdamW"
     phase2 = settings(data, tmp_path / "p2", phase="phase2", init_from=s.out_model, init_optimizer=s.out_optimizer,
                       bert_config=None, total_steps=4, max_steps=2, eval_max_sequences=16)
@@ -882,7 +924,8 @@ def test_phase2_starts_from_an_adamw_phase1_and_a_switch_of_optimizer_refuses_to
     assert summary["optimizer"] == "torch.Lamb" and summary["steps"] == 2
     with pytest.raises(UserError, match=r"its checkpoints belong to a run with other settings \(optimizer "
                                         r"torch\.AdamW -> torch\.Lamb\)"):
-        pretrain(dataclasses.replace(s, optimizer="lamb", max_steps=4))
+        lamb = settings(data, tmp_path / "p1").pretrain.optimizer
+        pretrain(replace(dataclasses.replace(s, pretrain=dataclasses.replace(s.pretrain, optimizer=lamb)), max_steps=4))
 
 
 def test_a_key_set_for_the_optimizer_not_chosen_is_one_error_naming_it(data, tmp_path, capsys):
@@ -894,4 +937,4 @@ def test_a_key_set_for_the_optimizer_not_chosen_is_one_error_naming_it(data, tmp
                                         r"instead, or pretrain\.optimizer: lamb$"):
         TrainSettings.from_config(config, "phase1", **paths)
     config["pretrain"]["lamb"]["weight_decay"] = 0.01  # the default: nothing set that AdamW would ignore
-    assert TrainSettings.from_config(config, "phase1", **paths).optimizer == "adamw"
+    assert TrainSettings.from_config(config, "phase1", **paths).pretrain.optimizer.name == "adamw"

@@ -376,7 +376,8 @@ def test_pretraining_runs_on_data_tokenized_and_encoded_with_the_models_own_toke
     from workflow.data.masking_rule import EncodeSettings
     from workflow.data.pack import PackSettings
     from workflow.data.tokenize import tokenize_shard
-    from workflow.train.pretrain import TrainSettings, pretrain
+    from tests.test_pretrain import settings as train_settings
+    from workflow.train.pretrain import pretrain
 
     model_type, path = tokenizer_json
     (tmp_path / "text.txt").write_text("\n\n".join(TEXT.replace(". ", ".\n") for _ in range(4)))
@@ -389,13 +390,11 @@ def test_pretraining_runs_on_data_tokenized_and_encoded_with_the_models_own_toke
                      None, PackSettings())
     build_hdf5_dir(tmp_path / "encoded", {"training": 1, "test": 1}, tmp_path / "hdf5")
     out = tmp_path / "out"
-    summary = pretrain(TrainSettings(
-        phase="phase1", data_dir=str(tmp_path / "hdf5"), vocab=str(path), run_dir=str(out / "run"),
-        out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"), out_summary=str(out / "summary.json"),
-        learning_rate=1e-3, warmup_proportion=0.1, total_steps=4, global_batch_size=8, micro_batch_size=4,
-        family="roberta", preset="roberta-tiny", architecture={"model_type": model_type, "hidden_size": 32,
-                                                               "intermediate_size": 64},
-        optimizer="adamw", device="cpu", log_every=2, checkpoint_every=4, threads=1, eval_max_sequences=32))
+    summary = pretrain(train_settings(
+        tmp_path, out, vocab=str(path), learning_rate=1e-3, warmup_proportion=0.1, total_steps=4,
+        global_batch_size=8, micro_batch_size=4, family="roberta", preset="roberta-tiny", bert_config=None,
+        architecture={"model_type": model_type, "hidden_size": 32, "intermediate_size": 64}, optimizer="adamw",
+        log_every=2, checkpoint_every=4, seed=12345, eval_max_sequences=32))
     assert (summary["family"], summary["steps"], summary["model"]["model_type"]) == ("roberta", 4, model_type)
     assert summary["test_mlm_accuracy"] >= 0 and summary["test_nsp_accuracy"] == 0.0
     hf = getattr(transformers, HF_CLASSES[model_type][1]).from_pretrained(out / "model")

@@ -148,7 +148,7 @@ def test_a_run_with_a_batch_ramp_stopped_mid_ramp_resumes_on_other_ranks_like_an
     assert sum(m["real_tokens"] for m in read_metrics(elastic / "metrics.jsonl")) == real
     lines = read_metrics(straight.out_metrics)
     assert [m["window_sequences"] for m in lines] == [ramp.batch_at(k) for k in range(8)]
-    seconds = training_time(pd.DataFrame(lines), straight.global_batch_size)  # the report's time axis
+    seconds = training_time(pd.DataFrame(lines), straight.phase.global_batch_size)  # the report's time axis
     assert seconds.iloc[-1] == pytest.approx(sum(m["window_sequences"] / m["seq_per_s"] for m in lines))
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert summary["sequences"] == 78 and summary["optimizer"].startswith("optimi.StableAdamW")

@@ -4,14 +4,21 @@ Snakefile does when it starts (rules/common.smk calls validate_config), for a st
 API:
     validate_config(config, schema_path=SCHEMA) -> config   in place: defaults filled in; UserError naming the key
     load_config(path) -> config                             a YAML config file, validated
+    schema_defaults(section) -> dict                        a section as a config that leaves it out has it: how
+                                                            code and tests without a config file get the defaults
+    PHASES                                                  the pretraining phases, in order (pretrain.<phase>,
+                                                            encode.<phase>, the {phase} wildcard, --phase)
+    pretrain_config_error(pretrain) -> one line or None     the pretrain section's relations between keys, each
+                                                            phase's and the optimizer's below: the Snakefile's check
+                                                            at parse time and the job's, one function
     optimizer_config_error(pretrain) -> one line or None    a key set in the section of the optimizer not chosen
-                                                            (Snakefile at parse time, and the phase's own check)
     schedule_config_error(phase, key) -> one line or None   pretrain.<phase>: a wsd key set under schedule poly, or
-                                                            warm-up and decay longer than the phase (the same)
+                                                            warm-up and decay longer than the phase
 """
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from pathlib import Path
 
@@ -21,7 +28,11 @@ import yaml
 from workflow.cli import UserError
 
 SCHEMA = Path(__file__).resolve().parents[1] / "config.schema.yaml"
+PHASES = ("phase1", "phase2")  # the schema's pretrain and encode sections name the same (tests/test_settings.py)
 WSD_KEYS = ("decay_proportion", "decay_shape", "final_lr_fraction")  # pretrain.<phase>'s keys of schedule wsd
+# pretrain.<phase>.schedule where the section leaves it out (the schema: "absent = poly"). Not a schema default: one
+# would write itself into every phase section, and so into the params of phases already trained.
+DEFAULT_SCHEDULE = "poly"
 
 
 def _with_defaults(validator_class):
@@ -50,14 +61,24 @@ def config_error(config: dict, schema: dict) -> str:
     return f"config key '{key}': {error.message}"
 
 
-def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA) -> dict:
+@functools.cache
+def _schema(schema_path: str) -> dict:
     with open(schema_path) as stream:
-        schema = yaml.safe_load(stream)
+        return yaml.safe_load(stream)
+
+
+def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA) -> dict:
+    schema = _schema(str(schema_path))
     try:
         _with_defaults(jsonschema.Draft202012Validator)(schema).validate(config)
     except jsonschema.exceptions.ValidationError:
         raise UserError(config_error(config, schema)) from None
     return config
+
+
+def schema_defaults(section: str) -> dict:
+    """The config `section` as the schema's defaults make it (a fresh copy)."""
+    return validate_config({})[section]
 
 
 def load_config(path: str | os.PathLike) -> dict:
@@ -69,12 +90,26 @@ def load_config(path: str | os.PathLike) -> dict:
     return validate_config(config)
 
 
+def pretrain_config_error(pretrain: dict) -> str | None:
+    """The config's pretrain section (defaults filled in): what the schema cannot say (relations between keys), as
+    one line naming the key; None when consistent."""
+    for phase in PHASES:
+        section, key = pretrain[phase], f"pretrain.{phase}"
+        error = phase_forms_error(section, key) or schedule_config_error(section, key)
+        if error:
+            return error
+        if section.get("max_steps") and section.get("total_steps") and section["max_steps"] > section["total_steps"]:
+            return (f"config key '{key}.max_steps': {section['max_steps']} exceeds {key}.total_steps "
+                    f"({section['total_steps']})")
+    return optimizer_config_error(pretrain)
+
+
 def optimizer_config_error(pretrain: dict) -> str | None:
     """The config's pretrain section (defaults filled in): a key of the section of an optimizer not chosen
     (pretrain.lamb with pretrain.optimizer: adamw, pretrain.stable_adamw with lamb, ...) set to other than its default
     would do nothing; the line naming it, None when there is none."""
-    schema = yaml.safe_load(SCHEMA.read_text())["properties"]["pretrain"]["properties"]
-    chosen = pretrain.get("optimizer", schema["optimizer"]["default"])
+    schema = _schema(str(SCHEMA))["properties"]["pretrain"]["properties"]
+    chosen = pretrain["optimizer"]
     for other in schema["optimizer"]["enum"]:
         defaults = {key: value.get("default") for key, value in schema[other]["properties"].items()}
         for key, value in pretrain.get(other, {}).items() if other != chosen else ():
@@ -110,7 +145,7 @@ def phase_forms_error(phase: dict, key: str) -> str | None:
 def schedule_config_error(phase: dict, key: str) -> str | None:
     """`phase`: the config's pretrain.<phase> section (key: its dotted name). A wsd key under schedule poly would do
     nothing; warm-up plus decay longer than the phase has no stable stretch to stand on."""
-    if phase.get("schedule", "poly") == "poly":
+    if phase.get("schedule", DEFAULT_SCHEDULE) == "poly":
         for name in WSD_KEYS:
             if phase.get(name) is not None:
                 return (f"config {key}.{name}: {phase[name]} is set, but {key}.schedule is poly (NVIDIA's), which "

@@ -8,7 +8,7 @@ def cluster_check_data(wildcards):
     if config["cluster_check"]["data"] == "synthetic":
         return {"data": f"{SYNTHETIC_CHECK_DATA}/hdf5",
                 "vocab": f"{SYNTHETIC_CHECK_DATA}/vocab.txt"}
-    return {"data": hdf5_dir("phase1"), "vocab": VOCAB}
+    return {"data": hdf5_dir(PHASES[0]), "vocab": VOCAB}
 
 
 def given_vocab(wildcards):

@@ -2,12 +2,13 @@
 
 
 def pretrain_inputs(wildcards):
-    """A phase's data and vocab; phase 2 also starts from phase 1's export (and LAMB moments)."""
+    """A phase's data and vocab; a later phase also starts from the previous one's export (and LAMB moments)."""
     inputs = {"data": hdf5_dir(wildcards.phase), "vocab": VOCAB}
-    if wildcards.phase == "phase2":
-        inputs["init"] = "results/pretrain/phase1/model"
+    if wildcards.phase != PHASES[0]:
+        previous = f"results/pretrain/{PHASES[PHASES.index(wildcards.phase) - 1]}"
+        inputs["init"] = f"{previous}/model"
         if config["pretrain"]["carry_optimizer_state"]:
-            inputs["init_optimizer"] = "results/pretrain/phase1/optimizer_state.pt"
+            inputs["init_optimizer"] = f"{previous}/optimizer_state.pt"
     return inputs
 
 
@@ -25,14 +26,14 @@ def pretrain_recipe(wildcards):
     cadence (eval_every included: a rerun would not revisit trained steps), micro-batch size or threads."""
     pretrain = config["pretrain"]
     recipe = {key: value for key, value in pretrain[wildcards.phase].items() if key != "micro_batch_size"}
-    optimizer = pretrain.get("optimizer", "lamb")
+    optimizer = pretrain["optimizer"]
     # LAMB's recipe as before AdamW existed (no rerun of finished phases); another optimizer's names its section
     recipe.update({"lamb": pretrain["lamb"]} if optimizer == "lamb" else {"optimizer": optimizer,
                                                                             optimizer: pretrain[optimizer]})
     recipe.update(precision=pretrain["precision"], seed=config["seed"],
                   eval_max_sequences=pretrain["eval_max_sequences"], eval_seed=pretrain["eval_seed"],
                   model=config["model"])
-    if wildcards.phase == "phase2":
+    if wildcards.phase != PHASES[0]:
         recipe["carry_optimizer_state"] = pretrain["carry_optimizer_state"]
         recipe["model"] = {k: v for k, v in config["model"].items() if k != "init_from"}  # phase 1's export
     return recipe
@@ -47,7 +48,7 @@ def finetune_init(section):
     when such a file lacks either key."""
     init = config[section]["init_from"]
     if not init:
-        return "results/pretrain/phase2/model"
+        return f"results/pretrain/{PHASES[-1]}/model"
     if not os.path.isfile(init):
         return init
     if (config["model"].get("family") or "bert") != "bert":

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from workflow.config import PHASES
 from workflow.data.tokenizer import Vocabulary
 
 MASKINGS = ("static", "dynamic")
@@ -110,7 +111,7 @@ def settings_of_config(encode: dict, phase: str, max_predictions_per_seq: int = 
 def encode_config_error(config: dict) -> str | None:
     """What the schema cannot say of the encode section, as one line naming the key; None when it fits."""
     encode = config["encode"]
-    for phase in ("phase1", "phase2"):
+    for phase in PHASES:
         key = f"encode.{phase}.max_predictions_per_seq"
         given = encode[phase].get("max_predictions_per_seq")
         length = encode[phase]["max_seq_length"]

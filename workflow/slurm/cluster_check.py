@@ -46,6 +46,7 @@ import torch
 
 from workflow.atomic import write_text
 from workflow.cli import UserError, config_sections
+from workflow.config import PHASES
 from workflow.train import accelerator
 from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
@@ -149,8 +150,8 @@ def packed_unpacked_losses(s: TrainSettings, model_dir: Path, env, sequences: in
     shards = list_shards(s.data_dir, "training")
     if not shards[0].packed:
         return {"packed": False}
-    _, model = family(s.family).build(dataclasses.replace(s.model_settings, init_from=str(model_dir)), s.vocab,
-                                      read_vocab_size(s.vocab), shards[0].seq_length)
+    _, model = family(s.model.family).build(dataclasses.replace(s.model, init_from=str(model_dir)), s.vocab,
+                                            read_vocab_size(s.vocab), shards[0].seq_length)
     model.to(env.device).eval()
     reader = PretrainingSequences(shards, s.seed)
     try:
@@ -454,17 +455,18 @@ def gather(env, value) -> list:
 
 def check_fast_paths(s: TrainSettings, shards, env, scratch: Path, sequences: int = 16) -> dict:
     """fast_paths with the phase-1 settings: the configured model (fresh weights), this rank's first sequences."""
-    config, _ = family(s.family).build(dataclasses.replace(s.model_settings, init_from=None), s.vocab,
-                                       read_vocab_size(s.vocab), shards[0].seq_length)
+    config, _ = family(s.model.family).build(dataclasses.replace(s.model, init_from=None), s.vocab,
+                                             read_vocab_size(s.vocab), shards[0].seq_length)
     reader = PretrainingSequences(shards, s.seed)
     try:
         batch = reader.read(env.rank * sequences, sequences)
     finally:
         reader.close()
     with accelerator.full_fp32():
-        return fast_paths(config, batch, env, resolve_precision(s.precision, env.device, "pretrain.precision"),
-                          s.fused, scratch, family(s.family), s.optimizer, s.compile_mode if s.compile else None,
-                          s.fused_loss, s.float8)
+        p = s.pretrain
+        return fast_paths(config, batch, env, resolve_precision(p.precision, env.device, "pretrain.precision"),
+                          p.optimizer.fused, scratch, family(s.model.family), p.optimizer.name,
+                          p.compile_mode if p.compile else None, p.fused_loss, p.float8)
 
 
 def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, allreduce_mb: int,
@@ -477,10 +479,10 @@ def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, al
         ranks = gather(env, placement(env))
         bandwidth = allreduce_bus_gbps(env, allreduce_mb)
         s = TrainSettings.from_config(
-            config, "phase1", data_dir=data_dir, vocab=vocab, run_dir=str(scratch / "run"),
+            config, PHASES[0], data_dir=data_dir, vocab=vocab, run_dir=str(scratch / "run"),
             out_model=str(scratch / "model"), out_metrics=str(scratch / "metrics.jsonl"),
             out_summary=str(scratch / "summary.json"), out_telemetry=None, out_optimizer=None,
-            init_from=(config.get("model") or {}).get("init_from"), threads=threads)
+            threads=threads)
         shards = list_shards(data_dir, "training")
         fast = gather(env, check_fast_paths(s, shards, env, scratch / "fast_paths"))
         if env.is_main:
@@ -491,9 +493,12 @@ def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, al
         # steps of about one micro-batch (micro_batch_size rows) per rank: the phase's shapes, not its accumulation
         per_row = sum(shard.n for shard in shards) / sum(shard.rows for shard in shards)
         # (no batch-size warm-up: every step the same shapes)
-        s = dataclasses.replace(s, global_batch_size=max(1, int(s.micro_batch_size * per_row)) * env.world_size,
-                                batch_size_warmup=None, max_steps=min(steps, s.total_steps), checkpoint_every=steps,
-                                log_every=max(2, steps // 4))  # a step between log lines: its syncs are counted
+        phase = dataclasses.replace(
+            s.phase, global_batch_size=max(1, int(s.phase.micro_batch_size * per_row)) * env.world_size,
+            batch_size_warmup=None, max_steps=min(steps, s.phase.total_steps))
+        # a step between log lines: its syncs are counted
+        s = dataclasses.replace(s, phase=phase, pretrain=dataclasses.replace(
+            s.pretrain, checkpoint_every=steps, log_every=max(2, steps // 4)))
         with engine.measured_host_syncs() as syncs:
             summary = train_phase(s, env)
         distributed.barrier()  # rank 0 has exported the model the comparison loads
@@ -503,7 +508,7 @@ def check(config: dict, data_dir: str, vocab: str, scratch: Path, steps: int, al
         result = None
         if env.is_main:
             result = {"world_size": env.world_size, "ranks": ranks, "fast_paths": fast, "allreduce_mb": allreduce_mb,
-                      "allreduce_bus_gbps": bandwidth, "preset": s.preset, "precision": summary["precision"],
+                      "allreduce_bus_gbps": bandwidth, "preset": s.model.preset, "precision": summary["precision"],
                       "optimizer": summary["optimizer"], "seq_length": summary["seq_length"], "steps": summary["steps"],
                       "sequences_per_second": summary["seq_per_s"], "real_tokens_per_s": summary["real_tokens_per_s"],
                       "test_mlm_accuracy": summary.get("test_mlm_accuracy"),

@@ -1,11 +1,12 @@
 """Pretraining (one phase) of the configured model family: the pretraining task (data, heads, loss) plugged into the training engine.
 
 API:
-    TrainSettings.from_config(config, phase, **paths)   the phase's settings from the workflow config (validated)
+    TrainSettings.from_config(config, phase, **paths)   the phase's settings, read once from the workflow config
+                           (validated, the schema's defaults filled in) into workflow/train/settings.py's objects
     pretrain(settings)     train (resuming from `run_dir/checkpoints`), evaluate on the fixed held-out set
                            (workflow/train/evaluation.py) every `eval_every` steps and at the end, export;
                            returns the summary dict
-    family(s.family)       the model family's build, fingerprint, FLOPs and export (workflow/train/models/family.py:
+    family(s.model.family) the model family's build, fingerprint, FLOPs and export (workflow/train/models/family.py:
                            BERT from a preset / bert_config.json / HF directory / DLE checkpoint; ModernBERT)
     PretrainingTask        the engine's Task: global sequence order, MLM + NSP loss normalised over the global batch
 
@@ -46,6 +47,7 @@ workflow/train/engine.py for resume (elastic), refusals, stop signals and SNAKEB
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import logging
@@ -63,7 +65,7 @@ from workflow.train import checkpoint as ckpt
 from workflow.train import distributed
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, config_sections, run
-from workflow.config import load_config, phase_forms, phase_forms_error, schedule_config_error
+from workflow.config import PHASES, load_config, phase_forms, pretrain_config_error, validate_config
 from workflow.data.tokenizer import Vocabulary
 from workflow.data.vocab import Normalization, vocab_file_type
 from workflow.train.engine import LoopSettings, set_threads, train
@@ -72,157 +74,82 @@ from workflow.train.float8 import convert_to_float8, float8_error
 from workflow.train.models import kernels
 from workflow.train.models.family import ModelSettings, family
 from workflow.train.optim.optimizers import (HYPER_PARAMETERS, carry_optimizer_state, engine_clip, make_optimizer,
-                                       refuse_other_optimizer_keys, state_to_carry)
-from workflow.train.optim.schedules import WSD_KEYS, BatchRamp, make_scheduler
+                                       state_to_carry)
+from workflow.train.optim.schedules import BatchRamp, make_scheduler
 from workflow.train.models.fused_loss import fused_mlm_loss_reason, summed_mlm_loss
 from workflow.train.models.kit import count_parameters, next_sentence_terms, pretraining_loss, unpadded_of
 from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import (ORDER, PretrainingSequences, data_identity, datasets, list_shards,
                                             row_tokens_per_sequence)
+from workflow.train.settings import PhaseSettings, PretrainSettings
 from workflow.train.telemetry import merge_node_files
 
 # A stop signal after the last checkpoint: the job is minutes from done, and a rerun would redo this part anyway.
 FINISH_AFTER_TRAINING = "the last checkpoint is written; finishing the evaluation and export first"
 log = logging.getLogger("pretrain")
-# Keys of a phase's config section; precision etc. come from the `pretrain` section itself.
-PHASE_KEYS = ("learning_rate", "warmup_proportion", "total_steps", "max_steps", "global_batch_size", "micro_batch_size")
 LAMB_KEYS = HYPER_PARAMETERS  # of pretrain.lamb, pretrain.adamw and pretrain.stable_adamw alike
-RECIPE_KEYS = ("schedule", *WSD_KEYS, "batch_size_warmup",  # a phase's optional keys (absent: NVIDIA's recipe)
-               "global_rope_theta")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainSettings:
-    phase: str
+    """One phase's settings: the config's sections as typed objects (workflow/train/settings.py, family.ModelSettings),
+    built once by from_config, and the job's paths and process values (not config keys)."""
+
+    phase: PhaseSettings                # config pretrain.<phase>
+    pretrain: PretrainSettings          # config pretrain (its optimizer included)
+    model: ModelSettings                # config model, as this phase starts (init_from, global_rope_theta)
+    seed: int                           # config seed
     data_dir: str
     vocab: str
     run_dir: str
     out_model: str
     out_metrics: str
     out_summary: str
-    learning_rate: float
-    warmup_proportion: float
-    total_steps: int
-    global_batch_size: int
-    micro_batch_size: int
-    max_steps: int | None = None
-    family: str = "bert"                # config model.family (workflow/train/models/family.py)
-    preset: str | None = None           # None: the family's default preset
-    architecture: dict | None = None    # config model.architecture: HF config keys over the preset
-    bert_config: str | None = None
-    dle_gelu: str = "tanh"              # what a DLE checkpoint's "gelu" computes (config model.dle_gelu)
-    init_from: str | None = None
     init_optimizer: str | None = None   # phase 1's optimizer moments (phase 2 of NVIDIA's recipe)
     out_optimizer: str | None = None    # where this phase's final optimizer moments go
-    seed: int = 12345
-    precision: str = "auto"
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-6
-    max_grad_norm: float = 1.0
-    fused_lamb: bool = True             # apex FusedLAMB where it runs (config pretrain.lamb.fused)
-    optimizer: str = "lamb"             # lamb, adamw or stable_adamw (config pretrain.optimizer); the above
-                                        # are that optimizer's section's
-    fused_adamw: bool = True            # torch's fused AdamW on CUDA (config pretrain.adamw.fused)
-    fused_stable_adamw: bool = True     # StableAdamW's Triton kernel / foreach path (config pretrain.stable_adamw.fused)
-    decouple_lr: bool = True            # config pretrain.stable_adamw.decouple_lr
-    schedule: str = "poly"              # config pretrain.<phase>.schedule: poly (NVIDIA's) or wsd
-    decay_proportion: float | None = None   # wsd (config pretrain.<phase>.decay_proportion etc.; None: the default)
-    decay_shape: str | None = None
-    final_lr_fraction: float | None = None
-    batch_size_warmup: dict | None = None   # config pretrain.<phase>.batch_size_warmup: {start_size, sequences}
-    global_rope_theta: float | None = None  # config pretrain.<phase>.global_rope_theta (ModernBERT)
-    checkpoint_every: int = 200
-    keep_checkpoints: int = 3
-    log_every: int = 10
-    eval_max_sequences: int | None = None   # size of the fixed held-out set (None: every test sequence)
-    eval_seed: int = 0                  # chooses the held-out set (config pretrain.eval_seed)
-    eval_every: int = 0                 # steps between held-out evaluations during training (0: at the end only)
     out_telemetry: str | None = None
+    normalization: Normalization = Normalization()  # how the vocab was built and the data tokenized (config
+                                                    # vocab): the exported tokenizer's
     device: str = "auto"
     threads: int | None = None
     deterministic: bool = False
-    compile: bool = False
-    compile_mode: str = "default"       # torch.compile(mode=...) (config pretrain.compile_mode)
-    fused_loss: bool = True             # the MLM loss without logits where liger-kernel runs (pretrain.fused_loss)
-    float8: bool = False                # torchao's float8 matmuls (config pretrain.float8)
-    loader_workers: int = 2
-    normalization: Normalization = Normalization()  # how the vocab was built and the data tokenized (config
-                                                    # vocab): the exported tokenizer's
 
     @classmethod
-    def from_config(cls, config: dict, phase: str, **paths) -> "TrainSettings":
-        """Settings of `phase` from the config sections seed, model and pretrain (as validated by the schema)."""
-        try:
-            section = config["pretrain"]
-            values = {key: section[phase].get(key) for key in PHASE_KEYS}
-            refuse_other_optimizer_keys(section)
-            error = schedule_config_error(section[phase], f"pretrain.{phase}")
-            if error:
-                raise UserError(error)
-            values.update({key: section[phase][key] for key in RECIPE_KEYS if section[phase].get(key) is not None})
-            values["optimizer"] = section.get("optimizer", cls.optimizer)
-            values.update({key: section[values["optimizer"]][key] for key in LAMB_KEYS})
-            values["fused_lamb"] = section["lamb"].get("fused", True) if "lamb" in section else True
-            values["fused_adamw"] = section.get("adamw", {}).get("fused", True)
-            values["fused_stable_adamw"] = section.get("stable_adamw", {}).get("fused", True)
-            values["decouple_lr"] = section.get("stable_adamw", {}).get("decouple_lr", True)
-            values.update({key: section[key] for key in ("precision", "checkpoint_every", "keep_checkpoints",
-                                                         "log_every", "eval_max_sequences", "compile",
-                                                         "loader_workers")})
-            values.update({key: section.get(key, getattr(cls, key)) for key in ("eval_seed", "eval_every",
-                                                                                "compile_mode", "fused_loss",
-                                                                                "float8")})
-            values.update(family=config["model"].get("family", cls.family), preset=config["model"]["preset"],
-                          architecture=config["model"].get("architecture"), bert_config=config["model"]["bert_config"],
-                          dle_gelu=config["model"].get("dle_gelu", cls.dle_gelu), seed=config["seed"])
-        except (KeyError, TypeError, AttributeError) as error:
-            raise UserError(f"config: missing key {error} for pretrain.{phase} (see config.schema.yaml)") from None
-        values.update(phase_in_sequences(section[phase], f"pretrain.{phase}", paths.get("data_dir")))
-        settings = cls(phase=phase, **values, **paths)
-        settings.model_settings  # a model key that does not apply to the family: refused here
+    def from_config(cls, config: dict, phase: str, init_from: str | None = None, **paths) -> "TrainSettings":
+        """Settings of `phase` from the config sections seed, model and pretrain, validated against the schema (its
+        defaults filled in: the only defaults) and checked by the Snakefile's own pretrain_config_error;
+        `init_from`: where the phase starts (else model.init_from)."""
+        config = validate_config(copy.deepcopy(config))
+        error = pretrain_config_error(config["pretrain"])
+        if error:
+            raise UserError(error)
+        section = config["pretrain"][phase]
+        counts = phase_in_sequences(section, f"pretrain.{phase}", paths.get("data_dir"))
+        phase_settings = PhaseSettings.from_config(phase, {**section, **counts})
+        model = ModelSettings.from_config(config["model"], init_from=init_from,
+                                          global_rope_theta=phase_settings.global_rope_theta, phase=phase)
+        settings = cls(phase=phase_settings, pretrain=PretrainSettings.from_config(config["pretrain"]), model=model,
+                       seed=config["seed"], **paths)
         settings.batch_ramp  # a start size above the global batch: refused here
         return settings
 
     @property
     def batch_ramp(self) -> BatchRamp | None:
         """The phase's batch-size warm-up (None: every step global_batch_size sequences, NVIDIA's)."""
-        if not self.batch_size_warmup:
+        ramp, batch = self.phase.batch_size_warmup, self.phase.global_batch_size
+        if not ramp:
             return None
-        start, sequences = self.batch_size_warmup["start_size"], self.batch_size_warmup["sequences"]
-        if start > self.global_batch_size:
-            raise UserError(f"config pretrain.{self.phase}.batch_size_warmup.start_size ({start}) exceeds "
-                            f"pretrain.{self.phase}.global_batch_size ({self.global_batch_size})")
-        return BatchRamp(self.global_batch_size, start, sequences)
-
-    @property
-    def fused(self) -> bool:
-        """The configured optimizer's own `fused` key."""
-        return {"lamb": self.fused_lamb, "adamw": self.fused_adamw, "stable_adamw": self.fused_stable_adamw}[
-            self.optimizer]
-
-    @property
-    def wsd(self) -> dict:
-        """The wsd keys that are set (the others take schedules.WSD_DEFAULTS)."""
-        return {key: getattr(self, key) for key in WSD_KEYS if getattr(self, key) is not None}
-
-    @property
-    def model_settings(self) -> ModelSettings:
-        return ModelSettings.from_config({"family": self.family, "preset": self.preset,
-                                          "architecture": self.architecture, "bert_config": self.bert_config,
-                                          "dle_gelu": self.dle_gelu}, init_from=self.init_from,
-                                         global_rope_theta=self.global_rope_theta, phase=self.phase)
+        if ramp["start_size"] > batch:
+            raise UserError(f"config {self.phase.key}.batch_size_warmup.start_size ({ramp['start_size']}) exceeds "
+                            f"{self.phase.key}.global_batch_size ({batch})")
+        return BatchRamp(batch, ramp["start_size"], ramp["sequences"])
 
 
 def phase_in_sequences(phase: dict, key: str, data_dir: str | None) -> dict:
     """A phase section's global_batch_size, total_steps and batch_size_warmup in sequences and steps, each given so or
     in row tokens (global_batch_tokens, total_tokens, batch_size_warmup.start_tokens and .tokens: rows x
     max_seq_length, ModernBERT's count), converted here once with the training data's row tokens per sequence
-    (pretraining_data.row_tokens_per_sequence); both forms of one value, or neither, are refused naming the key."""
-    error = phase_forms_error(phase, key)
-    if error:
-        raise UserError(error)
+    (pretraining_data.row_tokens_per_sequence); `phase` gives each in one form (config.pretrain_config_error)."""
     ramp = phase.get("batch_size_warmup") or {}
     in_tokens = [f"{where}.{tokens}" for section, where, _, tokens in phase_forms(phase, key)
                  if section.get(tokens) is not None]
@@ -370,20 +297,20 @@ def evaluate(model, evaluation_set: EvaluationSet, env, precision, batch_size,
 def _fingerprint(s: TrainSettings, config, data: dict, optimizer_name: str) -> dict:
     """What defines the run's math, by config key: a change refuses to resume (world size, micro-batch size,
     threads, cadence, precision and max_steps may change). `data`: pretraining_data.data_identity."""
-    key = f"pretrain.{s.phase}"
+    phase, optimizer, key = s.phase, s.pretrain.optimizer, s.phase.key
     # The recipe's newer keys only where they differ from NVIDIA's: a BERT run's fingerprint keeps its bytes.
-    recipe = {f"{key}.schedule": s.schedule, **{f"{key}.{k}": v for k, v in s.wsd.items()}} if s.schedule != "poly" \
-        else {}
-    if s.batch_size_warmup:
-        recipe[f"{key}.batch_size_warmup"] = dict(s.batch_size_warmup)
-    if s.optimizer == "stable_adamw":
-        recipe["pretrain.stable_adamw.decouple_lr"] = s.decouple_lr
-    return {f"{key}.learning_rate": s.learning_rate, f"{key}.warmup_proportion": s.warmup_proportion,
-            f"{key}.total_steps": s.total_steps, f"{key}.global_batch_size": s.global_batch_size, **recipe,
+    recipe = {f"{key}.schedule": phase.schedule, **{f"{key}.{k}": v for k, v in phase.wsd.items()}} \
+        if phase.schedule != "poly" else {}
+    if phase.batch_size_warmup:
+        recipe[f"{key}.batch_size_warmup"] = dict(phase.batch_size_warmup)
+    if optimizer.name == "stable_adamw":
+        recipe["pretrain.stable_adamw.decouple_lr"] = optimizer.decouple_lr
+    return {f"{key}.learning_rate": phase.learning_rate, f"{key}.warmup_proportion": phase.warmup_proportion,
+            f"{key}.total_steps": phase.total_steps, f"{key}.global_batch_size": phase.global_batch_size, **recipe,
             "seed": s.seed,
-            **{f"pretrain.{s.optimizer}.{k}": getattr(s, k) for k in LAMB_KEYS}, "optimizer": optimizer_name,
-            **family(s.family).fingerprint(config), "init weights": _file_digest(s.init_from, ("model.safetensors",
-                                                                                  "pytorch_model.bin", "")),
+            **{f"pretrain.{optimizer.name}.{k}": getattr(optimizer, k) for k in LAMB_KEYS}, "optimizer": optimizer_name,
+            **family(s.model.family).fingerprint(config), "init weights": _file_digest(s.model.init_from, (
+                "model.safetensors", "pytorch_model.bin", "")),
             "init optimizer state": _file_digest(s.init_optimizer, ("",)), "vocab": _file_digest(s.vocab, ("",)),
             **data, "data order": ORDER}
 
@@ -438,12 +365,13 @@ def train_phase(s: TrainSettings, env) -> dict:
     train_shards = list_shards(s.data_dir, "training")
     test_shards = list_shards(s.data_dir, "test")
     seq_length = train_shards[0].seq_length
-    precision = resolve_precision(s.precision, env.device, "pretrain.precision")
+    phase, p, o = s.phase, s.pretrain, s.pretrain.optimizer
+    precision = resolve_precision(p.precision, env.device, "pretrain.precision")
 
-    if s.float8 and (error := float8_error(env.device)):
+    if p.float8 and (error := float8_error(env.device)):
         raise UserError(error)
     torch.manual_seed(s.seed)  # identical initial weights on every rank
-    model_family = family(s.family)
+    model_family = family(s.model.family)
     model_family.check_objective(train_shards[0].objective)
     if model_family.trains_unpadded(env.device.type, train_shards[0].packed, precision):
         if precision != "fp32":
@@ -452,39 +380,39 @@ def train_phase(s: TrainSettings, env) -> dict:
             log.warning("pretrain.precision fp32: packed rows train with %s on CUDA, not the flash kernels of bf16 "
                         "and fp16; set pretrain.precision: bf16 to train faster",
                         kernels.SLOWER[kernels.trained_path(model_family.name, env.device, torch.float32)])
-    config, model = model_family.build(s.model_settings, s.vocab, read_vocab_size(s.vocab), seq_length)
+    config, model = model_family.build(s.model, s.vocab, read_vocab_size(s.vocab), seq_length)
     check_token_ids(train_shards + test_shards, s.vocab, config.vocab_size)
     model.to(env.device)
-    if s.float8:  # before the optimizer, DDP and compile see the model (Float8Linear keeps its Parameters)
+    if p.float8:  # before the optimizer, DDP and compile see the model (Float8Linear keeps its Parameters)
         convert_to_float8(model)
-    fused_loss = s.fused_loss and fused_mlm_loss_reason(env.device) is None
-    why = fused_mlm_loss_reason(env.device) if s.fused_loss else "pretrain.fused_loss: false"
+    fused_loss = p.fused_loss and fused_mlm_loss_reason(env.device) is None
+    why = fused_mlm_loss_reason(env.device) if p.fused_loss else "pretrain.fused_loss: false"
     log.info("MLM loss: %s", "liger-kernel's fused linear cross-entropy (no logits)" if fused_loss else
              f"logits, then cross-entropy ({why})")
     if env.distributed:  # own dropout masks per rank (as NVIDIA seeds seed + rank); weights stay identical
         torch.manual_seed(s.seed + env.rank)
     optimizer, optimizer_name = make_optimizer(
-        s.optimizer, model, s.learning_rate, s.weight_decay, s.max_grad_norm, (s.beta1, s.beta2), s.eps, s.fused,
-        s.decouple_lr)
+        o.name, model, phase.learning_rate, o.weight_decay, o.max_grad_norm, (o.beta1, o.beta2), o.eps, o.fused,
+        o.decouple_lr)
     if s.init_optimizer:
         carry_optimizer_state(optimizer, s.init_optimizer)
         log.info("%s moments carried over from %s (learning rate reset, step %s)",
-                 {"lamb": "LAMB", "adamw": "AdamW", "stable_adamw": "StableAdamW"}[s.optimizer], s.init_optimizer,
-                 "continued" if s.optimizer == "stable_adamw" else "reset")
-    scheduler = make_scheduler(optimizer, s.total_steps, s.warmup_proportion, s.schedule, **s.wsd)
-    log.info("%s: %s, %d parameters, %s, %s, seq %d", s.phase, env.device, count_parameters(model), precision,
+                 {"lamb": "LAMB", "adamw": "AdamW", "stable_adamw": "StableAdamW"}[o.name], s.init_optimizer,
+                 "continued" if o.name == "stable_adamw" else "reset")
+    scheduler = make_scheduler(optimizer, phase.total_steps, phase.warmup_proportion, phase.schedule, **phase.wsd)
+    log.info("%s: %s, %d parameters, %s, %s, seq %d", phase.name, env.device, count_parameters(model), precision,
              optimizer_name, seq_length)
     sequences = PretrainingSequences(train_shards, s.seed)
-    evaluation_set = EvaluationSet(test_shards, s.eval_max_sequences, s.eval_seed)
+    evaluation_set = EvaluationSet(test_shards, p.eval_max_sequences, p.eval_seed)
     log.info("held-out evaluation set: %s", evaluation_set.identity)
     held_out = functools.partial(evaluate, evaluation_set=evaluation_set, env=env, precision=precision,
-                                 batch_size=s.micro_batch_size * 2, host_indices=model_family.host_indices)
-    loop = LoopSettings(config_key=f"pretrain.{s.phase}", run_dir=s.run_dir, total_steps=s.total_steps,
-                        global_batch_size=s.global_batch_size, micro_batch_size=s.micro_batch_size,
-                        max_steps=s.max_steps, precision=precision, checkpoint_every=s.checkpoint_every,
-                        clip_grad_norm=engine_clip(s.optimizer, s.max_grad_norm),
-                        keep_checkpoints=s.keep_checkpoints, log_every=s.log_every, seed=s.seed, compile=s.compile,
-                        compile_mode=s.compile_mode, loader_workers=s.loader_workers, eval_every=s.eval_every,
+                                 batch_size=phase.micro_batch_size * 2, host_indices=model_family.host_indices)
+    loop = LoopSettings(config_key=phase.key, run_dir=s.run_dir, total_steps=phase.total_steps,
+                        global_batch_size=phase.global_batch_size, micro_batch_size=phase.micro_batch_size,
+                        max_steps=phase.max_steps, precision=precision, checkpoint_every=p.checkpoint_every,
+                        clip_grad_norm=engine_clip(o.name, o.max_grad_norm),
+                        keep_checkpoints=p.keep_checkpoints, log_every=p.log_every, seed=s.seed, compile=p.compile,
+                        compile_mode=p.compile_mode, loader_workers=p.loader_workers, eval_every=p.eval_every,
                         evaluate=held_out, batch_ramp=s.batch_ramp)
     try:
         task = PretrainingTask(sequences, seq_length, train_shards[0].objective == "nsp", model_family.host_indices,
@@ -507,12 +435,12 @@ def train_phase(s: TrainSettings, env) -> dict:
 
 def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, outcome, train_shards, evaluation: dict,
             evaluation_set: str, precision) -> dict:
-    step, train_time = outcome.step, outcome.train_time_s
+    step, train_time, phase = outcome.step, outcome.train_time_s, s.phase
     seq_length = train_shards[0].seq_length
-    sequences = s.batch_ramp.sequences_before(step) if s.batch_ramp else step * s.global_batch_size
+    sequences = s.batch_ramp.sequences_before(step) if s.batch_ramp else step * phase.global_batch_size
     real_tokens = _real_tokens(Path(s.run_dir) / "metrics.jsonl") if env.is_main else 0
     summary = {
-        "phase": s.phase, "steps": step, "total_steps": s.total_steps, "train_time_s": round(train_time, 3),
+        "phase": phase.name, "steps": step, "total_steps": phase.total_steps, "train_time_s": round(train_time, 3),
         "sequences": sequences, "seq_length": seq_length,
         "seq_per_s": sequences / max(train_time, 1e-9),
         "tokens_per_s": sequences * seq_length / max(train_time, 1e-9),
@@ -521,10 +449,11 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
         "skipped_steps": outcome.skipped_steps,  # fp16 steps the loss scaler skipped (inf/nan gradients)
         # How far the learning-rate schedule got: a skipped step holds it, and the phase still ends after its steps.
         "schedule_steps": step - outcome.skipped_steps, "final_learning_rate": optimizer.param_groups[0]["lr"],
-        "optimizer": optimizer_name, "parameters": count_parameters(model), "global_batch_size": s.global_batch_size,
-        "micro_batch_size": s.micro_batch_size, "accumulation_steps": outcome.micro_batches_per_step,
-        "train_flops_per_sequence": family(s.family).flops_per_sequence(config, seq_length, train_shards[0].max_predictions),
-        "family": s.family, "model": config.to_dict(), **evaluation, "test_set": evaluation_set,
+        "optimizer": optimizer_name, "parameters": count_parameters(model), "global_batch_size": phase.global_batch_size,
+        "micro_batch_size": phase.micro_batch_size, "accumulation_steps": outcome.micro_batches_per_step,
+        "train_flops_per_sequence": family(s.model.family).flops_per_sequence(config, seq_length,
+                                                                              train_shards[0].max_predictions),
+        "family": s.model.family, "model": config.to_dict(), **evaluation, "test_set": evaluation_set,
         "masking": "dynamic" if train_shards[0].dynamic else "static", "objective": train_shards[0].objective,
         "next_sentence_prediction": train_shards[0].objective == "nsp",
     }
@@ -536,12 +465,12 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
         if outcome.skipped_steps:
             log.warning("%d fp16 step(s) skipped: the learning-rate schedule ends at its step %d of %d (lr %.3g, not "
                         "0); the phase ends with its data", outcome.skipped_steps, summary["schedule_steps"],
-                        s.total_steps, summary["final_learning_rate"])
+                        phase.total_steps, summary["final_learning_rate"])
         run_dir = Path(s.run_dir)
         merge_node_files(run_dir / "gpu_telemetry.csv")  # again: rank 0 merged on its own stop, before the others'
         with atomic_path(s.out_model) as temporary:
-            family(s.family).export(model, config, s.vocab, temporary, s.normalization,
-                                    summary["next_sentence_prediction"], s.dle_gelu)
+            family(s.model.family).export(model, config, s.vocab, temporary, s.normalization,
+                                          summary["next_sentence_prediction"], s.model.dle_gelu)
         _slow_storage()
         with atomic_path(s.out_metrics) as temporary:
             shutil.copyfile(run_dir / "metrics.jsonl", temporary)
@@ -552,7 +481,7 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
             with atomic_path(s.out_optimizer) as temporary:
                 torch.save(state_to_carry(optimizer), temporary)
         write_json(s.out_summary, summary)
-        log.info("%s done: %s", s.phase, {k: summary[k] for k in ("steps", "seq_per_s", "test_mlm_accuracy",
+        log.info("%s done: %s", phase.name, {k: summary[k] for k in ("steps", "seq_per_s", "test_mlm_accuracy",
                                                                    "test_nsp_accuracy")})
     distributed.patient_barrier(exported)
     return summary
@@ -568,7 +497,7 @@ def _slow_storage() -> None:
 
 def parse_args(argv=None) -> TrainSettings:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--phase", required=True, choices=["phase1", "phase2"])
+    p.add_argument("--phase", required=True, choices=PHASES)
     config = p.add_mutually_exclusive_group(required=True)
     config.add_argument("--config", type=config_sections, help="JSON of the config sections seed, model and pretrain "
                         "(as the rule hands them over)")
@@ -590,7 +519,7 @@ def parse_args(argv=None) -> TrainSettings:
     p.add_argument("--threads", type=int, default=None, help="CPU threads of the job (shared by its local ranks)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     args = p.parse_args(argv)
-    config = args.config or args.configfile
+    config = args.config or args.configfile  # --configfile: validated; --config: by from_config
     if args.lowercase is not None or "vocab" not in config:  # the flags, as the rule passes them
         normalization = Normalization(True if args.lowercase is None else args.lowercase, args.strip_accents,
                                       args.tokenize_chinese_chars)
@@ -601,7 +530,7 @@ def parse_args(argv=None) -> TrainSettings:
         config, args.phase, data_dir=args.data_dir, vocab=args.vocab, run_dir=args.run_dir,
         out_model=str(out / "model"), out_metrics=str(out / "metrics.jsonl"), out_summary=str(out / "summary.json"),
         out_telemetry=str(out / "gpu_telemetry.csv"), out_optimizer=str(out / "optimizer_state.pt"),
-        init_from=args.init_from or (config.get("model") or {}).get("init_from"), init_optimizer=args.init_optimizer,
+        init_from=args.init_from, init_optimizer=args.init_optimizer,
         normalization=normalization, device=args.device, threads=args.threads, deterministic=args.deterministic)
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from workflow.atomic import atomic_path, write_json
 from workflow.cli import UserError, run
+from workflow.config import PHASES
 from workflow.train import distributed
 from workflow.train.pretrain import TrainSettings, pretrain
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
@@ -86,11 +87,13 @@ def benchmark(config: dict, phase: str, layout: str, data_dir: str, vocab: str, 
         out_summary=str(scratch / "out" / "summary.json"), threads=threads, device=device)
     steps = warmup + timed
     # Weak scaling: each rank's work per step is fixed; log every step so that each step is timed on its own.
-    global_batch = settings.micro_batch_size * study["accumulation_steps"] * world
+    global_batch = settings.phase.micro_batch_size * study["accumulation_steps"] * world
     # (no batch-size warm-up: every timed step has the layout's full batch)
-    settings = dataclasses.replace(settings, total_steps=steps, max_steps=steps, global_batch_size=global_batch,
-                                   batch_size_warmup=None, log_every=1, checkpoint_every=steps, keep_checkpoints=1,
-                                   eval_max_sequences=world, out_optimizer=None, out_telemetry=None)
+    settings = dataclasses.replace(
+        settings, phase=dataclasses.replace(settings.phase, total_steps=steps, max_steps=steps,
+                                            global_batch_size=global_batch, batch_size_warmup=None),
+        pretrain=dataclasses.replace(settings.pretrain, log_every=1, checkpoint_every=steps, keep_checkpoints=1,
+                                     eval_max_sequences=world), out_optimizer=None, out_telemetry=None)
     if distributed.read_environment()[0] == 0 and scratch.exists():
         shutil.rmtree(scratch)  # a crashed earlier benchmark must not be resumed: its timing would be partial
     summary = pretrain(settings)
@@ -106,7 +109,7 @@ def benchmark(config: dict, phase: str, layout: str, data_dir: str, vocab: str, 
         "phase": phase, "layout": layout, "nodes": world // distributed.local_world_size(),
         "gpus_per_node": distributed.local_world_size(), "world_size": summary["world_size"],
         "device": summary["device"], "precision": summary["precision"], "global_batch_size": global_batch,
-        "micro_batch_size": settings.micro_batch_size, "seq_length": summary["seq_length"], "warmup_steps": warmup,
+        "micro_batch_size": settings.phase.micro_batch_size, "seq_length": summary["seq_length"], "warmup_steps": warmup,
         "timed_steps": timed, "timed_time_s": seconds, "sequences": sequences, "real_tokens": tokens,
         "seq_per_s": sequences / seconds, "real_tokens_per_s": tokens / seconds,
         "padded_tokens_per_s": sequences * summary["seq_length"] / seconds,
@@ -150,7 +153,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("benchmark", help="one layout's job (run under workflow.slurm.launch)")
-    bench.add_argument("--phase", required=True, choices=["phase1", "phase2"])
+    bench.add_argument("--phase", required=True, choices=PHASES)
     bench.add_argument("--layout", required=True, help="<nodes>x<gpus_per_node>")
     bench.add_argument("--config", required=True, help="JSON of the config sections seed, model, pretrain, scaling")
     bench.add_argument("--data-dir", required=True)

@@ -37,38 +37,40 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workflow.cli import UserError
+from workflow.config import PHASES, schema_defaults
 
 log = logging.getLogger("family")
 # Each family's presets (its model module's _PRESETS), the first its default.
 PRESETS = {"bert": ("bert-large", "bert-base", "tiny"),
            "modernbert": ("modernbert-base", "modernbert-large", "modernbert-tiny"),
            "roberta": ("roberta-base", "roberta-large", "roberta-tiny")}
-DLE_GELU_DEFAULT = "tanh"
 
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """The config's model section as a family reads it."""
+    """The config's model section as a family reads it, for one phase (no defaults here: the schema's,
+    through from_config)."""
 
-    family: str = "bert"
-    preset: str | None = None           # None: the family's DEFAULT_PRESETS entry
-    architecture: dict = dataclasses.field(default_factory=dict)  # HF config keys over the preset
-    bert_config: str | None = None      # BERT: a Google bert_config.json (or the DLE checkpoint's)
-    init_from: str | None = None
-    dle_gelu: str = DLE_GELU_DEFAULT
-    global_rope_theta: float | None = None  # ModernBERT: the phase's global rotary theta (context extension)
-    phase: str = "phase1"
+    family: str
+    preset: str | None                  # None: the family's first PRESETS entry
+    architecture: dict                  # HF config keys over the preset
+    bert_config: str | None             # BERT: a Google bert_config.json (or the DLE checkpoint's)
+    init_from: str | None               # where the phase starts: model.init_from, or the previous phase's export
+    dle_gelu: str
+    global_rope_theta: float | None     # ModernBERT: the phase's global rotary theta (context extension)
+    phase: str
 
     @classmethod
     def from_config(cls, model: dict, init_from: str | None = None, global_rope_theta: float | None = None,
-                    phase: str = "phase1") -> "ModelSettings":
-        """`init_from`: where this phase starts (phase 2: phase 1's export), else model.init_from;
-        `global_rope_theta`: config pretrain.<phase>.global_rope_theta."""
-        settings = cls(family=model.get("family") or "bert", preset=model.get("preset"),
-                       architecture=dict(model.get("architecture") or {}), bert_config=model.get("bert_config"),
-                       init_from=init_from or model.get("init_from"), dle_gelu=model.get("dle_gelu") or DLE_GELU_DEFAULT,
-                       global_rope_theta=global_rope_theta, phase=phase)
-        given = model.get("init_from") or settings.bert_config
+                    phase: str = PHASES[0]) -> "ModelSettings":
+        """`model`: the config's model section (a key it leaves out: the schema's default); `init_from`: where this
+        phase starts (phase 2: phase 1's export), else model.init_from; `global_rope_theta`: config
+        pretrain.<phase>.global_rope_theta. A key that does not apply to the family is refused."""
+        model = {**schema_defaults("model"), **model}
+        settings = cls(family=model["family"], preset=model["preset"], architecture=dict(model["architecture"]),
+                       bert_config=model["bert_config"], init_from=init_from or model["init_from"],
+                       dle_gelu=model["dle_gelu"], global_rope_theta=global_rope_theta, phase=phase)
+        given = model["init_from"] or settings.bert_config
         if settings.architecture and given:
             raise UserError(f"config model.architecture {settings.architecture}: the model comes from {given} "
                             "(model.init_from or model.bert_config), whose config it would contradict; set one or "
@@ -85,7 +87,7 @@ def model_config_error(config: dict) -> str | None:
     """The workflow config's model section (and the data's objective) as the phases will read them: the one error
     line, None when they fit."""
     try:
-        for phase in ("phase1", "phase2"):
+        for phase in PHASES:
             theta = config.get("pretrain", {}).get(phase, {}).get("global_rope_theta")
             settings = ModelSettings.from_config(config["model"], global_rope_theta=theta, phase=phase)
         family(settings.family).check_objective(config["encode"]["objective"])
@@ -255,7 +257,7 @@ class _Family:
             raise UserError(f"config model.bert_config: a BERT config file does not apply to model.family: {self.name} "
                             "(set model.preset and model.architecture, or start from an HF directory with "
                             f"model.init_from); {dle}")
-        if m.dle_gelu != DLE_GELU_DEFAULT:
+        if m.dle_gelu != schema_defaults("model")["dle_gelu"]:
             raise UserError(f"config model.dle_gelu: {dle}; it does not apply to model.family: {self.name}")
         if m.init_from and not Path(m.init_from).is_dir():
             raise UserError(f"model.init_from {m.init_from}: model.family {self.name} starts from a Hugging Face "

@@ -20,8 +20,6 @@ API:
         (matrices, embeddings), and without decay the parameters of normalisation layers and every bias
     engine_clip(kind, max_grad_norm)   the engine's torch clipping norm before the step: AdamW's and StableAdamW's
         max_grad_norm (as Hugging Face's Trainer clips), None for LAMB (its step clips) and for 0 or null
-    refuse_other_optimizer_keys(section)   config pretrain: a key of the section of the optimizer not chosen, set to
-        other than its default, would do nothing: one error line naming it
     state_to_carry(optimizer) -> dict   what a phase saves for the next (optimizer_state.pt): each parameter's state
         and the parameters' shapes; a StableAdamW adds its groups' step counts ("steps")
     carry_optimizer_state(optimizer, path)   phase 1's moments (exp_avg, exp_avg_sq) into this phase's fresh
@@ -42,7 +40,6 @@ import torch
 from torch import nn
 
 from workflow.cli import UserError
-from workflow.config import optimizer_config_error
 from workflow.train.optim import lamb
 
 log = logging.getLogger(__name__)
@@ -114,14 +111,6 @@ def is_stable_adamw(optimizer) -> bool:
 
 def engine_clip(kind: str, max_grad_norm: float | None) -> float | None:
     return (max_grad_norm or None) if kind in ("adamw", "stable_adamw") else None
-
-
-def refuse_other_optimizer_keys(section: dict) -> None:
-    """See the module docstring; `section` is the config's pretrain section with its defaults filled in. The same
-    check stops the Snakefile at parse time (rules/common.smk)."""
-    error = optimizer_config_error(section)
-    if error:
-        raise UserError(error)
 
 
 def state_to_carry(optimizer) -> dict:

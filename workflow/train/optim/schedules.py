@@ -9,7 +9,7 @@ API:
     make_scheduler(optimizer, total_steps, warmup_proportion, schedule="poly", **wsd) -> LambdaLR
         poly: lamb.make_scheduler (NVIDIA's, unchanged); wsd: WarmupStableDecay
     (a wsd key under schedule poly, or warm-up plus decay longer than the phase: workflow/config.py's
-    schedule_config_error, at the Snakefile's parse time and the phase's start)
+    pretrain_config_error, at the Snakefile's parse time and the phase's start)
     BatchRamp(global_batch_size, start_size=None, sequences=0)   the global batch of each step:
         batch_at(step) sequences in step `step` (0-based), sequences_before(step) their offset in the global order
         (the sum of the earlier steps' batches); without a ramp batch_at is global_batch_size and sequences_before
