@@ -48,7 +48,7 @@ def test_the_fusedlamb_standin_refuses_what_apex_refuses():
 
 
 def test_the_engine_trains_with_fusedlamb_to_the_weights_of_the_torch_lamb(data, tmp_path, monkeypatch):  # noqa: F811
-    reference = phase(data, tmp_path / "torch", fused_lamb=False)
+    reference = phase(data, tmp_path / "torch", fused=False)
     install_apex(monkeypatch)
     fused = phase(data, tmp_path / "fused")
     assert (reference["optimizer"], fused["optimizer"]) == ("torch.Lamb", "apex.FusedLAMB")
@@ -63,8 +63,8 @@ def test_phase1_moments_carry_into_phase2_across_fusedlamb_and_the_torch_lamb(da
                                                                               phase1_fused, phase2_fused):
     def phases(name, fused1, fused2):
         (tmp_path / name).mkdir()
-        phase(data, tmp_path / name / "phase1", fused_lamb=fused1)
-        return phase(data, tmp_path / name / "phase2", phase="phase2", fused_lamb=fused2, bert_config=None,
+        phase(data, tmp_path / name / "phase1", fused=fused1)
+        return phase(data, tmp_path / name / "phase2", phase="phase2", fused=fused2, bert_config=None,
                      init_from=str(tmp_path / name / "phase1" / "model"),
                      init_optimizer=str(tmp_path / name / "phase1" / "optimizer_state.pt"))
 

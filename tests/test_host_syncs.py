@@ -75,8 +75,8 @@ def test_a_phase_with_skipped_fp16_steps_ends_with_its_data_and_its_summary_says
     s = settings(data, tmp_path, total_steps=8, log_every=1, checkpoint_every=8, precision="fp16", eval_max_sequences=16)
     summary = pretrain(s)
     assert (summary["steps"], summary["skipped_steps"], summary["schedule_steps"]) == (8, 2, 6)
-    assert summary["sequences"] == 8 * s.global_batch_size
-    assert summary["final_learning_rate"] == pytest.approx(s.learning_rate * PolyWarmup(8, s.warmup_proportion)(6))
+    assert summary["sequences"] == 8 * s.phase.global_batch_size
+    assert summary["final_learning_rate"] == pytest.approx(s.phase.learning_rate * PolyWarmup(8, s.phase.warmup_proportion)(6))
     assert summary["final_learning_rate"] == metrics(s)[-1]["lr"] > 0  # 2 steps short: not yet decayed to 0
     assert json.loads(Path(s.out_summary).read_text())["schedule_steps"] == 6
     assert "the learning-rate schedule ends at its step 6 of 8" in caplog.text
