@@ -6,10 +6,8 @@ Recipe of Google's run_classifier.py / HF's run_glue: the pooled [CLS] output, d
 cross-entropy (a regression: mean squared error on the score), AdamW (no weight decay on biases and LayerNorm), linear
 warmup then linear decay, gradient clipping. Defaults: seq 128, lr 2e-5, 3 epochs, batch 32, warmup 0.1. The loop is
 the training engine's (workflow/train/engine.py: DDP, accumulation, elastic resume from a run directory, refusal of
-changed settings, SIGTERM/SIGUSR1 checkpoint and exit); this module supplies the task. The result is an HF directory
-of the init's family, its model type picking the layout (BertForSequenceClassification: `bert.*`, `classifier.*`;
-ModernBertForSequenceClassification pooled by its config's classifier_pooling; RobertaForSequenceClassification,
-XLMRobertaForSequenceClassification: workflow/train/models/heads.py).
+changed settings, SIGTERM/SIGUSR1 checkpoint and exit); this module supplies the task. The result is an HF directory,
+HF's <Family>ForSequenceClassification of the init's family, in the family's layout (workflow/train/models/heads.py).
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +32,7 @@ class ClassifierSettings(finetuning.FinetuneSettings):
 
 class ForSequenceClassification(FamilyHead):
     """`num_labels` logits per sequence (1: a regression): HF's <Family>ForSequenceClassification on the directory's
-    family's encoder (BERT: `bert.*`, `classifier.*` on the pooled [CLS] output; the family's layout:
-    workflow/train/models/heads.py)."""
+    family's encoder, in the family's layout (workflow/train/models/heads.py)."""
 
     kind = SEQUENCE_CLASSIFICATION
 

@@ -5,9 +5,8 @@ biases and LayerNorm), linear warmup then linear decay, gradient clipping (squad
 The loop is the training engine's (workflow/train/engine.py: DDP, accumulation, elastic resume from `--run-dir`,
 refusal of changed settings, SIGTERM/SIGUSR1 checkpoint and exit), driven by workflow/train/finetune.py; this module
 supplies the task. The result is an
-HF directory of the init's family (BertForQuestionAnswering: `bert.*`, `qa_outputs.*`; ModernBertForQuestionAnswering,
-RobertaForQuestionAnswering, XLMRobertaForQuestionAnswering: workflow/train/models/heads.py); the run directory is
-removed once it is written (the model supersedes its checkpoints).
+HF directory, HF's <Family>ForQuestionAnswering of the init's family (workflow/train/models/heads.py); the run
+directory is removed once it is written (the model supersedes its checkpoints).
 
     python -m workflow.squad.finetune --config '{"seed": 12345, "squad": {...}}' --init results/pretrain/phase2/model \
         --features data/squad/train_features.npz --output results/squad/model --metrics ... --run-dir runs/squad
@@ -36,8 +35,8 @@ class FinetuneSettings(finetuning.FinetuneSettings):
 
 
 class ForQuestionAnswering(FamilyHead):
-    """Start and end logits of every token: HF's <Family>ForQuestionAnswering on the directory's family's encoder
-    (BERT: `bert.*`, `qa_outputs.*`; the family's layout: workflow/train/models/heads.py)."""
+    """Start and end logits of every token: HF's <Family>ForQuestionAnswering on the directory's family's encoder,
+    in the family's layout (workflow/train/models/heads.py)."""
 
     kind = QUESTION_ANSWERING
 

@@ -1,6 +1,6 @@
 """Token classification's model and training task: the token-classification head (HF's <Family>ForTokenClassification
-on the fine-tuned directory's family's encoder; BERT: `bert.*`, `classifier.*`; the family's layout:
-workflow/train/models/heads.py) and cross-entropy over each word's first sub-word (workflow.tasks.tokens' features).
+on the fine-tuned directory's family's encoder, in the family's layout: workflow/train/models/heads.py) and
+cross-entropy over each word's first sub-word (workflow.tasks.tokens' features).
 """
 import torch.nn.functional as F
 

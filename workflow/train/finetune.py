@@ -187,7 +187,7 @@ class FeatureTask:
 
     @staticmethod
     def inputs(batch: dict) -> tuple:
-        """A head's forward arguments (either family): input_ids, token_type_ids, attention_mask, mask_needed and
+        """A head's forward arguments (any family's): input_ids, token_type_ids, attention_mask, mask_needed and
         the rows' sequences rows_host_indices found (None: not computed)."""
         return (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["mask_needed"],
                 unpadded_of(batch))
