@@ -69,18 +69,13 @@ def test_a_family_without_a_next_sentence_head_refuses_nsp_data(name):
         family(name).check_objective("nsp")
 
 
-@pytest.mark.parametrize("finetuning, message", [
-    ({}, "config squad.enabled: model.family roberta has no fine-tuning heads here"),
-    ({"squad": {"enabled": False}, "glue": {"tasks": ["SST-2"]}}, "config glue.tasks: model.family roberta"),
-    ({"squad": {"enabled": False}, "glue": {"tasks": []}, "tasks": {"ner": {}}}, "config tasks: model.family roberta"),
-    ({"squad": {"enabled": False}, "glue": {"tasks": []}}, None),
-    ({"squad": {"enabled": True, "init_from": "bert"}, "glue": {"tasks": []}}, None),
-])
-def test_a_family_without_heads_is_refused_at_parse_time_where_all_would_fine_tune_its_export(finetuning, message):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_has_the_fine_tuning_heads_of_squad_glue_and_the_tasks_and_all_plans_them(name):
     from workflow.train.models.family import model_config_error
+    from workflow.train.models.heads import KINDS
 
-    config = {"model": {"family": "roberta"}, "encode": {"objective": "full_sentences"}, "pretrain": {},
-              "squad": {"enabled": True, "init_from": None}, "glue": {"tasks": [], "init_from": None}, "tasks": {}}
-    config.update(finetuning)
-    error = model_config_error(config)
-    assert error == message if message is None else error.startswith(message)
+    assert family(name).heads == KINDS and family(name).head_parts is not None
+    config = {"model": {"family": name}, "encode": {"objective": "full_sentences"}, "pretrain": {},
+              "squad": {"enabled": True, "init_from": None}, "glue": {"tasks": ["SST-2"], "init_from": None},
+              "tasks": {"ner": {}}}
+    assert model_config_error(config) is None

@@ -71,14 +71,14 @@ def inits(tmp_path_factory):
     return {**out, "cls": root / "cls", "mean": root / "mean", "vocab": vocab}
 
 
-def features(head: str, vocab, rows: int = ROWS, seed: int = 0) -> dict:
-    """The head's random features of SEQ tokens (rows half to fully real) within the vocab."""
-    return ddp_features(head, rows, SEQ, vocab.size, seed)
+def features(head: str, vocab, rows: int = ROWS, seed: int = 0, seq: int = SEQ) -> dict:
+    """The head's random features of `seq` tokens (rows half to fully real) within the vocab."""
+    return ddp_features(head, rows, seq, vocab.size, seed)
 
 
-def finetuned(head: str, init, vocab, root):
+def finetuned(head: str, init, vocab, root, seq: int = SEQ):
     job = HEADS[head][0]
-    save_features(root / "train.npz", features(head, vocab))
+    save_features(root / "train.npz", features(head, vocab, seq=seq))
     settings = finetuning.FinetuneSettings(**{**RECIPE, "seed": 7})
     assert finetuning.finetune(job, init, root / "train.npz", root / "model", root / "run", settings,
                                metrics_path=root / "metrics.jsonl", device="cpu") == 0
@@ -231,10 +231,15 @@ def test_squad_and_glue_run_through_the_rules_from_a_modernbert_directory(inits,
     """ModernBERT's heads fine-tuned and scored by the rules themselves (issue 44 item 6), as BERT's are: SQuAD's
     EM/F1 are the official metric of its predictions, GLUE's SST-2 scores every dev example; the features made with
     the directory's own tokenizer.json, nothing pretrained."""
+    squad_and_glue_through_the_rules(inits["cls"], workflow_copy, "modernbert")
+
+
+def squad_and_glue_through_the_rules(init, workflow_copy, model_type: str) -> None:
+    """SQuAD and GLUE's SST-2 fine-tuned from the HF directory `init` (of `model_type`) and scored by the rules."""
     from tests.conftest import official_squad_v11
 
-    overlay = {"squad": {"init_from": str(inits["cls"]), "epochs": 1},
-               "glue": {"init_from": str(inits["cls"]), "tasks": ["SST-2"], "epochs": 1}}
+    overlay = {"squad": {"init_from": str(init), "epochs": 1},
+               "glue": {"init_from": str(init), "tasks": ["SST-2"], "epochs": 1}}
     (workflow_copy / "overlay.yaml").write_text(json.dumps(overlay))
     result = subprocess.run([sys.executable, "-m", "snakemake", "squad", "glue", "--cores", "2", "--configfile",
                              "sample/config.yaml", "overlay.yaml"], cwd=workflow_copy, env=snakemake_env(),
@@ -252,4 +257,4 @@ def test_squad_and_glue_run_through_the_rules_from_a_modernbert_directory(inits,
     dev = (workflow_copy / "sample/glue/SST-2/dev.tsv").read_text().strip().splitlines()[1:]
     assert scored["task"] == "SST-2" and scored["splits"]["dev"]["examples"] == len(dev), scored
     assert json.loads((workflow_copy / "results/glue/SST-2/model/config.json").read_text())["model_type"] == \
-        "modernbert"
+        model_type

@@ -1,29 +1,24 @@
-"""Sentence (pair) classification and regression fine-tuning: a head on a pretrained BERT, its loss, its training task
-and the driver's job, shared by the GLUE presets (workflow.glue.finetune) and the config's tasks (workflow.tasks.run).
+"""Sentence (pair) classification and regression fine-tuning: a head on a pretrained encoder, its loss, its training
+task and the driver's job, shared by the GLUE presets (workflow.glue.finetune) and the config's tasks
+(workflow.tasks.run).
 
 Recipe of Google's run_classifier.py / HF's run_glue: the pooled [CLS] output, dropout, one linear layer;
 cross-entropy (a regression: mean squared error on the score), AdamW (no weight decay on biases and LayerNorm), linear
 warmup then linear decay, gradient clipping. Defaults: seq 128, lr 2e-5, 3 epochs, batch 32, warmup 0.1. The loop is
 the training engine's (workflow/train/engine.py: DDP, accumulation, elastic resume from a run directory, refusal of
-changed settings, SIGTERM/SIGUSR1 checkpoint and exit); this module supplies the task. The result is an HF directory
-(BertForSequenceClassification names: `bert.*`, `classifier.*`), whose head token classification reuses
-(workflow.tasks.token_model). A ModernBERT directory gets HF's ModernBertForSequenceClassification instead (`model.*`,
-`head.*`, `classifier.*`; pooling by its config's classifier_pooling): the directory's model type picks the head.
+changed settings, SIGTERM/SIGUSR1 checkpoint and exit); this module supplies the task. The result is an HF directory,
+HF's <Family>ForSequenceClassification of the init's family, in the family's layout (workflow/train/models/heads.py).
 """
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.nn.functional as F
-from torch import nn
 
 from workflow.classify.task import SentenceTask
 from workflow.cli import UserError
 from workflow.train import finetune as finetuning
 from workflow.train.finetune import FeatureTask, FinetuneJob, load_head
-from workflow.train.models.bert import BertConfig, BertModel
-from workflow.train.models.kit import at_positions
-from workflow.train.models.modernbert import ModernBertWithClassifier
+from workflow.train.models.heads import SEQUENCE_CLASSIFICATION, FamilyHead
 
 
 @dataclass
@@ -35,43 +30,14 @@ class ClassifierSettings(finetuning.FinetuneSettings):
     micro_batch_size: int = 32
 
 
-class BertForSequenceClassification(nn.Module):
-    """BERT encoder + dropout + a linear layer on the pooled [CLS] output: `num_labels` logits (1: a regression)."""
-    reads_pooled_output = True  # a head on every token's output builds its encoder without the pooler
-    config_class = BertConfig
-    output_layer = "classifier."  # sized by the task (finetune.load_head)
-    fresh_prefixes = ("classifier.",)
+class ForSequenceClassification(FamilyHead):
+    """`num_labels` logits per sequence (1: a regression): HF's <Family>ForSequenceClassification on the directory's
+    family's encoder, in the family's layout (workflow/train/models/heads.py)."""
 
-    def __init__(self, config: BertConfig, num_labels: int):
-        super().__init__()
-        self.config, self.num_labels = config, num_labels
-        self.bert = BertModel(config, add_pooling_layer=self.reads_pooled_output)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.classifier = nn.Linear(config.hidden_size, num_labels)
-        nn.init.normal_(self.classifier.weight, std=config.initializer_range)
-        nn.init.zeros_(self.classifier.bias)
-
-    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
-        _, pooled = self.bert(input_ids, token_type_ids, attention_mask, mask_needed=mask_needed)
-        return self.classifier(self.dropout(pooled))
+    kind = SEQUENCE_CLASSIFICATION
 
 
-class ModernBertForSequenceClassification(ModernBertWithClassifier):
-    """HF's ModernBertForSequenceClassification: `head`, `drop` and `classifier` on the [CLS] token's output or the
-    mean over the real tokens (config.classifier_pooling: cls | mean): `num_labels` logits (1: a regression)."""
-
-    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
-        hidden = self.encode(input_ids, attention_mask, mask_needed, unpadded)
-        batch, length = input_ids.shape
-        starts = torch.arange(batch, device=input_ids.device) * length
-        if self.config.classifier_pooling == "cls":
-            return self.classify(at_positions(hidden, starts))
-        rows = at_positions(hidden, starts[:, None] + torch.arange(length, device=input_ids.device))
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        return self.classify((rows * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True))
-
-
-SEQUENCE_CLASSIFIERS = (BertForSequenceClassification, ModernBertForSequenceClassification)  # one per model family
+SEQUENCE_CLASSIFIERS = ForSequenceClassification  # load_classifier's default head: every family's sequence classifier
 
 
 def classification_loss(logits, labels, reduction="mean"):
@@ -82,8 +48,8 @@ def classification_loss(logits, labels, reduction="mean"):
 
 
 def load_classifier(directory: str | Path, num_labels: int, require_head: bool = False, heads=SEQUENCE_CLASSIFIERS):
-    """A classifier (of `heads`: sequence or token classification, one class per model family) from an HF BERT or
-    ModernBERT directory; the head is freshly initialised unless present (require_head: must be)."""
+    """(model, config): a classifier (`heads`: the sequence or the token classification head) from an HF directory
+    of any family; the head is freshly initialised unless present (require_head: must be)."""
     return load_head(directory, heads, num_labels, require_head)
 
 

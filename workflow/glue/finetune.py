@@ -1,6 +1,7 @@
 """GLUE fine-tuning: a GLUE preset through the shared classification fine-tuning (workflow.classify.model: the head,
 the loss, the recipe of Google's run_classifier / HF's run_glue), with the glue section's settings and
-glue.overrides.<task> applied. The result is an HF directory (BertForSequenceClassification; STS-B a regression head).
+glue.overrides.<task> applied. The result is an HF directory (the init's family's ...ForSequenceClassification:
+BertForSequenceClassification from a BERT; STS-B a regression head).
 
     python -m workflow.glue.finetune --config '{"seed": 12345, "glue": {...}}' --task MRPC \
         --init results/pretrain/phase2/model --features data/glue/MRPC/train_features.npz \

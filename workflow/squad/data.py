@@ -1,7 +1,8 @@
 """SQuAD data: read and validate a SQuAD v1.1/v2.0 JSON file, turn it into BERT question-answering features.
 
-A feature is one window of `[CLS] question [SEP] context-window [SEP]`, `max_seq_length` tokens, windows
-`doc_stride` tokens apart (Google's run_squad.py). Character->token alignment uses the `tokenizers` offsets.
+A feature is one window of `[CLS] question [SEP] context-window [SEP]` (RoBERTa's vocab: `<s> question </s></s>
+context-window </s>`, workflow.data.layout), `max_seq_length` tokens, windows `doc_stride` tokens apart (Google's
+run_squad.py). Character->token alignment uses the `tokenizers` offsets.
 A training answer outside a window is labelled (0, 0), i.e. [CLS], as the reference implementations do.
 
     python -m workflow.squad.data --input data/download/squad/train.json --vocab data/vocab.txt \
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from workflow.cli import UserError, run
 from workflow.data.features import add_tokenizer_arguments, save_features, tokenizer_from_args
+from workflow.data.layout import SequenceLayout
 
 log = logging.getLogger(__name__)
 
@@ -179,14 +181,11 @@ def featurize(
     outside the window or the question is impossible). Evaluation features (training=False) also hold
     offsets [N, L, 2] (character span of each context token, -1 elsewhere) and token_is_max_context [N, L].
     """
-    max_tokens_for_doc = max_seq_length - max_query_length - 3
+    layout = SequenceLayout.of(tokenizer)
+    max_tokens_for_doc = max_seq_length - max_query_length - layout.specials(paired=True)
     if max_tokens_for_doc < 1:
         raise UserError(f"max_seq_length {max_seq_length} leaves no room for the context after "
                         f"max_query_length {max_query_length}")
-    cls_id, sep_id, pad_id = (tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
-    if None in (cls_id, sep_id, pad_id):
-        raise UserError("vocab lacks one of [CLS], [SEP], [PAD]")
-
     contexts = sorted({e.context for e in examples})
     encoded_contexts = dict(zip(contexts, tokenizer.encode_batch(contexts, add_special_tokens=False)))
     questions = tokenizer.encode_batch([e.question for e in examples], add_special_tokens=False)
@@ -204,15 +203,15 @@ def featurize(
             answer_start, answer_end = char_span_to_tokens(
                 doc_offsets, first["answer_start"], first["answer_start"] + len(first["text"])
             )
-        spans = doc_spans(len(doc_ids), max_seq_length - len(query_ids) - 3, doc_stride)
+        spans = doc_spans(len(doc_ids), max_seq_length - len(query_ids) - layout.specials(paired=True), doc_stride)
         for span_index, (span_start, span_length) in enumerate(spans):
             # one compact numpy row per window: python lists of ints would take GBs for SQuAD's 88k questions
-            ids = np.full(max_seq_length, pad_id, dtype=np.int32)
-            doc_offset = len(query_ids) + 2
+            ids = np.full(max_seq_length, layout.pad, dtype=np.int32)
+            doc_offset = layout.second_start(len(query_ids))
             length = doc_offset + span_length + 1
-            ids[:length] = [cls_id, *query_ids, sep_id, *doc_ids[span_start : span_start + span_length], sep_id]
+            ids[:length] = layout.row(query_ids, doc_ids[span_start : span_start + span_length])
             types = np.zeros(max_seq_length, dtype=np.int8)
-            types[doc_offset:length] = 1
+            types[doc_offset:length] = layout.second_type
             mask = np.zeros(max_seq_length, dtype=np.int8)
             mask[:length] = 1
             rows["input_ids"].append(ids)

@@ -1,13 +1,12 @@
-"""SQuAD fine-tuning: a span-prediction head on a pretrained BERT (the phase-2 export or any HF BERT directory).
+"""SQuAD fine-tuning: a span-prediction head on a pretrained encoder (the phase-2 export or any HF directory).
 
 Recipe of Google's/NVIDIA's run_squad.py: loss = mean of start and end cross-entropy, AdamW (no weight decay on
 biases and LayerNorm), linear warmup then linear decay, gradient clipping (squad.max_grad_norm), bf16 autocast on GPUs.
 The loop is the training engine's (workflow/train/engine.py: DDP, accumulation, elastic resume from `--run-dir`,
 refusal of changed settings, SIGTERM/SIGUSR1 checkpoint and exit), driven by workflow/train/finetune.py; this module
 supplies the task. The result is an
-HF directory (BertForQuestionAnswering names: `bert.*`, `qa_outputs.*`; from a ModernBERT directory HF's
-ModernBertForQuestionAnswering: `model.*`, `head.*`, `classifier.*`); the run directory is removed once it is
-written (the model supersedes its checkpoints).
+HF directory, HF's <Family>ForQuestionAnswering of the init's family (workflow/train/models/heads.py); the run
+directory is removed once it is written (the model supersedes its checkpoints).
 
     python -m workflow.squad.finetune --config '{"seed": 12345, "squad": {...}}' --init results/pretrain/phase2/model \
         --features data/squad/train_features.npz --output results/squad/model --metrics ... --run-dir runs/squad
@@ -18,13 +17,11 @@ from pathlib import Path
 from typing import Sequence
 
 import torch.nn.functional as F
-from torch import nn
 
 from workflow.cli import UserError, run
 from workflow.train import finetune as finetuning
 from workflow.train.finetune import FeatureTask, FinetuneJob, finetune_parser, load_head
-from workflow.train.models.bert import BertConfig, BertModel
-from workflow.train.models.modernbert import ModernBertWithClassifier
+from workflow.train.models.heads import QUESTION_ANSWERING, FamilyHead
 
 
 @dataclass
@@ -37,40 +34,15 @@ class FinetuneSettings(finetuning.FinetuneSettings):
         return cls.from_section(config, "squad")
 
 
-class BertForQuestionAnswering(nn.Module):
-    """BERT encoder + a linear layer giving start and end logits for every token."""
-    config_class = BertConfig
-    output_layer = "qa_outputs."
-    fresh_prefixes = ("qa_outputs.", "bert.pooler.")  # a masked-LM export has no pooler (unused here)
+class ForQuestionAnswering(FamilyHead):
+    """Start and end logits of every token: HF's <Family>ForQuestionAnswering on the directory's family's encoder,
+    in the family's layout (workflow/train/models/heads.py)."""
 
-    def __init__(self, config: BertConfig, num_labels: int = 2):
-        super().__init__()
-        self.config = config
-        self.bert = BertModel(config)
-        self.bert.pooler.requires_grad_(False)  # unused by QA; frozen so DDP does not wait for its gradients
-        self.qa_outputs = nn.Linear(config.hidden_size, num_labels)
-        nn.init.normal_(self.qa_outputs.weight, std=config.initializer_range)
-        nn.init.zeros_(self.qa_outputs.bias)
+    kind = QUESTION_ANSWERING
 
     def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
-        sequence_output, _ = self.bert(input_ids, token_type_ids, attention_mask, mask_needed=mask_needed)
-        logits = self.qa_outputs(sequence_output)
+        logits = super().forward(input_ids, token_type_ids, attention_mask, mask_needed, unpadded)
         return logits[..., 0], logits[..., 1]
-
-
-class ModernBertForQuestionAnswering(ModernBertWithClassifier):
-    """HF's ModernBertForQuestionAnswering: `head`, `drop` and a 2-output `classifier` on every token: start and end
-    logits."""
-
-    def __init__(self, config, num_labels: int = 2):
-        super().__init__(config, num_labels)
-
-    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
-        logits = self.classify_tokens(input_ids, attention_mask, mask_needed, unpadded)
-        return logits[..., 0], logits[..., 1]
-
-
-QA_MODELS = (BertForQuestionAnswering, ModernBertForQuestionAnswering)  # one per model family
 
 
 def qa_loss(start_logits, end_logits, start_positions, end_positions, reduction="mean"):
@@ -83,9 +55,9 @@ def qa_loss(start_logits, end_logits, start_positions, end_positions, reduction=
 
 
 def load_qa_model(directory: str | Path, require_head: bool = False):
-    """(model, config): a QA model from an HF BERT or ModernBERT directory; the head is freshly initialised unless
+    """(model, config): a QA model from an HF directory of any family; the head is freshly initialised unless
     present (require_head: must be)."""
-    return load_head(directory, QA_MODELS, 2, require_head)
+    return load_head(directory, ForQuestionAnswering, 2, require_head)
 
 
 class SquadTask(FeatureTask):

@@ -1,35 +1,21 @@
-"""Token classification's model and training task: a token-classification head (HF BertForTokenClassification's
-names: `bert.*`, `classifier.*`; from a ModernBERT directory HF's ModernBertForTokenClassification: `model.*`, `head.*`,
-`classifier.*`) and cross-entropy over each word's first sub-word (workflow.tasks.tokens' features).
+"""Token classification's model and training task: the token-classification head (HF's <Family>ForTokenClassification
+on the fine-tuned directory's family's encoder, in the family's layout: workflow/train/models/heads.py) and
+cross-entropy over each word's first sub-word (workflow.tasks.tokens' features).
 """
 import torch.nn.functional as F
 
-from workflow.classify.model import BertForSequenceClassification
 from workflow.tasks.tokens import IGNORE
 from workflow.train.finetune import FeatureTask
-from workflow.train.models.modernbert import ModernBertWithClassifier
+from workflow.train.models.heads import TOKEN_CLASSIFICATION, FamilyHead
 
 
-class BertForTokenClassification(BertForSequenceClassification):
-    """The sentence classifier (dropout + a linear layer, the same names) on every token's output: `num_labels` logits per
-    token. No pooler (HF's BertForTokenClassification has none): under DDP its parameters would take no part in the
-    loss and fail the second step."""
-    reads_pooled_output = False
+class ForTokenClassification(FamilyHead):
+    """`num_labels` logits per token."""
 
-    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
-        sequence, _ = self.bert(input_ids, token_type_ids, attention_mask, mask_needed=mask_needed)
-        return self.classifier(self.dropout(sequence))
+    kind = TOKEN_CLASSIFICATION
 
 
-class ModernBertForTokenClassification(ModernBertWithClassifier):
-    """HF's ModernBertForTokenClassification: `head`, `drop` and `classifier` on every token: `num_labels` logits per
-    token."""
-
-    def forward(self, input_ids, token_type_ids, attention_mask, mask_needed: bool | None = None, unpadded=None):
-        return self.classify_tokens(input_ids, attention_mask, mask_needed, unpadded)
-
-
-TOKEN_CLASSIFIERS = (BertForTokenClassification, ModernBertForTokenClassification)  # one per model family
+TOKEN_CLASSIFIERS = ForTokenClassification  # load_classifier's head for token classification, every family's
 
 
 class TokenTask(FeatureTask):

@@ -13,6 +13,7 @@ import logging
 import numpy as np
 
 from workflow.cli import UserError
+from workflow.data.layout import SequenceLayout
 
 log = logging.getLogger(__name__)
 IGNORE = -100  # the label of sub-words after a word's first, of [CLS]/[SEP] and of padding
@@ -21,7 +22,7 @@ IGNORE = -100  # the label of sub-words after a word's first, of [CLS]/[SEP] and
 def featurize_tokens(examples, tag_ids: dict | None, tokenizer, max_seq_length: int, path, key: str) -> dict:
     """input_ids, token_type_ids, attention_mask, labels [N, max_seq_length] and word_count [N]; tag_ids None: an
     unlabelled (test) file, labels all -100 but first sub-words 0. A sentence longer than max_seq_length is refused."""
-    cls_id, sep_id, pad_id = (tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
+    layout = SequenceLayout.of(tokenizer)
     rows, labels, counts, empty_words = [], [], [], 0
     for example in examples:
         words = example.texts[0]
@@ -40,13 +41,13 @@ def featurize_tokens(examples, tag_ids: dict | None, tokenizer, max_seq_length: 
                 row_labels[position] = tag_ids[tag] if tag is not None else 0
             previous = word
         empty_words += len(words) - len(set(w for w in encoding.word_ids if w is not None))
-        rows.append([cls_id, *encoding.ids, sep_id])
+        rows.append(layout.row(encoding.ids))
         labels.append([IGNORE, *row_labels, IGNORE])
         counts.append(len(words))
     if empty_words:  # a word of control characters only: no sub-word to label; scored as absent
         log.warning("%s: %d words have no sub-word (control characters only); they are not scored", path, empty_words)
     n = len(rows)
-    input_ids = np.full((n, max_seq_length), pad_id, dtype=np.int32)
+    input_ids = np.full((n, max_seq_length), layout.pad, dtype=np.int32)
     label_ids = np.full((n, max_seq_length), IGNORE, dtype=np.int64)
     attention_mask = np.zeros((n, max_seq_length), dtype=np.int8)
     for row, (ids, tags) in enumerate(zip(rows, labels)):

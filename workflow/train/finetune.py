@@ -4,9 +4,9 @@ warm-up and the driver that runs a task on the training engine (workflow/train/e
 API:
     FinetuneSettings                    BERT fine-tuning's keys and defaults; from_section(config, section, overrides)
     finetune_parser(...)                the command line both stages share; each adds its own arguments
-    check_features_fit(features, path, config)   ids within the model's vocab, rows within its positions
-    load_head(directory, heads, num_labels, require_head) -> (model, config)   the task's head for the directory's
-                                        family (heads: one class per family, HF's ...For<Task> of each)
+    check_features_fit(features, path, config, positions)   ids within the model's vocab, rows within its positions
+    load_head(directory, head, num_labels, require_head) -> (model, config)   the task's head (a FamilyHead class:
+                                        workflow/train/models/heads.py) on the directory's family's encoder
     adamw_with_warmup(model, settings, total_steps) -> (optimizer, scheduler)
     FeatureTask                         an engine Task over feature arrays: a permutation per epoch; inputs(batch):
                                         what a head's forward takes
@@ -79,7 +79,7 @@ def finetune_parser(description: str, sections: str, features: str, metrics: str
     """The command line every fine-tuning stage shares (SQuAD, GLUE); each adds its own arguments."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, type=config_sections, help=f"JSON of the config sections {sections}")
-    parser.add_argument("--init", required=True, help="HF BERT or ModernBERT directory to start from (phase-2 export)")
+    parser.add_argument("--init", required=True, help="HF model directory to start from (phase-2 export; any family's)")
     parser.add_argument("--features", required=True, help=f"training features .npz ({features})")
     parser.add_argument("--output", required=True, help="fine-tuned HF model directory")
     parser.add_argument("--run-dir", required=True, help="checkpoints (resumed automatically)")
@@ -91,26 +91,31 @@ def finetune_parser(description: str, sections: str, features: str, metrics: str
     return parser
 
 
-def check_features_fit(features: dict, features_path, config) -> None:
-    """Features a fine-tune can feed this model (either family's config): ids within its vocab, rows within its
-    position embeddings (BERT's 512, ModernBERT's 8,192: the only limit on max_seq_length)."""
+def check_features_fit(features: dict, features_path, config, positions: int) -> None:
+    """Features a fine-tune can feed this model (any family's config): ids within its vocab, rows within the
+    `positions` it takes (Family.positions: BERT's 512, ModernBERT's 8,192, RoBERTa's 512 past its padding index: the
+    only limit on max_seq_length)."""
     if int(features["input_ids"].max()) >= config.vocab_size:
         raise UserError(f"{features_path}: token ids reach {int(features['input_ids'].max())}, beyond the model's "
                         f"vocab_size {config.vocab_size} (features made with another vocab?)")
-    if features["input_ids"].shape[1] > config.max_position_embeddings:
+    if features["input_ids"].shape[1] > positions:
+        usable = "" if positions == config.max_position_embeddings else f" ({positions} past the padding index)"
         raise UserError(f"{features_path}: max_seq_length {features['input_ids'].shape[1]} exceeds the model's "
-                        f"max_position_embeddings {config.max_position_embeddings}")
+                        f"max_position_embeddings {config.max_position_embeddings}{usable}")
 
 
-def load_head(directory, heads: tuple, num_labels: int, require_head: bool = False):
-    """(model, config): the head among `heads` (one class per family, told apart by its config_class) for the HF
-    directory's model type, with the directory's weights. The task's output layer (the class's output_layer) is
+def load_head(directory, head: type, num_labels: int, require_head: bool = False):
+    """(model, config): the `head` (a FamilyHead class: its kind) on the family of the HF directory's model type
+    (family.directory_family), with the directory's weights. The task's output layer (the head's output_layer) is
     freshly initialised where absent or sized for another task, as are the other fresh_prefixes where absent;
     require_head: the output layer must be there, with `num_labels` outputs."""
-    config, state = directory_family(directory).load_directory(directory)
-    model_class = next(head for head in heads if isinstance(config, head.config_class))
-    model = model_class(config, num_labels)
-    output, own = model_class.output_layer, model.state_dict()
+    family = directory_family(directory)
+    if head.kind not in family.heads:
+        raise UserError(f"{directory}: a {family.display_name} model; {family.display_name} has no {head.kind} head "
+                        f"(its heads: {', '.join(family.heads) or 'none'})")
+    config, state = family.load_directory(directory)
+    model = head(config, num_labels, family.head_parts)
+    output, own = model.output_layer, model.state_dict()
     weight = state.get(output + "weight")
     if weight is not None and weight.shape != own[output + "weight"].shape:
         if require_head:
@@ -118,11 +123,11 @@ def load_head(directory, heads: tuple, num_labels: int, require_head: bool = Fal
                             f"{num_labels}")
         state = {k: v for k, v in state.items() if not k.startswith(output)}  # another task's head
     missing, _unexpected = load_weights(model, state)
-    encoder_missing = [k for k in missing if not k.startswith(model_class.fresh_prefixes)]
+    encoder_missing = [k for k in missing if not k.startswith(model.fresh_prefixes)]
     if encoder_missing:
         raise UserError(f"{directory}: weights lack {len(encoder_missing)} encoder tensors, e.g. {encoder_missing[0]}")
     if require_head and any(k.startswith(output) for k in missing):
-        raise UserError(f"{directory}: no {output}* weights: not a fine-tuned {model_class.__name__}")
+        raise UserError(f"{directory}: no {output}* weights: not a fine-tuned {model.hf_class_name}")
     return model, config
 
 
@@ -182,7 +187,7 @@ class FeatureTask:
 
     @staticmethod
     def inputs(batch: dict) -> tuple:
-        """A head's forward arguments (either family): input_ids, token_type_ids, attention_mask, mask_needed and
+        """A head's forward arguments (any family's): input_ids, token_type_ids, attention_mask, mask_needed and
         the rows' sequences rows_host_indices found (None: not computed)."""
         return (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["mask_needed"],
                 unpadded_of(batch))
@@ -229,8 +234,9 @@ def _finetune(env, job: FinetuneJob, init: Path, features_path: Path, output: Pa
 
     torch.manual_seed(s.seed)
     model, config = job.load_model(init)
-    check_features_fit(features, features_path, config)
-    task.rows_host_indices = directory_family(init).rows_host_indices
+    family = directory_family(init)
+    check_features_fit(features, features_path, config, family.positions(config))
+    task.rows_host_indices = family.rows_host_indices
     model.to(env.device)
     if env.distributed:  # own dropout masks per rank; weights stay identical
         torch.manual_seed(s.seed + env.rank)
@@ -274,7 +280,7 @@ def _export(env, model, config, init: Path, vocab, output, metrics_path, run_dir
             vocab_path = vocab_path if vocab_path is not None and vocab_path.is_file() else None
             directory_family(init).save_directory(model, config, vocab_path, temporary, normalization)
             config_json = json.loads((temporary / "config.json").read_text())
-            config_json.update({"architectures": [type(getattr(model, "module", model)).__name__],
+            config_json.update({"architectures": [getattr(model, "module", model).hf_class_name],
                                 **config_json_updates})
             write_text(temporary / "config.json", json.dumps(config_json, indent=2, sort_keys=True) + "\n")
         if metrics_path is not None:

@@ -27,6 +27,7 @@ API (stable; the SQuAD stage builds on it):
                                     workflow/train/models/dle_checkpoint.py (which builds on this module)
     encoder_state_dict(state_dict)  the `bert.*` entries with the prefix stripped, for BertModel.load_state_dict
     load_weights(model, state_dict) load what matches; returns (missing, unexpected) key lists
+    HEAD_PARTS                      the fine-tuning heads' BERT parts (BertFor<kind>: workflow/train/models/heads.py)
 
 Parameter names equal Hugging Face `BertForPreTraining`'s, except the two tied aliases HF itself drops on save
 (`cls.predictions.decoder.weight` = word embeddings, `cls.predictions.decoder.bias` = `cls.predictions.bias`).
@@ -58,6 +59,7 @@ from workflow.train.models import kit
 from workflow.train.models.kit import (ACTIVATIONS, Unpadded, VarlenAttention, at_positions, count_parameters,
                                        gather_positions, host_indices, load_weights, pretraining_loss,
                                        read_config_json, row_attention, unpad)
+from workflow.train.models.heads import QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION
 
 _PRESETS = {
     "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
@@ -423,6 +425,70 @@ def encoder_state_dict(state: dict) -> dict:
     return {k[len("bert."):]: v for k, v in state.items() if k.startswith("bert.")}
 
 
+class BertHeadParts:
+    """BERT's fine-tuning heads under HF's names (BertFor<kind>, workflow/train/models/heads.py): the encoder `bert`;
+    question answering `qa_outputs` on every token (the pooler kept, frozen: a masked-LM export has none);
+    token classification `dropout` and `classifier` on every token (no pooler: under DDP its parameters would take
+    no part in the loss); sequence classification the same on the pooled [CLS] output."""
+
+    encoder_name, model_class, class_prefix = "bert", BertModel, "Bert"
+
+    @staticmethod
+    def has_pooler(kind: str) -> bool:
+        return kind != TOKEN_CLASSIFICATION
+
+    def build(self, head: nn.Module, kind: str, config: BertConfig, num_labels: int) -> None:
+        head.add_module(self.encoder_name, self.model_class(config, add_pooling_layer=self.has_pooler(kind)))
+        if kind == QUESTION_ANSWERING:
+            if self.has_pooler(kind):  # unused by QA; frozen so DDP does not wait for its gradients
+                self.encoder(head).pooler.requires_grad_(False)
+            head.qa_outputs = self.linear(config, num_labels)
+            return
+        head.dropout = nn.Dropout(config.hidden_dropout_prob)
+        head.classifier = (self.sequence_classifier(config, num_labels) if kind == SEQUENCE_CLASSIFICATION
+                           else self.linear(config, num_labels))
+
+    @staticmethod
+    def linear(config: BertConfig, outputs: int) -> nn.Linear:
+        """A head's linear layer (hidden -> `outputs`), initialised as HF does."""
+        layer = nn.Linear(config.hidden_size, outputs)
+        nn.init.normal_(layer.weight, std=config.initializer_range)
+        nn.init.zeros_(layer.bias)
+        return layer
+
+    def sequence_classifier(self, config: BertConfig, num_labels: int) -> nn.Module:
+        return self.linear(config, num_labels)
+
+    def encoder(self, head: nn.Module) -> nn.Module:
+        return getattr(head, self.encoder_name)
+
+    def logits(self, head, kind, input_ids, token_type_ids, attention_mask, mask_needed=None, unpadded=None):
+        sequence, pooled = self.encoder(head)(input_ids, token_type_ids, attention_mask, mask_needed=mask_needed)
+        if kind == QUESTION_ANSWERING:
+            return head.qa_outputs(sequence)
+        if kind == SEQUENCE_CLASSIFICATION:
+            return self.classify_sequence(head, sequence, pooled)
+        return head.classifier(head.dropout(sequence))
+
+    @staticmethod
+    def classify_sequence(head: nn.Module, sequence, pooled):
+        return head.classifier(head.dropout(pooled))
+
+    @staticmethod
+    def output_layer(kind: str) -> str:
+        return "qa_outputs." if kind == QUESTION_ANSWERING else "classifier."
+
+    def fresh_prefixes(self, kind: str) -> tuple:
+        pooler = (f"{self.encoder_name}.pooler.",) if kind == QUESTION_ANSWERING and self.has_pooler(kind) else ()
+        return (self.output_layer(kind), *pooler)
+
+    def class_name(self, config: BertConfig, kind: str) -> str:
+        return f"{self.class_prefix}For{kind}"
+
+
+HEAD_PARTS = BertHeadParts()
+
+
 def flops_per_sequence(config: BertConfig, seq_length: int, max_predictions: float) -> float:
     """Training FLOPs of one sequence (forward + backward = 3x forward), matmuls only.
 
@@ -436,4 +502,5 @@ def flops_per_sequence(config: BertConfig, seq_length: int, max_predictions: flo
 
 
 __all__ = ["BertConfig", "BertModel", "BertForPreTraining", "pretraining_loss", "save_pretrained", "host_indices",
-           "load_pretrained", "encoder_state_dict", "load_weights", "count_parameters", "flops_per_sequence"]
+           "load_pretrained", "encoder_state_dict", "load_weights", "count_parameters", "flops_per_sequence",
+           "HEAD_PARTS"]

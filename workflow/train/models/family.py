@@ -18,12 +18,14 @@ API:
     Family.pretraining_model(config), .trains_unpadded(device_type, packed, precision), .unpads_in_fp32
                                          (the cluster check's), .positions(config) (the longest sequence it takes)
     Family.reads_dle_checkpoints, .has_rotary_theta   which model keys apply (check_settings refuses the rest)
-    Family.fine_tunes, .check_fine_tuning(config)     whether SQuAD, GLUE and the tasks have heads for its exports
+    Family.heads, .head_parts           the fine-tuning heads it has (kinds of workflow/train/models/heads.py:
+                                         QuestionAnswering, SequenceClassification, TokenClassification) and its
+                                         model module's HEAD_PARTS (its encoder and layers under HF's names)
     Family.export(model, config, vocab, directory, normalization, next_sentence_prediction, dle_gelu)
 Fine-tuning (any HF directory; its model type picks the family, whatever model.family says):
     directory_family(directory) -> Family    by config.json's model_type (Family.model_types; modernbert: ModernBERT,
                                          Ettin, mmBERT; roberta, xlm-roberta: RoBERTa's; else BERT's)
-    Family.load_directory(directory) -> (config, state)   Family.config_class: the config a head is built for
+    Family.load_directory(directory) -> (config, state)   the config and weights a fine-tuning head starts from
     Family.save_directory(model, config, vocab, directory, normalization)   a fine-tuned head's HF directory
     Family.rows_host_indices(batch) -> batch   a fine-tuning batch's indices (ModernBERT: its rows' sequences)
     own_vocab(directory) -> its vocab.txt or tokenizer.json (None: neither)
@@ -91,7 +93,6 @@ def model_config_error(config: dict) -> str | None:
             theta = config.get("pretrain", {}).get(phase, {}).get("global_rope_theta")
             settings = ModelSettings.from_config(config["model"], global_rope_theta=theta, phase=phase)
         family(settings.family).check_objective(config["encode"]["objective"])
-        family(settings.family).check_fine_tuning(config)
     except UserError as error:
         return str(error)
     return None
@@ -173,7 +174,9 @@ class _Family:
     objectives = ("full_sentences", "documents")  # the encode.objective values it trains on (nsp: a next-sentence head)
     reads_dle_checkpoints = False  # model.bert_config, model.dle_gelu and a DLE checkpoint file as model.init_from
     has_rotary_theta = False       # pretrain.<phase>.global_rope_theta
-    fine_tunes = True              # SQuAD, GLUE and the tasks have heads for its exports
+    # the fine-tuning heads of its exports (SQuAD: QuestionAnswering; GLUE and the tasks: SequenceClassification,
+    # TokenClassification), built from its model module's HEAD_PARTS
+    heads = ("QuestionAnswering", "SequenceClassification", "TokenClassification")
     unpads_in_fp32 = True   # its unpadded path (BERT's encoder: nested tensors) runs in any precision, on CPU too
 
     @property
@@ -183,6 +186,11 @@ class _Family:
     @property
     def config_class(self):
         return getattr(self.module, self.config_name)
+
+    @property
+    def head_parts(self):
+        """The fine-tuning heads' parts (workflow/train/models/heads.py)."""
+        return self.module.HEAD_PARTS
 
     def pretraining_model(self, config):
         return getattr(self.module, self.pretraining_name)(config)
@@ -224,21 +232,6 @@ class _Family:
         if objective not in self.objectives:
             raise UserError(f"encode.objective {objective}: model.family {self.name} has no next-sentence head; "
                             f"encode the data with encode.objective: {' or '.join(self.objectives)}")
-
-    def check_fine_tuning(self, config: dict) -> None:
-        """A family without fine-tuning heads: refused where `all` would fine-tune its export (no init_from of its
-        own), at parse time rather than after pretraining."""
-        if self.fine_tunes:
-            return
-        squad, glue = config.get("squad", {}), config.get("glue", {})
-        planned = [key for key, on in (("squad.enabled", squad.get("enabled") and not squad.get("init_from")),
-                                       ("glue.tasks", glue.get("tasks") and not glue.get("init_from")),
-                                       ("tasks", config.get("tasks") and not (squad.get("init_from")
-                                                                              and glue.get("init_from")))) if on]
-        if planned:
-            raise UserError(f"config {planned[0]}: model.family {self.name} has no fine-tuning heads here; set "
-                            "squad: {enabled: false}, glue: {tasks: []} and no tasks (or an init_from of another "
-                            f"family), and fine-tune the export with Hugging Face's {self.display_name} classes")
 
     def check_settings(self, m: ModelSettings) -> None:
         """The model keys that apply to this family; another family's key refused in one line naming who takes it."""
@@ -381,16 +374,21 @@ class RobertaFamily(_Family):
     module_name, config_name, pretraining_name = ("workflow.train.models.roberta", "RobertaConfig",
                                                   "RobertaForMaskedLM")
     special_token_roles = {"pad_token_id": "pad", "bos_token_id": "cls", "eos_token_id": "sep"}
-    fine_tunes = False  # the heads (workflow/classify, squad, tasks) are BERT's and ModernBERT's
 
     def positions(self, config) -> int:
         return config.positions  # the rows past the padding index
 
     @staticmethod
     def load_directory(directory):
-        raise UserError(f"{directory}: a RoBERTa / XLM-R model; the fine-tuning heads (GLUE, SQuAD, tasks) are "
-                        "BERT's and ModernBERT's: continue its pretraining with model.family: roberta and "
-                        "model.init_from, and fine-tune the export with Hugging Face's RobertaFor* classes")
+        from workflow.train.models.roberta import load_pretrained as load_roberta
+
+        return load_roberta(directory, key=None)
+
+    @staticmethod
+    def save_directory(model, config, vocab, directory, normalization) -> None:
+        from workflow.train.models.roberta import save_pretrained as save_roberta
+
+        save_roberta(model, config, vocab, directory)  # a tokenizer.json: no normalisation to write
 
     def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
         """Model from an HF RoBERTa or XLM-R directory, or a preset sized to the vocab with its special ids (the

@@ -16,9 +16,8 @@ API (the BERT family's shape, workflow/train/models/bert.py; the engine and the 
                                     the real slots), and no NSP logits (this family has no NSP head). Without
                                     masked_lm_positions, logits at every position [B, L, V] (HF's output).
                                     token_type_ids are accepted and ignored (no segment embeddings).
-    ModernBertWithClassifier(config, num_labels)   the fine-tuning heads' common part (HF's `model`, `head`, `drop`,
-                                    `classifier`); classify_tokens(input_ids, attention_mask, mask_needed,
-                                    unpadded) -> [B, L, num_labels]; the heads sit beside their tasks
+    HEAD_PARTS                      the fine-tuning heads' ModernBERT parts (ModernBertFor<kind>, HF's `model`,
+                                    `head`, `drop`, `classifier`: workflow/train/models/heads.py)
     host_indices(batch) -> batch    model.host_indices, plus the sequences of unpacked rows too (this family runs
                                     every batch unpadded on the devices of model.VARLEN_DEVICE_TYPES)
     flops_per_sequence(config, seq_length, max_predictions)   training FLOPs, counting the GLU and the local window
@@ -57,6 +56,7 @@ from workflow.cli import UserError
 from workflow.train.models import kernels, kit
 from workflow.train.models.kit import (ACTIVATIONS, UNPADDED_KEYS, RowAttention, Unpadded, at_positions,
                                        read_config_json, row_attention, unpad)
+from workflow.train.models.heads import SEQUENCE_CLASSIFICATION
 
 from workflow.train.models.flash_varlen import flash_varlen
 
@@ -429,40 +429,54 @@ class ModernBertForMaskedLM(nn.Module):
         return self.model.embeddings.tok_embeddings.weight, self.decoder.bias
 
 
-class ModernBertWithClassifier(nn.Module):
-    """What HF's ModernBertForSequenceClassification, ...ForTokenClassification and ...ForQuestionAnswering share,
-    under their names: the encoder `model`, `head` (dense + act + norm), `drop` (classifier_dropout) and `classifier`
-    (`num_labels` outputs), initialised as HF does. The fine-tuning heads beside their tasks (workflow/classify,
-    workflow/squad, workflow/tasks) add their forward; token_type_ids are accepted there and ignored."""
+class ModernBertHeadParts:
+    """ModernBERT's fine-tuning heads under HF's names (ModernBertFor<kind>, workflow/train/models/heads.py), the
+    same layers for every kind: the encoder `model`, `head` (dense + act + norm), `drop` (classifier_dropout) and
+    `classifier`, initialised as HF does; sequence classification on the [CLS] token's output or the mean over the
+    real tokens (config.classifier_pooling: cls | mean). token_type_ids are ignored."""
 
-    config_class = ModernBertConfig
-    output_layer = "classifier."             # sized by the task: another task's is dropped when loading
-    fresh_prefixes = ("head.", "classifier.")  # initialised here where a directory lacks them (a bare encoder)
-
-    def __init__(self, config: ModernBertConfig, num_labels: int):
-        super().__init__()
-        self.config, self.num_labels = config, num_labels
-        self.model = ModernBertModel(config)
-        self.head = ModernBertPredictionHead(config)
-        self.drop = nn.Dropout(config.classifier_dropout)
-        self.classifier = nn.Linear(config.hidden_size, num_labels)
-        self.head.apply(lambda m: _init_weights(m, config))
+    def build(self, head: nn.Module, kind: str, config: ModernBertConfig, num_labels: int) -> None:
+        head.model = ModernBertModel(config)
+        head.head = ModernBertPredictionHead(config)
+        head.drop = nn.Dropout(config.classifier_dropout)
+        head.classifier = nn.Linear(config.hidden_size, num_labels)
+        head.head.apply(lambda m: _init_weights(m, config))
         std = config.hidden_size ** -0.5  # HF's "final_out"
         cutoff = config.initializer_cutoff_factor * std
-        nn.init.trunc_normal_(self.classifier.weight, mean=0.0, std=std, a=-cutoff, b=cutoff)
-        nn.init.zeros_(self.classifier.bias)
+        nn.init.trunc_normal_(head.classifier.weight, mean=0.0, std=std, a=-cutoff, b=cutoff)
+        nn.init.zeros_(head.classifier.bias)
 
-    def encode(self, input_ids, attention_mask, mask_needed: bool | None = None, unpadded: Unpadded | None = None):
-        """ModernBertModel.encode of unpacked rows: [B, L, H]."""
-        return self.model.encode(input_ids, attention_mask, None, False, unpadded, mask_needed)
+    def logits(self, head, kind, input_ids, token_type_ids, attention_mask, mask_needed=None, unpadded=None):
+        hidden = head.model.encode(input_ids, attention_mask, None, False, unpadded, mask_needed)  # unpacked rows
+        if kind == SEQUENCE_CLASSIFICATION:
+            hidden = self.pooled(head.config, hidden, input_ids, attention_mask)
+        return head.classifier(head.drop(head.head(hidden)))
 
-    def classify(self, hidden):
-        return self.classifier(self.drop(self.head(hidden)))
+    @staticmethod
+    def pooled(config: ModernBertConfig, hidden, input_ids, attention_mask):
+        """Each row's [CLS] output or its real tokens' mean [B, H] (config.classifier_pooling)."""
+        batch, length = input_ids.shape
+        starts = torch.arange(batch, device=input_ids.device) * length
+        if config.classifier_pooling == "cls":
+            return at_positions(hidden, starts)
+        rows = at_positions(hidden, starts[:, None] + torch.arange(length, device=input_ids.device))
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return (rows * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True)
 
-    def classify_tokens(self, input_ids, attention_mask, mask_needed: bool | None = None,
-                        unpadded: Unpadded | None = None):
-        """Logits of every token [B, L, num_labels]."""
-        return self.classify(self.encode(input_ids, attention_mask, mask_needed, unpadded))
+    @staticmethod
+    def output_layer(kind: str) -> str:
+        return "classifier."  # sized by the task: another task's is dropped when loading
+
+    @staticmethod
+    def fresh_prefixes(kind: str) -> tuple:
+        return ("head.", "classifier.")  # initialised here where a directory lacks them (a bare encoder)
+
+    @staticmethod
+    def class_name(config: ModernBertConfig, kind: str) -> str:
+        return f"ModernBertFor{kind}"
+
+
+HEAD_PARTS = ModernBertHeadParts()
 
 
 def host_indices(batch: dict) -> dict:
@@ -495,5 +509,5 @@ def flops_per_sequence(config: ModernBertConfig, seq_length: int, max_prediction
     return 3.0 * forward
 
 
-__all__ = ["ModernBertConfig", "ModernBertModel", "ModernBertForMaskedLM", "ModernBertWithClassifier", "host_indices",
+__all__ = ["ModernBertConfig", "ModernBertModel", "ModernBertForMaskedLM", "HEAD_PARTS", "host_indices",
            "flops_per_sequence", "attended_pairs", "WindowedVarlenAttention"]

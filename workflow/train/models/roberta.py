@@ -16,6 +16,8 @@ API (the shape of the other families' modules; the engine and the pretraining ta
     roberta_position_ids(input_ids, attention_mask, position_ids, padding_idx)
     host_indices(batch), flops_per_sequence(config, ...)   BERT's (the same encoder; no pooler, no NSP head)
     load_pretrained(directory, key) -> (config, state), save_pretrained(model, config, vocab, directory)
+    HEAD_PARTS                      the fine-tuning heads' parts (RobertaFor<kind> / XLMRobertaFor<kind>, HF's
+                                    layouts: workflow/train/models/heads.py); save_pretrained writes their exports
 
 Parameter names equal HF's but for the tied `lm_head.decoder.weight` (= the word embeddings) and
 `lm_head.decoder.bias` (= `lm_head.bias`), which HF itself leaves out of model.safetensors.
@@ -32,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workflow.cli import UserError
-from workflow.train.models.bert import BertConfig, BertModel, flops_per_sequence
+from workflow.train.models.bert import BertConfig, BertHeadParts, BertModel, flops_per_sequence
+from workflow.train.models.heads import SEQUENCE_CLASSIFICATION
 from workflow.train.models.kit import Unpadded, at_positions, host_indices, read_config_json
 
 MODEL_TYPES = {"roberta": "RobertaForMaskedLM", "xlm-roberta": "XLMRobertaForMaskedLM"}  # -> the export's class
@@ -181,6 +184,52 @@ class RobertaForMaskedLM(nn.Module):
         return self.roberta.embeddings.word_embeddings.weight, self.lm_head.bias
 
 
+class RobertaClassificationHead(nn.Module):
+    """HF's sequence classification head (`classifier`): dropout, `dense`, tanh, dropout, `out_proj` on the first
+    token's (<s>) output."""
+
+    def __init__(self, config: RobertaConfig, num_labels: int):
+        super().__init__()
+        self.dense = BertHeadParts.linear(config, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)  # HF's classifier_dropout, None (ours has none)
+        self.out_proj = BertHeadParts.linear(config, num_labels)
+
+    def forward(self, hidden):
+        return self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(hidden[:, 0])))))
+
+
+class RobertaHeadParts(BertHeadParts):
+    """RoBERTa's and XLM-R's fine-tuning heads under HF's names (RobertaFor<kind>, XLMRobertaFor<kind>, by
+    config.model_type): BERT's, with the encoder `roberta`, no pooler, and RobertaClassificationHead as the sequence
+    classifier (its out_proj sized by the task)."""
+
+    encoder_name, model_class = "roberta", RobertaModel
+
+    @staticmethod
+    def has_pooler(kind: str) -> bool:
+        return False
+
+    def sequence_classifier(self, config: RobertaConfig, num_labels: int) -> nn.Module:
+        return RobertaClassificationHead(config, num_labels)
+
+    @staticmethod
+    def classify_sequence(head: nn.Module, sequence, pooled):
+        return head.classifier(sequence)
+
+    @staticmethod
+    def output_layer(kind: str) -> str:
+        return "classifier.out_proj." if kind == SEQUENCE_CLASSIFICATION else BertHeadParts.output_layer(kind)
+
+    def fresh_prefixes(self, kind: str) -> tuple:
+        return ("classifier.",) if kind == SEQUENCE_CLASSIFICATION else super().fresh_prefixes(kind)
+
+    def class_name(self, config: RobertaConfig, kind: str) -> str:
+        return MODEL_TYPES[config.model_type].replace("ForMaskedLM", f"For{kind}")
+
+
+HEAD_PARTS = RobertaHeadParts()
+
+
 # ---------------------------------------------------------------- Hugging Face directories
 
 
@@ -227,4 +276,4 @@ def save_pretrained(model: nn.Module, config: RobertaConfig, vocab, directory: s
 
 
 __all__ = ["RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "roberta_position_ids", "host_indices",
-           "flops_per_sequence", "load_pretrained", "save_pretrained", "MODEL_TYPES"]
+           "flops_per_sequence", "load_pretrained", "save_pretrained", "MODEL_TYPES", "HEAD_PARTS"]
