@@ -44,7 +44,7 @@ the derived cap of L tokens) under per_token (workflow.data.masking_rule: a row 
 time; its last predictions are then unmasked, counted as masks_over_row_width, and the rest packed as they were).
 Packs are ordered by their first instance's row, so the file keeps the encode stage's shuffled order. The whole
 shard is held in memory (a shard is bounded by the shard stage's size). Every shard written is checked first
-(check_packed): each sequence is its instance's tokens, [CLS] first and [SEP] last, with no [PAD] or other special
+(check_packed): each sequence is its instance's tokens, [CLS] first and [SEP] last, with no padding or other special
 token inside but [SEP] and masked cells.
 """
 import argparse
