@@ -233,7 +233,7 @@ def masks_on_slot_rows(masker: LoadTimeMasker, arrays: dict, epoch: int, shard: 
     owned = sequence[:, None, :] == np.arange(1, slots + 1)[None, :, None]
     ids = np.broadcast_to(input_ids[:, None, :], owned.shape).reshape(-1, length).copy()
     owned = owned.reshape(-1, length)
-    candidate = owned & ~np.isin(ids, masker.special_ids)
+    candidate = owned & ~np.isin(ids, masker.vocab.never_masked)
     draws = KeyedDraws(sequence_keys(masker.seed, epoch, shard, instances.reshape(-1)))
     positions, labels = mask_rows(ids, candidate, owned.sum(axis=1), masker.settings, masker.vocab, draws, {})
     masked = np.take_along_axis(ids.reshape(n_rows, slots, length), np.maximum(sequence - 1, 0)[:, None, :],

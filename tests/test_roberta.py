@@ -368,9 +368,10 @@ def test_continuing_an_hf_directory_loads_every_weight_and_keeps_its_model_type(
         roberta.build(roberta_settings(preset=None, init_from=str(tmp_path / "hf")), str(other), vocab.size, 128)
 
 
-def test_pretraining_runs_on_data_tokenized_and_encoded_with_the_models_own_tokenizer(tokenizer_json, tmp_path):
-    """The data half and the engine as the DAG runs them (tokenize, encode full sentences with dynamic masks and
-    packing, the trainer's directory, pretrain, export), on RoBERTa's and XLM-R's own kind of tokenizer.json."""
+def pretrain_roberta_on(path, model_type: str, tmp_path, text: str) -> tuple[dict, object]:
+    """(summary, export directory) of a tiny RoBERTa-family pretraining run on shard-format `text` tokenized with the
+    tokenizer.json `path`: the data half and the engine as the DAG runs them (tokenize, encode full sentences with
+    dynamic masks and packing, the trainer's directory, pretrain, export)."""
     from workflow.data.encode import encode_shard
     from workflow.data.hdf5_dir import build_hdf5_dir
     from workflow.data.masking_rule import EncodeSettings
@@ -379,8 +380,7 @@ def test_pretraining_runs_on_data_tokenized_and_encoded_with_the_models_own_toke
     from tests.test_pretrain import settings as train_settings
     from workflow.train.pretrain import pretrain
 
-    model_type, path = tokenizer_json
-    (tmp_path / "text.txt").write_text("\n\n".join(TEXT.replace(". ", ".\n") for _ in range(4)))
+    (tmp_path / "text.txt").write_text(text)
     tokenize_shard(tmp_path / "text.txt", path, tmp_path / "text.npz")
     settings = EncodeSettings(max_seq_length=64, max_predictions_per_seq=10, dupe_factor=1, masking="dynamic",
                               objective="full_sentences")
@@ -395,9 +395,17 @@ def test_pretraining_runs_on_data_tokenized_and_encoded_with_the_models_own_toke
         global_batch_size=8, micro_batch_size=4, family="roberta", preset="roberta-tiny", bert_config=None,
         architecture={"model_type": model_type, "hidden_size": 32, "intermediate_size": 64}, optimizer="adamw",
         log_every=2, checkpoint_every=4, seed=12345, eval_max_sequences=32))
+    return summary, out / "model"
+
+
+def test_pretraining_runs_on_data_tokenized_and_encoded_with_the_models_own_tokenizer(tokenizer_json, tmp_path):
+    """On RoBERTa's and XLM-R's own kind of tokenizer.json."""
+    model_type, path = tokenizer_json
+    summary, export = pretrain_roberta_on(path, model_type, tmp_path,
+                                          "\n\n".join(TEXT.replace(". ", ".\n") for _ in range(4)))
     assert (summary["family"], summary["steps"], summary["model"]["model_type"]) == ("roberta", 4, model_type)
     assert summary["test_mlm_accuracy"] >= 0 and summary["test_nsp_accuracy"] == 0.0
-    hf = getattr(transformers, HF_CLASSES[model_type][1]).from_pretrained(out / "model")
+    hf = getattr(transformers, HF_CLASSES[model_type][1]).from_pretrained(export)
     assert hf.config.pad_token_id == 1
 
 

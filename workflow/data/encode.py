@@ -9,11 +9,13 @@ The file schema is NVIDIA's, so its loader reads it as is:
     input_ids [N,L] int32, input_mask [N,L] int8, segment_ids [N,L] int8,
     masked_lm_positions [N,P] int32, masked_lm_ids [N,P] int32, next_sentence_labels [N] int8 (1 = random B),
 
-zero-padded. Settings off NVIDIA's recipe (docs/data.md, "Masking at load time and full sentences"): `masking`
-dynamic writes the rows unmasked (masked_lm_* zero) with what the loader's masker needs (workflow.train.masking;
-mask_rows is the one masking rule of both); `objective` full_sentences plans RoBERTa's FULL-SENTENCES rows and
-documents its DOC-SENTENCES rows (plan_full_sentences) instead of pairs; `masking_rule` per_token masks each token
-on its own (workflow.data.masking_rule). The test split is masked at the held-out probability
+padded: input_ids with the tokenizer's padding id (its pad role: BERT's [PAD] 0; another id is recorded as the
+root attribute pad_id, workflow.data.hdf5.pad_attributes), the rest with zeros. Settings off NVIDIA's recipe
+(docs/data.md, "Masking at load time and full sentences"): `masking` dynamic writes the rows unmasked
+(masked_lm_* zero) with what the loader's masker needs (workflow.train.masking; mask_rows is the one masking rule
+of both); `objective` full_sentences plans RoBERTa's FULL-SENTENCES rows and documents its DOC-SENTENCES rows
+(plan_full_sentences) instead of pairs; `masking_rule` per_token masks each token on its own
+(workflow.data.masking_rule). The test split is masked at the held-out probability
 (EncodeSettings.held_out_masked_lm_prob: eval_masked_lm_prob), so held-out accuracies compare across training
 rates. With packing (the stage's default; workflow.data.pack), the shard's instances are packed before they are
 written, several to a row, in the packed schema of workflow.data.pack. The work is vectorised numpy: instances are
@@ -35,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from workflow.cli import UserError, run
-from workflow.data.hdf5 import CHUNK_ROWS, PACKED_VERSION, write_shard
+from workflow.data.hdf5 import CHUNK_ROWS, PACKED_VERSION, pad_attributes, write_shard
 from workflow.data.pack import (ALGORITHMS, AUTO, PackSettings, RaggedInstances, check_packed, pack_ragged,
                                 packing_stats)
 from workflow.data.masking_rule import (MASKING_RULES, MASKINGS, OBJECTIVES, EncodeSettings,  # noqa: F401
@@ -178,11 +180,11 @@ def build_batch(
     ids: np.ndarray, plan: np.ndarray, settings: EncodeSettings, vocab: Vocab, rng: np.random.Generator,
     out: dict[str, np.ndarray] | None = None, counts: dict | None = None,
 ) -> dict[str, np.ndarray]:
-    """The NVIDIA-schema arrays of the instances in `plan` rows: [CLS] A [SEP] B [SEP], masked, zero-padded;
+    """The NVIDIA-schema arrays of the instances in `plan` rows: [CLS] A [SEP] B [SEP], masked, padded;
     written into `out` (arrays of len(plan) rows, e.g. row ranges of a whole shard's) when given; per_token's masks
     lost to the cap are added to `counts`.
 
-    `ids` are the shard's token ids followed by one 0, the value padding cells gather.
+    `ids` are the shard's token ids followed by the padding id (vocab.pad), the value padding cells gather.
     """
     length, n_predictions = settings.max_seq_length, settings.max_predictions_per_seq
     if out is None:
@@ -268,7 +270,7 @@ def encode_shard(
     masking = settings.of_split(split)  # the test split's masks at the held-out probability
     vocab = Vocab.read(vocab_path)
     ids, sentence_offsets, document_offsets = load_tokenized(tokenized)
-    padded_ids = np.append(ids, 0).astype(ids.dtype)
+    padded_ids = np.append(ids, vocab.pad).astype(ids.dtype)
     if len(ids) and int(ids.max()) >= vocab.size:
         raise UserError(f"{tokenized}: token id {int(ids.max())} is outside {vocab_path} ({vocab.size} tokens)")
     plan_rng, mask_rng = shard_rng(seed, split, shard_index)
@@ -287,6 +289,7 @@ def encode_shard(
         "shard_index": shard_index,
         "n_instances": n,
         "vocab_sha256": hashlib.sha256(Path(vocab_path).read_bytes()).hexdigest(),
+        **pad_attributes(vocab.pad),
     }
     if settings.masking == "dynamic":  # what the load-time masker needs (workflow.train.masking)
         attributes.update(cls_id=vocab.cls, sep_id=vocab.sep, mask_id=vocab.mask)
@@ -302,8 +305,8 @@ def encode_shard(
              for start in starts), lengths, settings)
         started = time.process_time()
         packed = pack_ragged(instances, packing.max_sequences_per_pack, masking.masked_lm_prob, packing.algorithm,
-                             str(tokenized), masking_rule=settings.masking_rule, counts=counts)
-        check_packed(packed, vocab.cls, vocab.sep, (0, vocab.mask), str(output))  # 0: the padding
+                             str(tokenized), masking_rule=settings.masking_rule, counts=counts, pad_id=vocab.pad)
+        check_packed(packed, vocab.cls, vocab.sep, (vocab.pad, vocab.mask), str(output))
         stats = packing_stats(lengths, length, len(packed["input_ids"]))
         packing_time = time.process_time() - started
         write_shard(output, {**attributes, **stats, **packing.attributes(length)},

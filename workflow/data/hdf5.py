@@ -6,6 +6,7 @@ several instances per row; workflow.data.pack). Chunks hold whole rows, gzip lev
 API:
     write_shard(output, attributes, {name: (shape, dtype)}, batches, compression)   atomically, row block by block
     read_encoded(path) -> (arrays, attributes)   an encoded (NVIDIA-schema) shard, validated (with its TABLES)
+    pad_attributes(pad_id) -> dict, pad_id_of(attributes) -> int   the padding id a shard's input_ids hold
 """
 import os
 
@@ -23,8 +24,20 @@ TABLES = ("continues_word",)  # whole datasets beside the rows (a dynamic-maskin
 # each full-sentences instance within a document one token too long, the row's padding: a [PAD] inside every such
 # sequence; the trainer refuses those shards (workflow.train.pretraining_data) and the DAG rebuilds them.
 PACKED_VERSION = 2
+PAD_ID = "pad_id"  # root attribute: the id input_ids are padded with, where it is not 0 (absent = 0, BERT's [PAD])
 CHUNK_ROWS = 64  # HDF5 chunk = 64 whole rows: a random row read decompresses little (see benchmarks/)
 CHUNK_WIDTH = 128  # narrower datasets (predictions, per-pack slots, labels) get proportionally more rows per chunk
+
+
+def pad_attributes(pad_id: int) -> dict:
+    """The root attributes that record padding id `pad_id`: none for 0 (NVIDIA's and BERT's files keep their bytes),
+    else PAD_ID (a tokenizer.json whose id 0 is text, e.g. a GPT-2-style BPE's "!")."""
+    return {PAD_ID: int(pad_id)} if pad_id else {}
+
+
+def pad_id_of(attributes) -> int:
+    """The padding id of a shard with root `attributes` (pad_attributes's)."""
+    return int(attributes.get(PAD_ID, 0))
 
 
 def write_shard(output, attributes: dict, shapes: dict, batches, compression: str,

@@ -136,11 +136,17 @@ class Vocab:
     sep: int
     mask: int
     continues_word: np.ndarray  # [size] bool: the token continues a word (Vocabulary.continues_word)
+    pad: int = 0  # the padding id (the tokenizer's pad role; BERT's [PAD] is 0, a GPT-2-style BPE's 0 is text)
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "Vocab":
         vocab = Vocabulary.load(path)
-        return cls(vocab.size, vocab.cls, vocab.sep, vocab.mask, vocab.continues_word)
+        return cls(vocab.size, vocab.cls, vocab.sep, vocab.mask, vocab.continues_word, vocab.pad)
+
+    @property
+    def never_masked(self) -> np.ndarray:
+        """Ids never a masking candidate, whatever a file holds: the padding, [CLS], [SEP], [MASK] ([UNK] is text)."""
+        return np.array([self.pad, self.cls, self.sep, self.mask])
 
 
 class GeneratorDraws:

@@ -23,8 +23,9 @@ the slots (lpfhp 97.0%, spfhp 96.8%; no packing can beat 99.8%, `fewest_packs`),
 
 Input: an encoded shard in NVIDIA's schema (workflow.data.encode). Output (root attributes `packing` = the
 algorithm, `max_sequences_per_pack`, `packed_version` (workflow.data.hdf5.PACKED_VERSION) and the fill statistics of
-`packing_stats`), zero-padded, one row per pack of S = max_sequences_per_pack slots (`auto`: as many as fit,
-sequence_slots):
+`packing_stats`), padded (input_ids with the encoded shard's padding id, root attribute pad_id where it is not 0:
+workflow.data.hdf5.pad_attributes; the rest with zeros), one row per pack of S = max_sequences_per_pack slots
+(`auto`: as many as fit, sequence_slots):
 
     input_ids [R,L] int32, segment_ids [R,L] int8,
     input_mask [R,L] int8            sub-sequence number of each token, 1..S (0 = padding; > 0 = NVIDIA's mask;
@@ -43,7 +44,7 @@ the derived cap of L tokens) under per_token (workflow.data.masking_rule: a row 
 time; its last predictions are then unmasked, counted as masks_over_row_width, and the rest packed as they were).
 Packs are ordered by their first instance's row, so the file keeps the encode stage's shuffled order. The whole
 shard is held in memory (a shard is bounded by the shard stage's size). Every shard written is checked first
-(check_packed): each sequence is its instance's tokens, [CLS] first and [SEP] last, with no [PAD] or other special
+(check_packed): each sequence is its instance's tokens, [CLS] first and [SEP] last, with no padding or other special
 token inside but [SEP] and masked cells.
 """
 import argparse
@@ -55,7 +56,7 @@ from typing import Sequence
 import numpy as np
 
 from workflow.cli import UserError, run
-from workflow.data.hdf5 import PACKED, PACKED_VERSION, TABLES, read_encoded, write_shard
+from workflow.data.hdf5 import PACKED, PACKED_VERSION, TABLES, pad_id_of, read_encoded, write_shard
 from workflow.data.masking_rule import derived_max_predictions
 
 log = logging.getLogger(__name__)
@@ -246,14 +247,14 @@ def sequence_lengths_of(input_mask: np.ndarray, source: str = "input") -> np.nda
 
 def as_written_by_encode(arrays: dict[str, np.ndarray], source: str = "input") -> tuple[dict[str, np.ndarray],
                                                                                        np.ndarray]:
-    """(arrays, instance lengths) of NVIDIA-schema `arrays` read from elsewhere, in the form encode writes them:
-    zeros beyond each instance's tokens and after its predictions, which lead their row. pack_arrays copies whole
-    rows, so what a file holds in those cells must not reach a pack."""
+    """(arrays, instance lengths) of NVIDIA-schema `arrays` read from elsewhere, in the form pack_arrays takes:
+    zeros beyond each instance's tokens (whatever the padding id) and after its predictions, which lead their row.
+    pack_arrays copies whole rows, so what a file holds in those cells must not reach a pack."""
     lengths = sequence_lengths_of(arrays["input_mask"], source)
     arrays = dict(arrays)
     padding = ~arrays["input_mask"].astype(bool, copy=False)
     for name in ("input_ids", "segment_ids"):
-        if arrays[name][padding].any():  # rare: encode writes zeros there
+        if arrays[name][padding].any():  # encode writes zeros there, but for a padding id other than 0
             arrays[name] = np.where(padding, 0, arrays[name])
     valid = arrays["masked_lm_positions"] > 0
     if (valid[:, 1:] > valid[:, :-1]).any():  # a prediction after an empty slot: move them to the front
@@ -340,12 +341,13 @@ def _layout(lengths: np.ndarray, length: int, slots: int, algorithm: str):
 def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
                 masked_lm_prob: float = 0.15, algorithm: str = PackSettings.algorithm, source: str = "input",
                 lengths: np.ndarray | None = None, in_place: bool = False, masking_rule: str = "google",
-                counts: dict | None = None) -> dict[str, np.ndarray]:
+                counts: dict | None = None, pad_id: int = 0) -> dict[str, np.ndarray]:
     """The packed arrays (module docstring) of the NVIDIA-schema `arrays` of one shard.
 
-    `lengths`, the real tokens of each instance, says the arrays are as encode builds them (as_written_by_encode);
-    without it they are checked and brought to that form first. `in_place` writes the packed token rows into the
-    memory of `arrays` (fresh memory costs more than the copy itself), which then no longer hold the instances.
+    `lengths`, the real tokens of each instance, says the arrays are in as_written_by_encode's form (zeros past the
+    tokens); without it they are checked and brought to that form first. The packed rows are padded with `pad_id`.
+    `in_place` writes the packed token rows into the memory of `arrays` (fresh memory costs more than the copy
+    itself), which then no longer hold the instances.
     Under masking_rule per_token a pack's predictions beyond the row's width are unmasked in `arrays` and counted
     in `counts["masks_over_row_width"]`; under google they are refused."""
     n, length = arrays["input_ids"].shape
@@ -438,7 +440,7 @@ def pack_arrays(arrays: dict[str, np.ndarray], max_sequences_per_pack: int = MAX
                sequence_lengths=member_lengths.astype(np.int32),
                next_sentence_labels=np.where(present, arrays["next_sentence_labels"][member], -1).astype(np.int8),
                instance_index=members.astype(np.int32))
-    return {name: out[name] for name in PACKED}
+    return _padded_with({name: out[name] for name in PACKED}, pad_id)
 
 
 @dataclass
@@ -469,9 +471,10 @@ class RaggedInstances:
 
 def pack_ragged(instances: RaggedInstances, max_sequences_per_pack: int = MAX_SEQUENCES_PER_PACK,
                 masked_lm_prob: float = 0.15, algorithm: str = PackSettings.algorithm, source: str = "input",
-                masking_rule: str = "google", counts: dict | None = None) -> dict[str, np.ndarray]:
+                masking_rule: str = "google", counts: dict | None = None, pad_id: int = 0) -> dict[str, np.ndarray]:
     """pack_arrays of instances held at their real lengths: the same packed arrays, byte for byte, with no
-    instance ever at max_seq_length. Predictions beyond a row's width: as pack_arrays (unmasked in `instances`)."""
+    instance ever at max_seq_length; padded with `pad_id`. Predictions beyond a row's width: as pack_arrays
+    (unmasked in `instances`)."""
     length, lengths = instances.max_seq_length, instances.lengths
     if length > np.iinfo(np.int16).max:
         raise UserError(f"{source}: sequence length {length} does not fit int16 position ids")
@@ -521,7 +524,14 @@ def pack_ragged(instances: RaggedInstances, max_sequences_per_pack: int = MAX_SE
                sequence_lengths=member_lengths.astype(np.int32),
                next_sentence_labels=np.where(present, instances.next_sentence_labels[member], -1).astype(np.int8),
                instance_index=members.astype(np.int32))
-    return {name: out[name] for name in PACKED}
+    return _padded_with({name: out[name] for name in PACKED}, pad_id)
+
+
+def _padded_with(packed: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
+    """`packed` with `pad_id` in the padding cells of input_ids (the packers write zeros there)."""
+    if pad_id:
+        packed["input_ids"][packed["input_mask"] == 0] = pad_id
+    return packed
 
 
 def _ranges(sizes: np.ndarray) -> np.ndarray:
@@ -573,7 +583,7 @@ def check_packed(packed: dict[str, np.ndarray], cls_id: int, sep_id: int, stray_
                  source: str = "input") -> None:
     """Raise a UserError unless every sequence of the packed arrays is whole: its tokens numbered slot + 1 are
     exactly `sequence_lengths` from its `cls_positions`, the first a [CLS] and the last a [SEP], and none in between
-    is a [CLS] or one of `stray_ids` (the padding 0, [PAD], [MASK]) but at a masked position (static masks may put any
+    is a [CLS] or one of `stray_ids` (the padding id, [MASK]) but at a masked position (static masks may put any
     token there). A cheap pass over the rows, run on every shard the packer writes: a wrong length packs padding."""
     ids, sequence, lengths = packed["input_ids"], packed["input_mask"], packed["sequence_lengths"]
     n_rows, n_slots = lengths.shape
@@ -618,13 +628,14 @@ def pack_shard(encoded: str | os.PathLike, output: str | os.PathLike,
     # An encoded shard's first instance gives the ids: [CLS] first, [SEP] last (a static file does not record them).
     ids = arrays["input_ids"]
     cls_id, sep_id = (int(ids[0, 0]), int(ids[0, lengths[0] - 1])) if len(lengths) else (0, 0)
-    counts = {}
+    counts, pad_id = {}, pad_id_of(attributes)
     packed = pack_arrays(arrays, max_sequences_per_pack, masked_lm_prob, algorithm, str(encoded), lengths,
-                         masking_rule=masking_rule, counts=counts)
+                         masking_rule=masking_rule, counts=counts, pad_id=pad_id)
     if counts:
         log.warning("%s: %d masks over the packed rows' prediction width unmasked", encoded,
                     counts["masks_over_row_width"])
-    check_packed(packed, cls_id, sep_id, {0, int(attributes.get("mask_id", 0))}, str(encoded))
+    # the padding, and [MASK] where the file records it (a dynamic file)
+    check_packed(packed, cls_id, sep_id, {pad_id, int(attributes.get("mask_id", pad_id))}, str(encoded))
     stats = packing_stats(lengths, arrays["input_ids"].shape[1], packed["input_ids"].shape[0])
     settings = PackSettings(max_sequences_per_pack, algorithm)
     attributes.update(stats, **settings.attributes(arrays["input_ids"].shape[1]))

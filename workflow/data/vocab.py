@@ -14,7 +14,8 @@ character.
 A trained byte-level BPE needs no such help: its alphabet is the 256 byte characters (`initial_alphabet`), which
 the BPE trainer numbers in character order itself, and it breaks ties between equally frequent merges by those
 numbers (tests/test_bpe.py trains in fresh processes). Its specials are numbered first, as WordPiece's: [PAD] 0,
-[UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, so padding stays id 0.
+[UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, padding at id 0 as in BERT's vocab (the data half pads with the pad role's id,
+whatever it is: workflow.data.hdf5.pad_attributes).
 
 Speed: the trainer counts words (normalize, pre-tokenize: ~3 MB/s per core, most of its time) and updates its merges
 on `threads` rayon threads, and the character histogram runs in `threads` processes, one shard each; all are sums or

@@ -83,4 +83,4 @@ class EvaluationSet:
             return
         live = arrays.pop("live")
         for start in range(0, len(live), rows):
-            yield make_batch(arrays, slice(start, start + rows), live[start:start + rows])
+            yield make_batch(arrays, slice(start, start + rows), live[start:start + rows], self.shards[0].pad_id)

@@ -2,9 +2,10 @@
 
 The files then hold unmasked rows (workflow.data.encode, masked_lm_* all zero) and what the masker needs: the
 settings as root attributes and the vocab's "##" continuation table (dataset `continues_word`, for whole-word
-masking); [CLS]/[SEP] are found by their ids. Whatever the files hold, the masker never picks the padding (id 0,
-[PAD]), [CLS], [SEP] or [MASK] as a candidate: only text is predicted. The rule is encode's own (workflow.data.masking_rule.mask_rows: Google's
-create_pretraining_data.py, or per_token), so dynamic masks have the statistics of static ones (tests/test_masking.py).
+masking); [CLS]/[SEP] are found by their ids, the padding by the root attribute pad_id (absent: 0, BERT's [PAD];
+workflow.data.hdf5.pad_attributes). Whatever the files hold, the masker never picks the padding, [CLS], [SEP] or
+[MASK] as a candidate: only text is predicted (a text token with id 0 too, where the padding id is another). The
+rule is encode's own (workflow.data.masking_rule.mask_rows: Google's create_pretraining_data.py, or per_token), so dynamic masks have the statistics of static ones (tests/test_masking.py).
 A test shard (root attribute `split`) is masked at the held-out probability (`eval_masked_lm_prob` where the file
 names one). Under per_token, a sequence's draws beyond max_predictions_per_seq and a packed row's predictions beyond
 the file's prediction width (~1e-9 of rows where the cap is derived) are not made: the tokens stay as they were, and
@@ -31,6 +32,7 @@ import logging
 import h5py
 import numpy as np
 
+from workflow.data.hdf5 import pad_id_of
 from workflow.data.masking_rule import EncodeSettings, Vocab, mask_rows, word_index
 
 log = logging.getLogger(__name__)
@@ -134,13 +136,8 @@ class LoadTimeMasker:
             whole_word_masking=bool(attributes["whole_word_masking"]),
             masking="dynamic", masking_rule=str(attributes.get("masking_rule", "google")))
         vocab = Vocab(len(continues), int(attributes["cls_id"]), int(attributes["sep_id"]), int(attributes["mask_id"]),
-                      continues)
+                      continues, pad_id_of(attributes))
         return cls(settings, vocab, int(attributes["seed"]) if seed is None else seed)
-
-    @property
-    def special_ids(self) -> np.ndarray:
-        """Ids never masked: the padding (0, [PAD] in BERT's vocab), [CLS], [SEP], [MASK] ([UNK] is text)."""
-        return np.array([0, self.vocab.cls, self.vocab.sep, self.vocab.mask])
 
     def __call__(self, arrays: dict[str, np.ndarray], epoch: int, shard: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         """`arrays` (the file rows `rows` of shard number `shard`, either layout) with every sequence masked: each
@@ -162,7 +159,8 @@ class LoadTimeMasker:
             columns = np.minimum(columns, length - 1)
             at = row[chosen, None]
             ids = input_ids[at, columns]
-            candidate = (sequence[at, columns] == number[chosen, None]) & inside & ~np.isin(ids, self.special_ids)
+            candidate = ((sequence[at, columns] == number[chosen, None]) & inside
+                         & ~np.isin(ids, self.vocab.never_masked))
             settings = replace(self.settings, max_predictions_per_seq=min(self.settings.max_predictions_per_seq, width))
             draws = KeyedDraws(keys[chosen], None if settings.whole_word_masking else start[chosen])
             # Words are read from the ids before they are masked.
@@ -242,7 +240,7 @@ class LoadTimeMasker:
             return empty, empty, empty, empty
         ids = np.concatenate([input_ids[row[which]], np.zeros((1, input_ids.shape[1]), input_ids.dtype)])
         candidate = np.zeros(ids.shape, bool)
-        candidate[:-1] = (sequence[row[which]] == number[which, None]) & ~np.isin(ids[:-1], self.special_ids)
+        candidate[:-1] = (sequence[row[which]] == number[which, None]) & ~np.isin(ids[:-1], self.vocab.never_masked)
         counts = np.append(n_tokens[which], n_tokens.max())
         positions, labels = mask_rows(ids, candidate, counts, self.settings, self.vocab,
                                       KeyedDraws(np.append(keys[which], np.uint64(0))))

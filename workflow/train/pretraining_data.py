@@ -7,10 +7,11 @@ API:
     data_identity(directory, shards) -> dict         what identifies the training data (for a run's fingerprint)
     row_tokens_per_sequence(directory) -> float      rows x max_seq_length per training sequence (a batch in tokens)
     read_shard(shard) -> dict of numpy arrays
-    make_batch(arrays, rows, live=None) -> dict of torch tensors: input_ids, token_type_ids, attention_mask,
+    make_batch(arrays, rows, live=None, pad_id=0) -> dict of torch tensors: input_ids, token_type_ids, attention_mask,
         masked_lm_positions, masked_lm_labels ([B, P], -1 where no prediction), next_sentence_labels; packed rows
         add position_ids, cls_positions and instance_index, and their next_sentence_labels are [B, S] (-1 = no
-        sequence) and attention_mask each token's sequence number (0 = padding), as BertForPreTraining expects.
+        sequence) and attention_mask each token's sequence number (0 = padding), as BertForPreTraining expects;
+        input_ids hold the shards' padding id (ShardInfo.pad_id) where no sequence is trained on.
     PretrainingSequences(shards, seed).read(start, count) -> batch
         sequences [start, start + count) of one endless global order (epochs of one seeded shuffle of every
         shard's chunks of ORDER_CHUNK_ROWS rows, a packed row's sequences in slot order) that does not depend on the
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from workflow.cli import UserError
-from workflow.data.hdf5 import CHUNK_ROWS, PACKED_VERSION
+from workflow.data.hdf5 import CHUNK_ROWS, PACKED_VERSION, pad_id_of
 from workflow.train.checkpoint import file_sha256
 from workflow.train.masking import LoadTimeMasker
 
@@ -67,6 +68,7 @@ class ShardInfo:
     slots: int = 1         # sequence slots per row (packed: max_sequences_per_pack)
     dynamic: bool = False  # unmasked rows: the loader masks them (workflow.train.masking)
     objective: str = "nsp"  # encode.objective: nsp (segment pairs), full_sentences or documents (no NSP labels)
+    pad_id: int = 0        # the id input_ids are padded with (the tokenizer's; root attribute pad_id, absent = 0)
 
     @property
     def rows(self) -> int:
@@ -93,6 +95,7 @@ def _validate(path: Path) -> ShardInfo:
         dynamic = handle.attrs.get("masking", "static") == "dynamic"
         objective = str(handle.attrs.get("objective", "nsp"))
         packed_version = int(handle.attrs.get("packed_version", 1))
+        pad_id = pad_id_of(handle.attrs)
     if packed and objective == "full_sentences" and packed_version < PACKED_VERSION:
         # Such a shard holds a [PAD] inside every sequence (workflow.data.hdf5.PACKED_VERSION): never train on it.
         raise UserError(f"{path}: packed full-sentences data of layout version {packed_version}, which holds a [PAD] "
@@ -113,8 +116,8 @@ def _validate(path: Path) -> ShardInfo:
                             f"(input_ids is {shapes['input_ids']})")
     if packed:
         return ShardInfo(str(path), int(sequences_per_row.sum()), seq_length, max_predictions, True,
-                         sequences_per_row.astype(np.uint16), shapes["cls_positions"][1], dynamic, objective)
-    return ShardInfo(str(path), n, seq_length, max_predictions, dynamic=dynamic, objective=objective)
+                         sequences_per_row.astype(np.uint16), shapes["cls_positions"][1], dynamic, objective, pad_id)
+    return ShardInfo(str(path), n, seq_length, max_predictions, dynamic=dynamic, objective=objective, pad_id=pad_id)
 
 
 def _recipe(shard: ShardInfo) -> str:
@@ -136,6 +139,9 @@ def list_shards(directory: str | Path, split: str) -> list[ShardInfo]:
         if (shard.dynamic, shard.objective) != (first.dynamic, first.objective):
             raise UserError(f"{shard.path}: masking/objective {_recipe(shard)}, but {first.path} has "
                             f"{_recipe(first)}; one data directory holds one recipe")
+        if shard.pad_id != first.pad_id:
+            raise UserError(f"{shard.path}: padding id {shard.pad_id}, but {first.path} has {first.pad_id}; one data "
+                            f"directory holds one vocab")
         if (shard.seq_length, shard.max_predictions) != (first.seq_length, first.max_predictions):
             raise UserError(f"{shard.path}: sequence length/max predictions {shard.seq_length}/"
                             f"{shard.max_predictions} differ from {first.path}'s "
@@ -211,9 +217,11 @@ def read_shard(shard: ShardInfo) -> dict[str, np.ndarray]:
         return read_rows(datasets(handle, shard), 0, shard.rows)
 
 
-def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = None,
+               pad_id: int = 0) -> dict[str, torch.Tensor]:
     """The batch of `rows`; for packed rows, `live` [B, S] (default: all) says which of their sequences it trains
-    on: the others become padding; for unpacked rows, `live` [B] marks the empty rows (no NSP label) as False."""
+    on: the others become padding (input_ids `pad_id`); for unpacked rows, `live` [B] marks the empty rows (no NSP
+    label) as False."""
     def take(name):
         return torch.from_numpy(np.ascontiguousarray(arrays[name][rows]).astype(np.int64))
 
@@ -244,7 +252,7 @@ def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = No
         nsp, instance = nsp.masked_fill(~live, -1), instance.masked_fill(~live, -1)
         valid &= torch.gather(sequence, 1, positions) > 0
     return {
-        "input_ids": take("input_ids") * (sequence > 0),
+        "input_ids": take("input_ids").masked_fill(sequence == 0, pad_id),
         "token_type_ids": take("segment_ids") * (sequence > 0),
         "attention_mask": sequence,
         "position_ids": take("position_ids") * (sequence > 0),
@@ -256,15 +264,17 @@ def make_batch(arrays: dict[str, np.ndarray], rows, live: np.ndarray | None = No
     }
 
 
-def padded(arrays: dict[str, np.ndarray], rows: int) -> tuple[dict, slice, np.ndarray]:
+def padded(arrays: dict[str, np.ndarray], rows: int, pad_id: int = 0) -> tuple[dict, slice, np.ndarray]:
     """make_batch's arguments for `arrays` filled up to `rows` rows with empty ones, which carry no label and no live
-    sequence (an unpacked empty row attends to its first token: a row with nothing to attend to would give NaN);
-    `arrays["live"]` (default: every sequence) says which sequences of the real rows are trained on."""
+    sequence (an unpacked empty row attends to its first token: a row with nothing to attend to would give NaN) and
+    `pad_id` for input_ids; `arrays["live"]` (default: every sequence) says which sequences of the real rows are
+    trained on."""
     n = len(arrays["input_ids"])
     packed = "cls_positions" in arrays
     arrays = {"live": np.ones(arrays["cls_positions"].shape if packed else n, bool), **arrays}
-    arrays = {name: np.concatenate([values, np.zeros((rows - n, *values.shape[1:]), values.dtype)])
-              for name, values in arrays.items()}
+    empty = {name: np.full((rows - n, *values.shape[1:]), pad_id if name == "input_ids" else 0, values.dtype)
+             for name, values in arrays.items()}
+    arrays = {name: np.concatenate([values, empty[name]]) for name, values in arrays.items()}
     if not packed:
         arrays["input_mask"][n:, 0] = 1
     return arrays, slice(None), arrays.pop("live")
@@ -401,7 +411,7 @@ class PretrainingSequences:
     def read(self, start: int, count: int) -> dict[str, torch.Tensor]:
         """Sequences [start, start + count) of the global order as one batch."""
         arrays = self._arrays(self._step_rows(start, count))
-        return make_batch(arrays, slice(None), arrays.pop("live"))
+        return make_batch(arrays, slice(None), arrays.pop("live"), self.shards[0].pad_id)
 
     def micro_batches(self, start: int, count: int, rank: int, world: int, rows: int) -> list[dict]:
         """Rank `rank`'s share of the step of sequences [start, start + count) as micro-batches of exactly `rows` rows:
@@ -420,7 +430,8 @@ class PretrainingSequences:
                 mine.append((chunk, first, max(first, stop), live[first - a:max(first, stop) - a], epoch))
             seen += b - a
         arrays = self._arrays(mine)
-        return [make_batch(*padded({name: values[k:k + rows] for name, values in arrays.items()}, rows))
+        pad_id = self.shards[0].pad_id
+        return [make_batch(*padded({name: values[k:k + rows] for name, values in arrays.items()}, rows, pad_id), pad_id)
                 for k in range(0, micro_batches * rows, rows)]
 
     def close(self) -> None:

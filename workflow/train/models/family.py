@@ -263,6 +263,7 @@ class BertFamily(_Family):
     name, display_name, model_types = "bert", "BERT", ("bert",)
     module_name, config_name, pretraining_name = "workflow.train.models.bert", "BertConfig", "BertForPreTraining"
     objectives = ("nsp", "full_sentences", "documents")
+    special_token_roles = {"pad_token_id": "pad"}  # BERT's vocab: 0, the config's default (its fingerprint unchanged)
     reads_dle_checkpoints = True
 
     @staticmethod
@@ -279,7 +280,7 @@ class BertFamily(_Family):
 
     def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
         """Model from (in order of precedence) an HF directory or a DLE checkpoint (with its bert_config.json), a
-        bert_config.json, or a preset sized to the vocab."""
+        bert_config.json, or a preset sized to the vocab; the latter two with the vocab's padding id."""
         from workflow.train.models import bert as bert
         from workflow.train.models.dle_checkpoint import load_checkpoint
 
@@ -288,10 +289,13 @@ class BertFamily(_Family):
             config, state = load_checkpoint(m.init_from, m.bert_config, gelu=m.dle_gelu)
             source = m.init_from
             check_same_vocab(m.init_from, config.vocab_size, vocab_size, vocab)
-        elif m.bert_config:
-            config, source = bert.BertConfig.from_json(m.bert_config), m.bert_config
+        elif m.bert_config:  # a Google bert_config.json names no padding id: the data's
+            config = dataclasses.replace(bert.BertConfig.from_json(m.bert_config),
+                                         **_special_ids(vocab, self.special_token_roles))
+            source = m.bert_config
         else:  # the vocab padded to a multiple of 8 (tensor-core friendly), as NVIDIA does
-            config = _preset(bert.BertConfig, m, vocab_size=(vocab_size + 7) // 8 * 8)
+            config = _preset(bert.BertConfig, m, vocab_size=(vocab_size + 7) // 8 * 8,
+                             **_special_ids(vocab, self.special_token_roles))
             source = f"preset {m.preset_name}"
         return config, self._checked_model(config, state, source, vocab_size, seq_length)
 
