@@ -2,11 +2,12 @@
 network and UTS namespace, the host's filesystem shared).
 
 Proves: a phase job of 2 nodes x 2 ranks (BERT's, ModernBERT's) runs its ranks on two hosts, meets at the first
-node's bridge address (not loopback), and ends with the weights of a one-process run of the same global batch; a node lost under it is
-requeued by Slurm and the phase resumes on the nodes left to the same weights; the demo's grouped data jobs run
-on more than one node and give the bytes of a one-machine run; every rank of a node sees all of the node's GPUs
-and takes its local rank's; a second job on a run directory refuses while the first is alive and takes a dead
-one's over; a rank killed on the second node ends its step at once (not after srun's --wait) and the phase
+node's bridge address (not loopback), and ends with the weights of a one-process run of the same global batch; a
+node lost under it is requeued by Slurm and the phase resumes on the nodes left to the same weights; the demo's
+grouped data jobs run on more than one node and give the bytes of a one-machine run; every rank of a node sees all
+of the node's GPUs and takes its local rank's; a second job on a run directory refuses while the first is alive and
+takes a dead one's over; a rank killed on the second node ends its step at once (not after srun's --wait) and the
+phase
 resumes. Cluster tests skip where no cluster can be had (not root), never under CI=true.
 """
 from __future__ import annotations
