@@ -7,8 +7,7 @@ node lost under it is requeued by Slurm and the phase resumes on the nodes left 
 grouped data jobs run on more than one node and give the bytes of a one-machine run; every rank of a node sees all
 of the node's GPUs and takes its local rank's; a second job on a run directory refuses while the first is alive and
 takes a dead one's over; a rank killed on the second node ends its step at once (not after srun's --wait) and the
-phase
-resumes. Cluster tests skip where no cluster can be had (not root), never under CI=true.
+phase resumes. Cluster tests skip where no cluster can be had (not root), never under CI=true.
 """
 from __future__ import annotations
 
