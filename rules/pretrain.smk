@@ -10,6 +10,9 @@
 include: "functions/pretrain.smk"
 
 
+warn_below_torch_floor()  # the jobs' torch below their attention's floor: one line here, before any job runs
+
+
 rule pretrain_phase:
     input:
         unpack(pretrain_inputs),

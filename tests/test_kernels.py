@@ -2,6 +2,7 @@
 on the next path with one warning naming what to upgrade, never a crash at the first step. On CPU through stand-ins
 that keep the real API at each boundary (a torch version below a path's floor, a GPU of compute capability 7.5, the
 flash-attn package's flash_attn_varlen_func), the kernels themselves through flash_varlen's exact CPU reference."""
+import importlib.machinery
 import logging
 import sys
 import types
@@ -17,7 +18,7 @@ from workflow.train.models import kernels, kit, modernbert
 from workflow.train.models.bert import BertForPreTraining
 from workflow.train.models.flash_varlen import flash_varlen
 from workflow.train.models.kernels import (FLASH_ATTN, FLASH_VARLEN, NESTED_SDPA, ROWS, WINDOWED_FLASH_VARLEN,
-                                           attention_path, trained_path)
+                                           attention_path, head_floor_warning, trained_path)
 from workflow.train.models.modernbert import ModernBertForMaskedLM
 from workflow.train.precision import autocast
 from workflow.train.pretrain import forward
@@ -57,6 +58,7 @@ def platform(monkeypatch):
         monkeypatch.setattr(accelerator, "compute_capability", lambda device: capability)
         if flash_attn is not None:
             package = types.ModuleType("flash_attn")
+            package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)  # as an imported package has
             package.flash_attn_varlen_func = flash_attn
             monkeypatch.setitem(sys.modules, "flash_attn", package)
         else:
@@ -236,6 +238,54 @@ def test_the_reported_bert_kernel_is_the_one_that_trains(platform):
     assert trained_path("bert", torch.device("cuda"), torch.float32) == NESTED_SDPA
     assert accelerator.attention_kernel(CPU, torch.bfloat16, 64) == "math"  # nested SDPA off CUDA
 
+
+def test_roberta_trains_berts_encoder_and_its_kernel(platform):
+    platform(capability=H100)
+    assert trained_path("roberta", torch.device("cuda"), torch.bfloat16) == FLASH_VARLEN
+    platform(torch_version="2.6.0")
+    assert trained_path("roberta", torch.device("cuda"), torch.bfloat16) == NESTED_SDPA
+
+
+BERT_FLOOR = "BERT's varlen flash attention with dropout needs torch >= 2.7 and compute capability >= 8.0; "
+MODERNBERT_FLOOR = "ModernBERT's windowed varlen flash attention needs torch >= 2.11 and compute capability >= 8.0; "
+
+
+@pytest.mark.parametrize("family, precision, packed, version, flash_attn, expected", [
+    ("bert", "auto", True, "2.6.0", False, BERT_FLOOR + "torch 2.6.0 lacks it (the jobs' torch: {here}): training "
+     "with nested SDPA (exact, ~4x slower) instead; upgrade torch to >= 2.7 (or pip install flash-attn)"),
+    ("bert", "bf16", True, "2.6.0", True, BERT_FLOOR + "torch 2.6.0 lacks it (the jobs' torch: {here}): training "
+     "with flash-attn's flash_attn_varlen_func instead; upgrade torch to >= 2.7"),
+    ("modernbert", "fp16", False, "2.10.0+cu128", False, MODERNBERT_FLOOR + "torch 2.10.0+cu128 lacks it (the jobs' "
+     "torch: {here}): training with rows with masks (exact, slower) instead; upgrade torch to >= 2.11 (or pip "
+     "install flash-attn)"),  # every ModernBERT batch trains unpadded in 16-bit
+    ("bert", "auto", True, "2.7.0", False, None),
+    ("modernbert", "auto", True, "2.11.0", False, None),
+    ("bert", "bf16", False, "2.6.0", False, None),      # unpacked BERT: padded rows, no varlen kernel
+    ("bert", "fp32", True, "2.6.0", False, None),       # fp32: the exact path whatever the torch
+    ("modernbert", "fp32", True, "2.6.0", False, None),
+])
+def test_the_head_warns_as_the_job_will_when_the_jobs_torch_is_its_own(platform, family, precision, packed, version,
+                                                                       flash_attn, expected):
+    platform(torch_version=version, flash_attn=flash_attn_standin([]) if flash_attn else None)
+    expected = expected and expected.format(here=f"this interpreter's, {sys.executable}")
+    assert head_floor_warning(family, precision, packed, None) == expected
+
+
+@pytest.mark.parametrize("pins, expected", [
+    (["torch==2.10.0"], MODERNBERT_FLOOR + "torch 2.10.0 lacks it (the jobs' torch: {env}'s pin): training with rows "
+     "with masks (exact, slower) instead; pin torch >= 2.11 in {env} (or add flash-attn to it)"),
+    (["torch==2.10.0", "flash_attn==2.7.4"], MODERNBERT_FLOOR + "torch 2.10.0 lacks it (the jobs' torch: {env}'s "
+     "pin): training with flash-attn's flash_attn_varlen_func instead; pin torch >= 2.11 in {env}"),
+    (["torch==2.13.0"], None),
+    (["torch>=2.5"], None),  # no exact pin: what conda resolves is not known at the head
+])
+def test_under_conda_the_head_compares_the_envs_torch_pin_not_its_own(platform, tmp_path, pins, expected):
+    platform(torch_version="2.13.0")  # the head's own torch has no say
+    env = tmp_path / "train.yaml"
+    env.write_text("channels: [conda-forge]\ndependencies:\n  - python=3.11\n  - pip\n  - pip:\n"
+                   "      - --extra-index-url https://download.pytorch.org/whl/cu128\n"
+                   + "".join(f"      - {pin}  # why\n" for pin in pins))
+    assert head_floor_warning("modernbert", "auto", True, str(env)) == (expected and expected.format(env=env))
 
 
 def start_job(s, device: torch.device, monkeypatch) -> None:

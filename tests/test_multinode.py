@@ -1,13 +1,13 @@
 """Past one node, on the multi-node test cluster (tests/slurm/start_cluster.sh: node1..node3, each slurmd in its own
 network and UTS namespace, the host's filesystem shared).
 
-Proves: a phase job of 2 nodes x 2 ranks runs its ranks on two hosts, meets at the first node's bridge address
-(not loopback), and ends with the weights of a one-process run of the same global batch; a node lost under it is
-requeued by Slurm and the phase resumes on the nodes left to the same weights; the demo's grouped data jobs run
-on more than one node and give the bytes of a one-machine run; every rank of a node sees all of the node's GPUs
-and takes its local rank's; a second job on a run directory refuses while the first is alive and takes a dead
-one's over; a rank killed on the second node ends its step at once (not after srun's --wait) and the phase
-resumes. Cluster tests skip where no cluster can be had (not root), never under CI=true.
+Proves: a phase job of 2 nodes x 2 ranks (BERT's, ModernBERT's) runs its ranks on two hosts, meets at the first
+node's bridge address (not loopback), and ends with the weights of a one-process run of the same global batch; a
+node lost under it is requeued by Slurm and the phase resumes on the nodes left to the same weights; the demo's
+grouped data jobs run on more than one node and give the bytes of a one-machine run; every rank of a node sees all
+of the node's GPUs and takes its local rank's; a second job on a run directory refuses while the first is alive and
+takes a dead one's over; a rank killed on the second node ends its step at once (not after srun's --wait) and the
+phase resumes. Cluster tests skip where no cluster can be had (not root), never under CI=true.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import filecmp
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,17 @@ TWO_NODES = {"set-resources": {"pretrain_phase": {"nodes": 2, "gres": "gpu:2", "
 # The demo's phase 1 with a micro-batch that 4 ranks divide (32 = 8 x 4; the math does not depend on it), and its
 # tiny model without dropout: each rank draws its own dropout masks, so only then do 4 ranks and one process agree.
 FOUR_RANKS = {"pretrain": {"phase1": {"micro_batch_size": 8}}, "model": {"bert_config": "tiny_no_dropout.json"}}
+# ModernBERT's the same way: the sample as BPE full sentences (tests/test_modernbert_dag.py), its tiny preset with
+# every dropout key of its config at 0 (the presets' are 0 too: stated, not assumed), AdamW as in that test.
+MODERNBERT_FOUR_RANKS = {
+    "vocab": {"type": "bpe", "size": 1000}, "encode": {"objective": "full_sentences"},
+    "model": {"family": "modernbert", "preset": "modernbert-tiny", "architecture": {
+        "num_hidden_layers": 3, "embedding_dropout": 0.0, "mlp_dropout": 0.0, "attention_dropout": 0.0}},
+    "pretrain": {"optimizer": "adamw", "phase1": {"micro_batch_size": 8}}}
+# family: its config over the sample's, the fixture whose run directory holds its data (the BERT demo's as the
+# cluster built it), and the fixture of its one-process phase 1
+FAMILIES = {"bert": (FOUR_RANKS, "demo_data", "one_machine"),
+            "modernbert": (MODERNBERT_FOUR_RANKS, "modernbert_one_machine", "modernbert_one_machine")}
 RANK_LINE = re.compile(r"rank (\d+)/(\d+) \(local (\d+)\) on host (\S+), \S+, backend \S+, master (\S+) \((\S+)\):\d+")
 TOLERANCE = 1e-5  # fp32 sums in another order: 4 ranks' all-reduce vs one process
 
@@ -57,17 +69,17 @@ def assert_close_weights(actual: dict, expected: dict, what: str) -> float:
     return worst
 
 
-@pytest.fixture(scope="module")
-def one_machine(tmp_path_factory):
-    """The demo's data and phase 1 built on this machine without Slurm, phase 1 by one process (same global batch)."""
+def phase1_on_one_machine(directory: Path, config: dict, *targets: str) -> Path:
+    """The sample's data and phase 1 with `config` built in `directory` without Slurm, phase 1 by one process (same
+    global batch as the cluster's 4 ranks), and `targets` besides."""
     from tests.conftest import copy_workflow
 
-    workdir = copy_workflow(tmp_path_factory.mktemp("one_machine") / "run")
-    (workdir / "four_ranks.yaml").write_text(json.dumps(FOUR_RANKS))
+    workdir = copy_workflow(directory)
+    (workdir / "four_ranks.yaml").write_text(json.dumps(config))
     without_dropout(workdir)
     env = {**clean_env(), "SNAKEBERT_LOCAL_RANKS": "1"}
     result = subprocess.run(["timeout", str(SNAKEMAKE_TIMEOUT_S), "snakemake", "--cores", "2",
-                             "results/pretrain/phase1/model", "data/hdf5_seq512", "--configfile", "sample/config.yaml",
+                             "results/pretrain/phase1/model", *targets, "--configfile", "sample/config.yaml",
                              str(REPO / "tests" / "slurm" / "config.yaml"), "four_ranks.yaml"], cwd=workdir, env=env,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -77,10 +89,25 @@ def one_machine(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_process_phase1(one_machine):
+def one_machine(tmp_path_factory):
+    """The demo's data and phase 1 built on this machine without Slurm, phase 1 by one process (same global batch)."""
+    return phase1_on_one_machine(tmp_path_factory.mktemp("one_machine") / "run", FOUR_RANKS, "data/hdf5_seq512")
+
+
+@pytest.fixture(scope="module")
+def modernbert_one_machine(tmp_path_factory):
+    return phase1_on_one_machine(tmp_path_factory.mktemp("modernbert_one_machine") / "run", MODERNBERT_FOUR_RANKS)
+
+
+def phase1_weights(workdir: Path) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(one_machine / "results" / "pretrain" / "phase1" / "model" / "model.safetensors")
+    return load_file(workdir / "results" / "pretrain" / "phase1" / "model" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def one_process_phase1(one_machine):
+    return phase1_weights(one_machine)
 
 
 def rank_lines(log: str) -> list[tuple]:
@@ -88,13 +115,16 @@ def rank_lines(log: str) -> list[tuple]:
     return sorted({(int(m[1]), int(m[2]), int(m[3]), m[4], m[5], m[6]) for m in RANK_LINE.finditer(log)})
 
 
-def test_a_phase_job_on_two_nodes_runs_its_ranks_on_two_hosts_and_ends_like_one_process(demo_data, new_run,
-                                                                                          one_process_phase1):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_phase_job_on_two_nodes_runs_its_ranks_on_two_hosts_and_ends_like_one_process(family, new_run, request):
+    config, data_fixture, one_process_fixture = FAMILIES[family]
+    data, one_process = request.getfixturevalue(data_fixture), request.getfixturevalue(one_process_fixture)
     started = time.monotonic()
     run = new_run("two_nodes", profile=TWO_NODES)
-    copy_data(demo_data, run)
+    shutil.copytree(getattr(data, "path", data) / "data", run.path / "data", symlinks=True,
+                    copy_function=shutil.copy2)  # a Run's or a one-machine workdir's, mtimes kept (up to date)
     without_dropout(run.path)
-    process = run.start("results/pretrain/phase1/model", config=FOUR_RANKS)
+    process = run.start("results/pretrain/phase1/model", config=config)
     output, _ = process.communicate(timeout=SNAKEMAKE_TIMEOUT_S)
     assert process.returncode == 0, output[-3000:]
     (job,) = run.phase_jobs("phase1")
@@ -108,9 +138,9 @@ def test_a_phase_job_on_two_nodes_runs_its_ranks_on_two_hosts_and_ends_like_one_
     assert {(r[4], r[5]) for r in ranks} == {(nodes[0], hosts()[nodes[0]])}, ranks
     assert not hosts()[nodes[0]].startswith("127.")
     summary = json.loads((run.path / "results" / "pretrain" / "phase1" / "summary.json").read_text())
-    assert summary["world_size"] == 4
-    worst = assert_close_weights(run.weights("phase1"), one_process_phase1, "2 nodes x 2 ranks vs one process")
-    print(f"2x2 phase job: {time.monotonic() - started:.0f} s, weights within {worst:.2e} of one process")
+    assert (summary["world_size"], summary["family"]) == (4, family)
+    worst = assert_close_weights(run.weights("phase1"), phase1_weights(one_process), "2 nodes x 2 ranks vs one process")
+    print(f"{family} 2x2 phase job: {time.monotonic() - started:.0f} s, weights within {worst:.2e} of one process")
 
 
 def test_a_node_lost_under_a_two_node_phase_job_is_requeued_and_the_phase_ends_like_one_process(

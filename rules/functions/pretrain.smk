@@ -39,6 +39,27 @@ def pretrain_recipe(wildcards):
     return recipe
 
 
+def warn_below_torch_floor():
+    """At parse time on the head (`snakemake -n` included), before any job is submitted: the warning a pretraining
+    job will log where it starts when its torch is below its attention path's floor (workflow/train/models/kernels.py,
+    docs/gpu.md), where the head knows that torch: under conda the pin of envs/train.yaml; without a deployment method
+    this interpreter's (every job runs the python active at submission, locally or through Slurm's --export=ALL);
+    in a container, nothing is known here. Not inside a job (it warns itself), nor for fp32 (no fast path)."""
+    methods = workflow.deployment_settings.deployment_method  # Snakemake 9's --sdm, a set of DeploymentMethod
+    if not workflow.is_main_process or "APPTAINER" in {method.name for method in methods}:
+        return
+    if config["pretrain"]["precision"] == "fp32":
+        return  # the exact path: torch need not be imported at parse time
+    from snakemake.logging import logger
+    from workflow.train.models.kernels import head_floor_warning
+
+    env_file = f"{REPO_ROOT}/envs/train.yaml" if "CONDA" in {method.name for method in methods} else None
+    warning = head_floor_warning(config["model"]["family"], config["pretrain"]["precision"],
+                                 config["encode"]["packing"]["enabled"], env_file)
+    if warning:
+        logger.warning(f"warning: {warning}")
+
+
 # ---- Where fine-tuning (squad, glue) starts: checkpoints in (rules/pretrain.smk's import_dle_checkpoint)
 
 
