@@ -3,8 +3,11 @@ on the next path with one warning naming what to upgrade, never a crash at the f
 that keep the real API at each boundary (a torch version below a path's floor, a GPU of compute capability 7.5, the
 flash-attn package's flash_attn_varlen_func), the kernels themselves through flash_varlen's exact CPU reference."""
 import importlib.machinery
+import importlib.metadata
 import logging
+import subprocess
 import sys
+from pathlib import Path
 import types
 
 import pytest
@@ -17,14 +20,17 @@ from workflow.train import accelerator
 from workflow.train.models import kernels, kit, modernbert
 from workflow.train.models.bert import BertForPreTraining
 from workflow.train.models.flash_varlen import flash_varlen
+from workflow.train.models.floors import head_floor_warning
 from workflow.train.models.kernels import (FLASH_ATTN, FLASH_VARLEN, NESTED_SDPA, ROWS, WINDOWED_FLASH_VARLEN,
-                                           attention_path, head_floor_warning, trained_path)
+                                           attention_path, trained_path)
 from workflow.train.models.modernbert import ModernBertForMaskedLM
 from workflow.train.precision import autocast
 from workflow.train.pretrain import forward
 
 CPU = torch.device("cpu")
 H100, T4 = (9, 0), (7, 5)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("family, version, capability, flash_attn, expected", [
@@ -335,3 +341,12 @@ def test_a_compiled_forward_takes_the_kernel_choice_as_a_constant(platform):
 
     torch._dynamo.reset()
     assert torch.equal(torch.compile(attention, fullgraph=True, backend="eager")(torch.ones(3)), torch.full((3,), 3.0))
+
+
+def test_the_heads_check_reads_the_installed_torch_without_importing_it():
+    """A parse (`snakemake -n`) pays no torch import for the floor: the version comes from the distribution."""
+    code = ("import sys; from workflow.train.models.floors import head_floor_warning, installed_torch; "
+            "head_floor_warning('modernbert', 'auto', True, None); print('torch' in sys.modules, installed_torch())")
+    shown = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                           check=True).stdout.split()
+    assert shown == ["False", importlib.metadata.version("torch")]

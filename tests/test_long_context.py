@@ -111,7 +111,8 @@ def test_a_phase_at_1024_then_one_at_2048_with_a_new_global_theta_trains_on_the_
                      architecture={"num_hidden_layers": 3, "max_position_embeddings": 2048, "global_rope_theta": 1e4},
                      optimizer="stable_adamw", weight_decay=1e-5, beta2=0.98, max_grad_norm=None,
                      learning_rate=1e-3, warmup_proportion=0.0, total_steps=steps, global_batch_size=batch,
-                     micro_batch_size=batch // 2, eval_max_sequences=8, log_every=1, global_rope_theta=theta,
+                     micro_batch_size=batch // 2, eval_max_sequences=8, log_every=1,
+                     **({} if theta is None else {"global_rope_theta": theta}),
                      out_optimizer=str(tmp_path / phase / "optimizer_state.pt"),
                      init_from=str(previous / "model") if phase == "phase2" else None,
                      init_optimizer=str(previous / "optimizer_state.pt") if phase == "phase2" else None)

@@ -23,7 +23,7 @@ TINY = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2, "in
 def modernbert_settings(data, out, dropout: float = 0.1, **overrides):
     architecture = {**TINY, "embedding_dropout": dropout, "mlp_dropout": dropout, "attention_dropout": 0.0}
     values = dict(family="modernbert", preset="modernbert-tiny", architecture=architecture, bert_config=None,
-                  optimizer="stable_adamw", fused_stable_adamw=False, learning_rate=1e-3, total_steps=8,
+                  optimizer="stable_adamw", fused=False, learning_rate=1e-3, total_steps=8,
                   global_batch_size=16, micro_batch_size=8, checkpoint_every=3, log_every=1, eval_max_sequences=32,
                   deterministic=True)
     return settings(data, out, **{**values, **overrides})

@@ -51,7 +51,7 @@ def warn_below_torch_floor():
     if config["pretrain"]["precision"] == "fp32":
         return  # the exact path: torch need not be imported at parse time
     from snakemake.logging import logger
-    from workflow.train.models.kernels import head_floor_warning
+    from workflow.train.models.floors import head_floor_warning
 
     env_file = f"{REPO_ROOT}/envs/train.yaml" if "CONDA" in {method.name for method in methods} else None
     warning = head_floor_warning(config["model"]["family"], config["pretrain"]["precision"],

@@ -15,7 +15,8 @@ API:
     Family.build(m, vocab, vocab_size, seq_length) -> (config, model)   the pretraining model
     Family.check_objective(objective)    the data's objective (encode.objective), refused where the family lacks it
     Family.fingerprint(config), .flops_per_sequence(config, seq_length, max_predictions), .host_indices(batch)
-    Family.pretraining_model(config), .trains_unpadded(device_type, packed, precision), .unpads_in_fp32
+    Family.pretraining_model(config), .trains_unpadded(device_type, packed, precision) (.unpads(packed,
+                                         precision) on a varlen device), .unpads_in_fp32
                                          (the cluster check's), .positions(config) (the longest sequence it takes)
     Family.reads_dle_checkpoints, .has_rotary_theta   which model keys apply (check_settings refuses the rest)
     Family.heads, .head_parts           the fine-tuning heads it has (kinds of workflow/train/models/heads.py:
@@ -221,12 +222,18 @@ class _Family:
     def rows_host_indices(batch: dict) -> dict:
         return batch
 
-    @staticmethod
-    def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:
-        """Packed rows run unpadded on the devices of model.VARLEN_DEVICE_TYPES, in any precision."""
+    def trains_unpadded(self, device_type: str, packed: bool, precision: str) -> bool:
+        """Whether batches run unpadded (the varlen kernels) on `device_type`: on the devices of
+        kit.VARLEN_DEVICE_TYPES, as unpads() says."""
         from workflow.train.models.kit import VARLEN_DEVICE_TYPES
 
-        return packed and device_type in VARLEN_DEVICE_TYPES
+        return device_type in VARLEN_DEVICE_TYPES and self.unpads(packed, precision)
+
+    @staticmethod
+    def unpads(packed: bool, precision: str) -> bool:
+        """Whether batches run unpadded on a varlen device (torch-free: the head's floor check asks it): packed rows,
+        in any precision."""
+        return packed
 
     def check_objective(self, objective: str) -> None:
         if objective not in self.objectives:
@@ -340,12 +347,9 @@ class ModernBertFamily(_Family):
         return {**batch, **dict(zip(UNPADDED_KEYS, unpad(batch["attention_mask"], 1)))}
 
     @staticmethod
-    def trains_unpadded(device_type: str, packed: bool, precision: str) -> bool:
-        """Every batch runs unpadded on the devices of model.VARLEN_DEVICE_TYPES in a 16-bit precision (the flash
-        kernels'); fp32 runs rows with masks."""
-        from workflow.train.models.kit import VARLEN_DEVICE_TYPES
-
-        return device_type in VARLEN_DEVICE_TYPES and precision in ("bf16", "fp16")
+    def unpads(packed: bool, precision: str) -> bool:
+        """Every batch, in a 16-bit precision (the flash kernels'); fp32 runs rows with masks."""
+        return precision in ("bf16", "fp16")
 
     def build(self, m: ModelSettings, vocab: str | None, vocab_size: int, seq_length: int):
         """Model from an HF ModernBERT directory (ModernBERT's, Ettin's, mmBERT's) or a preset sized to the vocab,
