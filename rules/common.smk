@@ -20,7 +20,7 @@ from workflow.data.masking_rule import encode_config_error
 from workflow.data.vocab import vocab_config_error
 from workflow.glue.data import TASKS as GLUE_TASKS
 from workflow.tasks.config import task_config_error
-from workflow.train.models.family import model_config_error
+from workflow.train.models.family import family as model_family, model_config_error
 
 
 try:

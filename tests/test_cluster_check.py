@@ -24,6 +24,7 @@ from workflow.train.models import kit
 from workflow.train.models.kit import flash_varlen as FLASH_VARLEN
 from workflow.train.distributed import DistEnv
 from workflow.train.models.bert import BertConfig
+from workflow.train.models.family import family
 from workflow.train.pretraining_data import PretrainingSequences, list_shards, make_batch
 
 
@@ -75,6 +76,7 @@ def packed_batch(tmp_path):
 
 CONFIG = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                     max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+BERT = family("bert")
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
 
 
@@ -87,7 +89,7 @@ def gpu_paths_on_cpu(monkeypatch):
 
 def test_every_fast_path_agrees_with_its_reference_and_each_rank_says_what_it_uses(packed_batch, tmp_path,
                                                                                   gpu_paths_on_cpu, capsys):
-    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", True, tmp_path / "scratch")
+    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", True, tmp_path / "scratch", BERT)
     assert (result["optimizer"], result["attention"], result["precision"]) == ("apex.FusedLAMB", "math", "bf16")
     # BERT's 16-bit kernel (CONFIG has no dropout to check); not ModernBERT's, the other optimizers' or the paths the
     # config turns on (below)
@@ -105,7 +107,7 @@ def test_every_fast_path_agrees_with_its_reference_and_each_rank_says_what_it_us
 
 
 def test_a_plain_cpu_rank_checks_only_the_paths_it_takes(packed_batch, tmp_path):
-    result = fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "scratch")
+    result = fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "scratch", BERT)
     assert (result["optimizer"], result["attention"]) == ("torch.Lamb", "rows (SDPA with a mask)")
     assert set(result["paths"]) == {"unpadded attention", "checkpoint", "rng restore"}
 
@@ -119,7 +121,7 @@ def test_a_fusedlamb_that_disagrees_with_the_torch_lamb_stops_the_check_naming_t
             return super().step(closure)
 
     monkeypatch.setattr(sys.modules["apex.optimizers"], "FusedLAMB", Off)
-    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "scratch")])
+    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "scratch", BERT)])
     assert re.match(r"rank 0: apex FusedLAMB differs from one torch LAMB step from the same gradients \(relative to "
                     r"the update\) by \S+ \(relative; at most 0.001\) on this cluster; set pretrain.lamb.fused: false "
                     r"until it is fixed$", str(error))
@@ -130,10 +132,10 @@ def test_the_configured_optimizers_fused_step_is_checked_against_its_unfused_one
     gradients; one that disagrees stops the check naming pretrain.stable_adamw.fused."""
     import optimi
 
-    result = fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "scratch", optimizer_kind="stable_adamw")
+    result = fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "scratch", BERT, optimizer_kind="stable_adamw")
     assert result["optimizer"] == "optimi.StableAdamW (foreach, decouple_lr)"
     assert 0 <= result["paths"]["fused StableAdamW"] <= 1e-5 and disagreement([result]) is None
-    assert "fused StableAdamW" not in fast_paths(CONFIG, packed_batch, CPU, "fp32", False, tmp_path / "s2",
+    assert "fused StableAdamW" not in fast_paths(CONFIG, packed_batch, CPU, "fp32", False, tmp_path / "s2", BERT,
                                                  optimizer_kind="stable_adamw")["paths"]  # nothing fused to check
     step = optimi.StableAdamW.step
 
@@ -143,7 +145,7 @@ def test_the_configured_optimizers_fused_step_is_checked_against_its_unfused_one
         return step(self, closure)
 
     monkeypatch.setattr(optimi.StableAdamW, "step", off)
-    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "s3",
+    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "s3", BERT,
                                      optimizer_kind="stable_adamw")])
     assert re.match(r"rank 0: fused StableAdamW differs from one for-loop StableAdamW step of torch-optimi from the "
                     r"same gradients \(relative to the update\) by \S+ \(relative; at most 0.001\) on this cluster; "
@@ -154,7 +156,7 @@ def test_unpadded_attention_that_disagrees_with_the_masked_rows_stops_the_check_
         packed_batch, tmp_path, gpu_paths_on_cpu, monkeypatch):
     attention = kit.VarlenAttention.__call__
     monkeypatch.setattr(kit.VarlenAttention, "__call__", lambda *a: attention(*a).flip(0))  # tokens swapped
-    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "scratch")])
+    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "fp32", True, tmp_path / "scratch", BERT)])
     assert re.match(r"rank 0: unpadded attention differs from the same packed rows with a block-diagonal mask \(fp32 "
                     r"logits\) by \S+ \(relative; at most 0.0001\) on this cluster; set encode.packing.enabled: false "
                     r"until it is fixed$", str(error))
@@ -370,23 +372,23 @@ def test_berts_flash_varlen_is_checked_against_nested_sdpa_and_its_dropout_and_a
     """16-bit packed BERT trains through flash_varlen (on CPU its exact reference): its outputs and gradients against
     nested SDPA at p = 0, its backward's dropout mask (<dv, v> = <g, out>) and its kept fraction at the model's p."""
     monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
-    result = fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch")
+    result = fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch", BERT)
     checked = flash_varlen_paths(result)
     assert set(checked) == {"flash_varlen", "flash_varlen dropout mask", "flash_varlen dropout rate"}
     assert checked["flash_varlen"] <= 1e-2 and checked["flash_varlen dropout mask"] <= 5e-3  # bf16 rounding
     assert checked["flash_varlen dropout rate"] <= FAST_PATHS["flash_varlen dropout rate"][1]
     assert disagreement([result]) is None
     monkeypatch.setattr(kit, "flash_varlen", broken)
-    error = disagreement([fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s2")])
+    error = disagreement([fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s2", BERT)])
     assert str(error).startswith(f"rank 0: {path} differs from {FAST_PATHS[path][0]} by ")
     assert str(error).endswith("set pretrain.precision: fp32 until it is fixed")
-    assert "flash_varlen" not in fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "fp32", False, tmp_path / "s3")[
+    assert "flash_varlen" not in fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "fp32", False, tmp_path / "s3", BERT)[
         "paths"]  # fp32 trains with nested SDPA: no flash kernel to check
 
 
 def test_a_compiled_step_is_checked_against_eager_and_a_miscompiled_one_names_pretrain_compile(
         packed_batch, tmp_path, monkeypatch):
-    result = fast_paths(CONFIG, packed_batch, CPU, "fp32", False, tmp_path / "scratch", compile_mode="default")
+    result = fast_paths(CONFIG, packed_batch, CPU, "fp32", False, tmp_path / "scratch", BERT, compile_mode="default")
     assert 0 <= result["paths"]["compiled step"] <= FAST_PATHS["compiled step"][1]["fp32"]
     assert disagreement([result]) is None
     compile_ = torch.compile
@@ -401,7 +403,7 @@ def test_a_compiled_step_is_checked_against_eager_and_a_miscompiled_one_names_pr
 
     monkeypatch.setattr(torch, "compile", miscompiling)
     torch._dynamo.reset()
-    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "fp32", False, tmp_path / "s2",
+    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "fp32", False, tmp_path / "s2", BERT,
                                      compile_mode="default")])
     assert re.match(r"rank 0: compiled step differs from the eager step's loss and gradients in the same precision by "
                     r"\S+ \(relative; at most 0.001\) on this cluster; set pretrain.compile: false until it is fixed$",
@@ -414,19 +416,19 @@ def test_the_fused_loss_is_checked_on_the_models_own_head_and_a_wrong_one_names_
     (the reference's arithmetic), it is held against the logits path in loss and gradients."""
     from workflow.train.models import fused_loss
 
-    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch", fused_mlm_loss=True)
+    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch", BERT, fused_mlm_loss=True)
     assert "fused loss" not in result["paths"] and result["skipped"] == {
         "fused loss": fused_loss.fused_mlm_loss_reason(CPU.device)}
     monkeypatch.setattr(fused_loss, "fused_mlm_loss_reason", lambda device: None)
     monkeypatch.setattr(fused_loss, "_liger_summed_loss", fused_loss._reference_summed_loss)
-    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s2", fused_mlm_loss=True)
+    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s2", BERT, fused_mlm_loss=True)
     assert result["paths"]["fused loss"] == 0.0 and result["skipped"] == {} and disagreement([result]) is None
 
     def off(hidden, weight, bias, labels):  # the bias left out, as a kernel given the wrong arguments might
         return fused_loss._reference_summed_loss(hidden, weight, torch.zeros_like(bias) + 1.0, labels)
 
     monkeypatch.setattr(fused_loss, "_liger_summed_loss", off)
-    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s3", fused_mlm_loss=True)])
+    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s3", BERT, fused_mlm_loss=True)])
     assert str(error).startswith("rank 0: fused loss differs from the logits path's MLM loss and gradients on the "
                                  "model's own head by ")
     assert str(error).endswith("(relative; at most 0.05) on this cluster; set pretrain.fused_loss: false until it "
@@ -438,11 +440,11 @@ def test_float8_is_checked_against_the_loss_without_it_where_it_runs_and_skipped
     from workflow.slurm import cluster_check
     from workflow.train.float8 import float8_error
 
-    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch", float8=True)
+    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch", BERT, float8=True)
     assert "float8" not in result["paths"] and result["skipped"] == {"float8": float8_error(CPU.device)}
     monkeypatch.setattr(cluster_check, "float8_error", lambda device: None)
     monkeypatch.setattr(cluster_check, "convert_to_float8", lambda model: model)  # torchao's, as exact as can be
-    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s2", float8=True)
+    result = fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s2", BERT, float8=True)
     assert result["paths"]["float8"] == 0.0 and disagreement([result]) is None
 
     def overflowing(model):  # every linear's output inf: scales that overflow
@@ -452,7 +454,7 @@ def test_float8_is_checked_against_the_loss_without_it_where_it_runs_and_skipped
         return model
 
     monkeypatch.setattr(cluster_check, "convert_to_float8", overflowing)
-    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s3", float8=True)])
+    error = disagreement([fast_paths(CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "s3", BERT, float8=True)])
     assert re.match(r"rank 0: float8 differs from the same step's loss without float8 by nan \(relative; at most 0.05\) on this "
                     r"cluster; set pretrain.float8: false until it is fixed$", str(error))
 
@@ -463,7 +465,7 @@ def test_the_last_line_lists_every_path_checked_and_each_one_not_checked_with_wh
     from workflow.train.float8 import float8_error
 
     monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cuda", "cpu"))
-    fast = fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch", float8=True)
+    fast = fast_paths(DROPOUT_CONFIG, packed_batch, CPU, "bf16", False, tmp_path / "scratch", BERT, float8=True)
     result = {"world_size": 2, "fast_paths": [fast], "steps": 2, "precision": "bf16", "optimizer": "torch.Lamb",
               "packed_vs_unpacked": [{"packed": True}]}
     assert passed(result) == (

@@ -242,7 +242,7 @@ def test_the_reported_bert_kernel_is_the_one_that_trains(platform):
     platform(capability=H100)
     assert trained_path("bert", torch.device("cuda"), torch.bfloat16) == FLASH_VARLEN
     assert trained_path("bert", torch.device("cuda"), torch.float32) == NESTED_SDPA
-    assert accelerator.attention_kernel(CPU, torch.bfloat16, 64) == "math"  # nested SDPA off CUDA
+    assert accelerator.attention_kernel(CPU, torch.bfloat16, 64, "bert") == "math"  # nested SDPA off CUDA
 
 
 def test_roberta_trains_berts_encoder_and_its_kernel(platform):

@@ -222,8 +222,8 @@ def test_glue_from_a_modernbert_directory_plans_its_tokenizer_json_and_a_dle_che
         "squad": {"init_from": "ckpt.pt"}, "vocab": {"type": "bpe"}, "encode": {"objective": "full_sentences"},
         "model": {"family": "modernbert", "preset": "modernbert-tiny"}})
     assert result.returncode != 0
-    assert ("config key 'squad.init_from': ckpt.pt is a file, read as an NVIDIA DLE checkpoint, which is BERT's; "
-            "model.family modernbert fine-tunes from a Hugging Face directory (config.json, model.safetensors)"
+    assert ("config key 'squad.init_from': ckpt.pt is a file, read as an NVIDIA DLE checkpoint, which model.family "
+            "modernbert does not read; it fine-tunes from a Hugging Face directory (config.json, model.safetensors)"
             ) in result.stdout + result.stderr
 
 

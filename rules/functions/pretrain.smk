@@ -72,9 +72,9 @@ def finetune_init(section):
         return f"results/pretrain/{PHASES[-1]}/model"
     if not os.path.isfile(init):
         return init
-    if (config["model"].get("family") or "bert") != "bert":
+    if not model_family(config["model"]["family"]).reads_dle_checkpoints:
         raise ValueError(f"config key '{section}.init_from': {init} is a file, read as an NVIDIA DLE checkpoint, which "
-                         f"is BERT's; model.family {config['model']['family']} fine-tunes from a Hugging Face "
+                         f"model.family {config['model']['family']} does not read; it fine-tunes from a Hugging Face "
                          "directory (config.json, model.safetensors)")
     if not (config["model"]["bert_config"] and config["vocab"]["file"]):
         raise ValueError(f"config key '{section}.init_from': {init} is a file, read as an NVIDIA DLE checkpoint: set "

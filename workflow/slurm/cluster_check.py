@@ -318,7 +318,7 @@ def float8_difference(model, loss_of) -> float:
 
 
 def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: Path,
-               model_family=family("bert"), optimizer_kind: str = "lamb", compile_mode: str | None = None,
+               model_family, optimizer_kind: str = "lamb", compile_mode: str | None = None,
                fused_mlm_loss: bool = False, float8: bool = False) -> dict:
     """This rank's fast paths on its device, each against its reference (FAST_PATHS), on `batch` (host tensors, as
     the data reader gives them) and a fresh model of `config` (of `model_family`) in eval mode (no dropout: both

@@ -23,7 +23,7 @@ API:
                                   (DeviceReads, a torch function mode)
     reset_peak_memory(device) / peak_memory_bytes(device)
     fused_lamb(device) -> (class | None, reason)   apex FusedLAMB where it can run (CUDA, apex importable)
-    attention_kernel(device, dtype, head_size, family="bert") -> str   the unpadded attention kernel that trains
+    attention_kernel(device, dtype, head_size, family) -> str   the unpadded attention kernel that trains
                                   (workflow.train.models.kernels: its torch and GPU floors); for nested SDPA, SDPA's
                                   first usable kernel for nested (varlen) q, k, v: "flash" | "efficient" | "math"
                                   ("math" off CUDA)
@@ -194,8 +194,7 @@ def fused_lamb(device: torch.device):
     return FusedLAMB, ""
 
 
-def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, heads: int = 2,
-                     family: str = "bert") -> str:
+def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, family: str, heads: int = 2) -> str:
     """The kernel the unpadded attention of `family` trains with on `device` (workflow.train.models.kernels); for
     nested SDPA the first kernel SDPA can run for nested (variable-length) q, k, v of this dtype and head size, in the
     order nested tensors' SDPA prefers them (torch/nested/_internal/sdpa.py)."""

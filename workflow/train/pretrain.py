@@ -77,7 +77,8 @@ from workflow.train.optim.optimizers import (HYPER_PARAMETERS, carry_optimizer_s
                                        state_to_carry)
 from workflow.train.optim.schedules import BatchRamp, make_scheduler
 from workflow.train.models.fused_loss import fused_mlm_loss_reason, summed_mlm_loss
-from workflow.train.models.kit import count_parameters, next_sentence_terms, pretraining_loss, unpadded_of
+from workflow.train.models.kit import (count_parameters, host_indices, next_sentence_terms, pretraining_loss,
+                                       unpadded_of)
 from workflow.train.precision import autocast, resolve_precision
 from workflow.train.pretraining_data import (ORDER, PretrainingSequences, data_identity, datasets, list_shards,
                                             row_tokens_per_sequence)
@@ -194,7 +195,7 @@ class PretrainingTask:
     gradients, so every parameter takes part in each step, as DDP requires)."""
 
     def __init__(self, sequences: PretrainingSequences, seq_length: int, next_sentence_prediction: bool = True,
-                 host_indices=family("bert").host_indices, fused_loss: bool = False):
+                 host_indices=host_indices, fused_loss: bool = False):
         self.sequences = sequences
         self.seq_length = seq_length
         self.next_sentence_prediction = next_sentence_prediction
@@ -274,7 +275,7 @@ def pretraining_forward(model, batch: dict) -> dict:
 
 @torch.no_grad()
 def evaluate(model, evaluation_set: EvaluationSet, env, precision, batch_size,
-             host_indices=family("bert").host_indices) -> dict:
+             host_indices=host_indices) -> dict:
     """Held-out MLM/NSP accuracy and loss on the fixed evaluation set: each rank scores its share, the sums are
     all-reduced (the counts exactly: an accuracy does not depend on the world size). Every rank calls it."""
     model.eval()
