@@ -81,3 +81,16 @@ def test_the_jobs_cross_key_check_is_the_snakefiles_function():
     assert str(raised.value) == error
     smk = (SCHEMA.parent / "rules" / "common.smk").read_text()
     assert "pretrain_config_error(config[\"pretrain\"])" in smk and "schedule_config_error" not in smk
+
+
+def test_the_encode_settings_read_every_key_from_the_validated_section_and_repeat_no_default():
+    from workflow.data.masking_rule import ENCODE_KEYS, settings_of_config
+
+    encode = schema_defaults("encode")
+    for phase in PHASES:
+        settings = settings_of_config(encode, phase)
+        assert {key: getattr(settings, key) for key in ENCODE_KEYS} == {key: encode[key] for key in ENCODE_KEYS}
+        assert settings.max_seq_length == encode[phase]["max_seq_length"]
+    del encode["dupe_factor"]  # a section that skipped validation is not completed by a number repeated in Python
+    with pytest.raises(KeyError, match="dupe_factor"):
+        settings_of_config(encode, PHASES[0])

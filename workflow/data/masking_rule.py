@@ -98,14 +98,15 @@ def phase_max_predictions(encode: dict, phase: str) -> int:
                                    (settings.masked_lm_prob, settings.held_out_masked_lm_prob))
 
 
+ENCODE_KEYS = ("dupe_factor", "masked_lm_prob", "short_seq_prob", "whole_word_masking", "masking", "objective",
+               "masking_rule", "eval_masked_lm_prob")  # EncodeSettings' keys of the encode section itself
+
+
 def settings_of_config(encode: dict, phase: str, max_predictions_per_seq: int = 0) -> EncodeSettings:
-    """The EncodeSettings of the workflow config's encode section for `phase` (max_predictions_per_seq as given)."""
-    return EncodeSettings(
-        max_seq_length=encode[phase]["max_seq_length"], max_predictions_per_seq=max_predictions_per_seq,
-        dupe_factor=encode.get("dupe_factor", 5), masked_lm_prob=encode.get("masked_lm_prob", 0.15),
-        short_seq_prob=encode.get("short_seq_prob", 0.1), whole_word_masking=encode.get("whole_word_masking", False),
-        masking=encode.get("masking", "static"), objective=encode.get("objective", "nsp"),
-        masking_rule=encode.get("masking_rule", "google"), eval_masked_lm_prob=encode.get("eval_masked_lm_prob"))
+    """The EncodeSettings of the workflow config's encode section for `phase` (max_predictions_per_seq as given), the
+    section as validated: the schema's defaults filled in, none repeated here."""
+    return EncodeSettings(max_seq_length=encode[phase]["max_seq_length"],
+                          max_predictions_per_seq=max_predictions_per_seq, **{key: encode[key] for key in ENCODE_KEYS})
 
 
 def encode_config_error(config: dict) -> str | None:
