@@ -124,18 +124,23 @@ def test_a_finetuned_head_exports_hfs_layout_and_hf_computes_our_logits(inits, e
     assert (model_dir / "tokenizer.json").is_file()
 
     ours, _ = load(model_dir)
+    dev = {k: torch.from_numpy(v.astype(np.int64)) for k, v in features(head, inits["vocab"], 4, seed=1).items()}
+    assert logit_difference_to_hf(ours, model_dir, auto, architecture, dev, f"{head} ({pooling})") < 1e-5
+
+
+def logit_difference_to_hf(ours, model_dir, auto: str, architecture: str, dev: dict, label: str) -> float:
+    """The largest |logit| difference between our head and HF's class `auto` loading its export (which must load
+    as `architecture`, every weight used) on the features `dev`; padding's token logits left out."""
     theirs, info = getattr(transformers, auto).from_pretrained(model_dir, attn_implementation="eager",
                                                                 output_loading_info=True)
     assert type(theirs).__name__ == architecture and not info["missing_keys"] and not info["unexpected_keys"]
-    dev = {k: torch.from_numpy(v.astype(np.int64)) for k, v in features(head, inits["vocab"], 4, seed=1).items()}
     with torch.no_grad():
         mine, hf = outputs(ours.eval(), dev), outputs(theirs.eval(), dev)
     if mine.dim() > 2:  # per token: padding's logits are no one's
         mine, hf = mine[dev["attention_mask"].bool()], hf[dev["attention_mask"].bool()]
     difference = float((mine - hf).abs().max())
-    print(f"{head} ({pooling}): max |logit difference| to HF {difference:.2e} (logits up to "
-          f"{float(mine.abs().max()):.2f})")
-    assert difference < 1e-5
+    print(f"{label}: max |logit difference| to HF {difference:.2e} (logits up to {float(mine.abs().max()):.2f})")
+    return difference
 
 
 def test_pipelines_predict_what_our_logits_say_beyond_512_tokens(exports):
@@ -144,7 +149,12 @@ def test_pipelines_predict_what_our_logits_say_beyond_512_tokens(exports):
     tokenizer = transformers.AutoTokenizer.from_pretrained(classifier_dir)
     encoded = tokenizer(text, return_tensors="pt")
     assert 512 < encoded["input_ids"].shape[1] <= 1024
+    assert_pipelines_predict_our_logits(classifier_dir, tagger_dir, text, encoded)
 
+
+def assert_pipelines_predict_our_logits(classifier_dir, tagger_dir, text: str, encoded) -> None:
+    """HF's text- and token-classification pipelines on our exports say what our heads' logits say of `text`
+    (`encoded`: its tokenizer's encoding): the labels, and the scores within 1e-5."""
     ours, _ = load_classifier(classifier_dir, 3, require_head=True)
     with torch.no_grad():
         probabilities = ours.eval()(encoded["input_ids"], None, encoded["attention_mask"]).softmax(-1)[0]
@@ -156,7 +166,7 @@ def test_pipelines_predict_what_our_logits_say_beyond_512_tokens(exports):
     with torch.no_grad():
         probabilities = ours.eval()(encoded["input_ids"], None, encoded["attention_mask"]).softmax(-1)[0]
     tags = transformers.pipeline("token-classification", model=str(tagger_dir), device="cpu")(text)
-    assert len(tags) == encoded["input_ids"].shape[1] - 2  # every token but [CLS] and [SEP]
+    assert len(tags) == encoded["input_ids"].shape[1] - 2  # every token but the two special ones
     for tag in tags:
         assert tag["entity"] == LABELS[int(probabilities[tag["index"]].argmax())]
         assert tag["score"] == pytest.approx(float(probabilities[tag["index"]].max()), abs=1e-5)

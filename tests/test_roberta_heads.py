@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_modernbert_heads import HEADS, LABELS, features, finetuned, outputs, squad_and_glue_through_the_rules
+from tests.test_modernbert_heads import (HEADS, assert_pipelines_predict_our_logits, features, finetuned,
+                                        logit_difference_to_hf, squad_and_glue_through_the_rules)
 from tests.test_roberta import roberta_bpe, xlmr_unigram
 from workflow.classify.model import load_classifier
 from workflow.squad.finetune import load_qa_model
-from workflow.tasks.token_model import TOKEN_CLASSIFIERS
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,40 +70,15 @@ def test_a_finetuned_head_exports_hfs_layout_and_hf_computes_our_logits(init, ex
     assert (model_dir / "tokenizer.json").is_file()
 
     ours, _ = HEADS[head][1](model_dir)
-    theirs, info = getattr(transformers, HEADS[head][2]).from_pretrained(model_dir, attn_implementation="eager",
-                                                                          output_loading_info=True)
-    assert type(theirs).__name__ == architecture and not info["missing_keys"] and not info["unexpected_keys"]
     dev = {k: torch.from_numpy(v.astype(np.int64)) for k, v in features(head, vocab, 4, seed=1, seq=SEQ).items()}
-    with torch.no_grad():
-        mine, hf = outputs(ours.eval(), dev), outputs(theirs.eval(), dev)
-    if mine.dim() > 2:  # per token: padding's logits are no one's
-        mine, hf = mine[dev["attention_mask"].bool()], hf[dev["attention_mask"].bool()]
-    difference = float((mine - hf).abs().max())
-    print(f"{model_type} {head}: max |logit difference| to HF {difference:.2e} (logits up to "
-          f"{float(mine.abs().max()):.2f})")
-    assert difference < 1e-5
+    assert logit_difference_to_hf(ours, model_dir, HEADS[head][2], architecture, dev, f"{model_type} {head}") < 1e-5
 
 
 def test_pipelines_predict_what_our_logits_say(exports):
     classifier_dir, tagger_dir = exports("classification"), exports("token_classification")
     text = "The river flows north through the valley. In winter the river freezes."
     encoded = transformers.AutoTokenizer.from_pretrained(classifier_dir)(text, return_tensors="pt")
-
-    ours, _ = load_classifier(classifier_dir, 3, require_head=True)
-    with torch.no_grad():
-        probabilities = ours.eval()(encoded["input_ids"], None, encoded["attention_mask"]).softmax(-1)[0]
-    answer = transformers.pipeline("text-classification", model=str(classifier_dir), device="cpu")(text)[0]
-    assert answer["label"] == LABELS[int(probabilities.argmax())]
-    assert answer["score"] == pytest.approx(float(probabilities.max()), abs=1e-5)
-
-    ours, _ = load_classifier(tagger_dir, 3, require_head=True, heads=TOKEN_CLASSIFIERS)
-    with torch.no_grad():
-        probabilities = ours.eval()(encoded["input_ids"], None, encoded["attention_mask"]).softmax(-1)[0]
-    tags = transformers.pipeline("token-classification", model=str(tagger_dir), device="cpu")(text)
-    assert len(tags) == encoded["input_ids"].shape[1] - 2  # every token but <s> and </s>
-    for tag in tags:
-        assert tag["entity"] == LABELS[int(probabilities[tag["index"]].argmax())]
-        assert tag["score"] == pytest.approx(float(probabilities[tag["index"]].max()), abs=1e-5)
+    assert_pipelines_predict_our_logits(classifier_dir, tagger_dir, text, encoded)
 
 
 def test_another_tasks_classifier_is_dropped_and_a_masked_lm_directory_has_no_head(init, exports):
