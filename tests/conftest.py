@@ -55,6 +55,7 @@ SLOW_TESTS = ("test_learning_parity.py::test_snakebert_and", "test_learning_pari
               "test_glue_rules.py::", "test_squad_rules.py::", "test_slurm.py::", "test_scaling.py::",
               "test_documents.py::", "test_corpora.py::", "test_tasks.py::", "test_modernbert_resume.py::",
               "test_modernbert_heads.py::test_squad_and_glue_run_through", "test_roberta.py::test_both_phases",
+              "test_roberta_heads.py::test_squad_and_glue_run_through",
               "test_roberta.py::test_the_dags", "test_benchmarks.py::test_gpu_mode_on_cpu",
               "test_benchmarks.py::test_modernbert_gpu_mode_on_cpu", "test_pretrain.py::test_a_run_checkpointed_on_2",
               "test_shard.py::test_snakemake_runs_stages", "test_export_race.py::test_an_export_slower",

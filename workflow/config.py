@@ -26,9 +26,9 @@ import jsonschema
 import yaml
 
 from workflow.cli import UserError
+from workflow.phases import PHASES  # noqa: F401 (the config's phases: workflow/phases.py)
 
 SCHEMA = Path(__file__).resolve().parents[1] / "config.schema.yaml"
-PHASES = ("phase1", "phase2")  # the schema's pretrain and encode sections name the same (tests/test_settings.py)
 WSD_KEYS = ("decay_proportion", "decay_shape", "final_lr_fraction")  # pretrain.<phase>'s keys of schedule wsd
 # pretrain.<phase>.schedule where the section leaves it out (the schema: "absent = poly"). Not a schema default: one
 # would write itself into every phase section, and so into the params of phases already trained.

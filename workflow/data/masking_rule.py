@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from workflow.config import PHASES
+from workflow.phases import PHASES
 from workflow.data.tokenizer import Vocabulary
 
 MASKINGS = ("static", "dynamic")
