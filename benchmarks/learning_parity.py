@@ -22,7 +22,8 @@ learning rate and schedule (--family bert, the default: a BERT; linear warm-up, 
 - reference: run_mlm's recipe: BertTokenizerFast of the same vocab, each training document tokenized and the
   texts grouped into blocks of --seq tokens, DataCollatorForLanguageModeling (whole-word with --whole-word), Trainer
   with AdamW.
---family modernbert (FAMILIES: each family's rows, vocab, model and parity schedule): both sides train ModernBERT,
+--family modernbert (FAMILIES: the recipes of each of the model registry's families the benchmark runs: rows, vocab,
+model keys and parity schedule; the registry builds the model): both sides train ModernBERT,
 the modernbert-tiny preset at --hidden x --layers with a window of half --seq (its local layers see less than a
 sequence), on a byte-level BPE tokenizer.json (the reference's: PreTrainedTokenizerFast of it) and Hugging Face's
 linear schedule (linear warm-up, linear decay to 0: schedule wsd with decay_shape linear on our side); the reference
@@ -122,53 +123,60 @@ SPEED_ROWS = {"compiled": Row(train={"compile": True}), "bf16": Row(train={"prec
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
-    """What a model family changes in the benchmark: its rows, its vocab type, the model both sides train
-    (model(vocab, args, work) -> (the config model section of our side, a function making the reference's fresh HF
-    model, a description)), and the parity recipe's schedule, which the reference follows too (schedule(args) ->
-    TrainSettings keys)."""
+class Recipes:
+    """What the benchmark runs for a family of the model registry (workflow/train/models/family.py): its rows, its
+    vocab type, its model's config keys at the benchmark's size (model_keys(vocab, args, work) -> the config's model
+    section; the registry builds it for our side, transformers' Auto classes read its config.json for the
+    reference's), and the parity recipe's schedule, which the reference follows too (schedule(args) -> TrainSettings
+    keys)."""
 
     rows: dict[str, Row]
     vocab_type: str  # config vocab.type: wordpiece (train_vocab) or bpe (train_bpe)
-    model: Callable
+    model_keys: Callable
     schedule: Callable
 
 
-def bert_model(vocab: Path, args, work: Path):
-    from transformers import BertConfig as HFConfig, BertForMaskedLM
-
+def bert_keys(vocab: Path, args, work: Path) -> dict:
+    """A BERT of --hidden x --layers (heads of 64, the MLP 4x wide) as a Google bert_config.json."""
     path = work / "bert_config.json"
     bert_config(read_vocab_size(str(vocab)), args.seq, args).to_json(path)
-    return ({"bert_config": str(path)}, lambda: BertForMaskedLM(HFConfig.from_json_file(str(path))),
-            f"{args.layers} layers x {args.hidden}")
+    return {"family": "bert", "bert_config": str(path)}
 
 
-def modernbert_model(vocab: Path, args, work: Path):
+def modernbert_keys(vocab: Path, args, work: Path) -> dict:
     """The modernbert-tiny preset scaled to --hidden x --layers (heads of 64, the MLP 1.5x wide, a global layer
-    every 3rd), a window of half --seq; one config.json, built by our family and read by transformers'."""
-    from transformers import ModernBertConfig as HFConfig, ModernBertForMaskedLM
-
-    architecture = {"hidden_size": args.hidden, "num_hidden_layers": args.layers,
-                    "num_attention_heads": max(1, args.hidden // 64), "intermediate_size": args.hidden * 3 // 2,
-                    "local_attention": args.seq // 2, "max_position_embeddings": max(args.seq, 64)}
-    keys = {"family": "modernbert", "preset": "modernbert-tiny", "architecture": architecture}
-    config, _ = model_family("modernbert").build(ModelSettings.from_config(keys), str(vocab),
-                                                 read_vocab_size(str(vocab)), args.seq)
-    path = work / "config.json"
-    config.to_json(path)
-    return (keys, lambda: ModernBertForMaskedLM(HFConfig.from_json_file(str(path))),
-            f"ModernBERT {args.layers} layers x {args.hidden}, window {config.local_attention}")
+    every 3rd), a window of half --seq."""
+    return {"family": "modernbert", "preset": "modernbert-tiny",
+            "architecture": {"hidden_size": args.hidden, "num_hidden_layers": args.layers,
+                             "num_attention_heads": max(1, args.hidden // 64), "intermediate_size": args.hidden * 3 // 2,
+                             "local_attention": args.seq // 2, "max_position_embeddings": max(args.seq, 64)}}
 
 
+def registry_model(keys: dict, vocab: Path, args, work: Path):
+    """(our side's model keys, a function making the reference's fresh HF masked-LM model, a description): one
+    config.json, built by the registry's family and read by transformers' AutoConfig."""
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    family = model_family(keys["family"])
+    config, _ = family.build(ModelSettings.from_config(keys), str(vocab), read_vocab_size(str(vocab)), args.seq)
+    directory = work / "reference_config"
+    directory.mkdir(exist_ok=True)
+    config.to_json(directory / "config.json")
+    window = f", window {config.local_attention}" if hasattr(config, "local_attention") else ""
+    return (keys, lambda: AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(directory)),
+            f"{family.display_name} {args.layers} layers x {args.hidden}{window}")
+
+
+# The benchmark's recipes, by the registry's family names (tests hold them to it).
 FAMILIES = {
-    "bert": Family(rows={"parity": Row(), "unpacked": Row(packed=False), "static": Row({"masking": "static"}),
+    "bert": Recipes(rows={"parity": Row(), "unpacked": Row(packed=False), "static": Row({"masking": "static"}),
                          "nsp": Row({"objective": "nsp"}), "lamb": Row(train={"optimizer": "lamb"}), **SPEED_ROWS},
-                   vocab_type="wordpiece", model=bert_model, schedule=lambda args: {}),  # poly: NVIDIA's
-    "modernbert": Family(rows={"parity": Row(PER_TOKEN), "stable_adamw": Row(PER_TOKEN, {"optimizer": "stable_adamw"}),
+                   vocab_type="wordpiece", model_keys=bert_keys, schedule=lambda args: {}),  # poly: NVIDIA's
+    "modernbert": Recipes(rows={"parity": Row(PER_TOKEN), "stable_adamw": Row(PER_TOKEN, {"optimizer": "stable_adamw"}),
                                "wsd": Row(PER_TOKEN, WSD),
                                "mask30": Row({**PER_TOKEN, "masked_lm_prob": 0.3}),
                                **{name: dataclasses.replace(row, encode=PER_TOKEN) for name, row in SPEED_ROWS.items()}},
-                         vocab_type="bpe", model=modernbert_model,
+                         vocab_type="bpe", model_keys=modernbert_keys,
                          # HF's get_linear_schedule_with_warmup: the peak after the warm-up, linear to 0 at the end
                          schedule=lambda args: {"schedule": "wsd", "decay_proportion": 1.0 - args.warmup,
                                                 "decay_shape": "linear", "final_lr_fraction": 0.0}),
@@ -677,7 +685,7 @@ def measure(args) -> None:
         tokenized = {split: work / f"{split}.npz" for split in texts}
         for split, path in texts.items():
             tokenize_shard(path, vocab, tokenized[split])
-        model_keys, new_model, model = family.model(vocab, args, work)
+        model_keys, new_model, model = registry_model(family.model_keys(vocab, args, work), vocab, args, work)
         held = {"sentences": held_out_set(tokenizer, texts["test"].read_text(encoding="utf-8"), args.seq,
                                           args.held_out, args.whole_word),
                 "blocks": held_out_blocks(tokenizer, held_docs, args.seq, args.held_out, args.whole_word)}

@@ -223,3 +223,30 @@ def test_parity_is_also_judged_at_the_tokens_it_saw_against_the_reference_betwee
     results["parity"][-1]["mean"] = 0.140
     assert learning_parity.equal_tokens(results)[0].endswith("BEHIND")
     assert learning_parity.equal_tokens({"reference": final(0.11, 0.004), "parity": final(0.1, 0.004)}) == []
+
+
+def test_the_benchmarks_families_are_the_registrys_and_it_builds_both_sides_models(books, tmp_path):
+    """No second registry: each family the benchmark runs is one of workflow's, whose Family builds our side's model
+    and writes the config.json transformers' Auto classes build the reference from."""
+    from workflow.data.vocab import VOCAB_FILES, train_bpe, train_vocab
+    from workflow.train.models.family import FAMILIES as REGISTRY, ModelSettings
+    from workflow.train.pretrain import read_vocab_size
+
+    assert set(learning_parity.FAMILIES) <= set(REGISTRY)
+    args = Namespace(hidden=64, layers=2, seq=32)
+    for name, recipes in learning_parity.FAMILIES.items():
+        work = tmp_path / name
+        work.mkdir()
+        vocab = work / VOCAB_FILES[recipes.vocab_type]
+        {"wordpiece": train_vocab, "bpe": train_bpe}[recipes.vocab_type]([books], vocab, 500)
+        keys, new_reference, _ = learning_parity.registry_model(recipes.model_keys(vocab, args, work), vocab, args,
+                                                                 work)
+        assert keys["family"] == name
+        size = read_vocab_size(str(vocab))
+        ours, _ = REGISTRY[name].build(ModelSettings.from_config(keys), str(vocab), size, args.seq)
+        reference = new_reference()
+        assert type(reference).__name__ == f"{type(reference).__name__.split('For')[0]}ForMaskedLM"
+        assert reference.config.model_type in REGISTRY[name].model_types
+        assert (reference.config.hidden_size, reference.config.num_hidden_layers, reference.config.vocab_size) == (
+            ours.hidden_size, ours.num_hidden_layers, ours.vocab_size)
+        assert (ours.hidden_size, ours.num_hidden_layers) == (64, 2) and ours.vocab_size >= size
