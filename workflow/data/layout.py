@@ -7,7 +7,7 @@ and task features (no torch: the data env's).
 from dataclasses import dataclass
 
 from workflow.cli import UserError
-from workflow.data.vocab import ROLE_TOKENS
+from workflow.data.vocab import ROLE_TOKENS, special_tokens
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,8 @@ class SequenceLayout:
     def of(cls, tokenizer) -> "SequenceLayout":
         """The layout of a `tokenizers.Tokenizer` (its token_to_id); a vocab without a cls, sep or pad token is a
         UserError."""
-        # the roles a row uses, each by BERT's name, else RoBERTa's (vocab.special_tokens' order; not all five roles:
-        # a vocab without [MASK] still fine-tunes)
-        named = {role: next((token for token in ROLE_TOKENS[role] if tokenizer.token_to_id(token) is not None), None)
-                 for role in ("cls", "sep", "pad")}
+        # the roles a row uses (not all five: a vocab without [MASK] still fine-tunes)
+        named = special_tokens(tokenizer.token_to_id, ("cls", "sep", "pad"))
         missing = [" or ".join(ROLE_TOKENS[role]) for role, token in named.items() if token is None]
         if missing:
             raise UserError(f"vocab lacks the special token(s) {', '.join(missing)}")

@@ -186,10 +186,11 @@ def word_start(data: dict) -> tuple[str, bool] | None:
     return None
 
 
-def special_tokens(token_to_id) -> dict[str, str | None]:
-    """Each role's special token (ROLE_TOKENS: BERT's name, else RoBERTa's) as `token_to_id` knows it; None: none."""
-    return {role: next((token for token in names if token_to_id(token) is not None), None)
-            for role, names in ROLE_TOKENS.items()}
+def special_tokens(token_to_id, roles=tuple(ROLE_TOKENS)) -> dict[str, str | None]:
+    """Each of `roles`' special token (ROLE_TOKENS: BERT's name, else RoBERTa's) as `token_to_id` knows it; None:
+    none."""
+    return {role: next((token for token in ROLE_TOKENS[role] if token_to_id(token) is not None), None)
+            for role in roles}
 
 
 def read_tokenizer_json(path: str | os.PathLike):
