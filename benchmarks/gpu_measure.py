@@ -4,7 +4,7 @@ as accumulation amortises it, and the Markdown table a run prints.
 
 Variants of our model (VARIANTS), the same weights and batches:
     eager             the model as written
-    compiled          torch.compile(mode=--compile-mode, dynamic=False), as pretrain.compile runs it
+    compiled          engine.compiled (torch.compile(mode=--compile-mode, dynamic=False)), as pretrain.compile runs it
     compiled+float8   a copy converted by workflow.train.float8.convert_to_float8, then compiled (pretrain.float8);
                       where float8_error says it cannot run, the variant is skipped with that line
 MFU = real tokens' FLOPs per second / the card's datasheet dense bf16 peak (accelerator.peak_flops), the FLOPs from
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workflow.train import accelerator
+from workflow.train import accelerator, engine
 from workflow.train.float8 import convert_to_float8, float8_error
 from workflow.train.models import kit
 from workflow.train.models.fused_loss import fused_mlm_loss_reason
@@ -121,11 +121,10 @@ def variant_models(model: torch.nn.Module, device: Device, compile_mode: str, va
         if variant == "eager":
             yield variant, model
         elif variant == "compiled":
-            yield variant, torch.compile(model, mode=compile_mode, dynamic=False)
+            yield variant, engine.compiled(model, compile_mode, device.torch)
         elif variant == "compiled+float8":
             error = float8_error(device.torch)
-            yield variant, error or torch.compile(convert_to_float8(copy.deepcopy(model)), mode=compile_mode,
-                                                  dynamic=False)
+            yield variant, error or engine.compiled(convert_to_float8(copy.deepcopy(model)), compile_mode, device.torch)
         else:
             raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
 

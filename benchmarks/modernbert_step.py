@@ -20,7 +20,7 @@ of the real tokens predicted (ModernBERT's masking rate). Sides, each a forward,
    - hf: transformers' ModernBertForMaskedLM (attn_implementation sdpa), labels -100 elsewhere: the head at every
      position (its default);
    - hf sparse: the same with sparse_prediction (the head at the labelled tokens only, as ModernBERT's recipe trains);
-   - ours compiled (--compile): ours under torch.compile(mode=--compile-mode, dynamic=False), as pretrain.compile
+   - ours compiled (--compile): ours under engine.compiled (torch.compile, mode=--compile-mode), as pretrain.compile
      runs it (compiled before the timed rounds).
 Each repeat runs every side once, the order rotating, after --warmup untimed rounds; medians printed, with each
 side's time relative to hf: wall time, and the process's CPU time (summed over its threads: what other processes
@@ -52,7 +52,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workflow.train import accelerator  # noqa: E402
+from workflow.train import accelerator, engine  # noqa: E402
 from workflow.train.models.kit import unpadded_of  # noqa: E402
 from workflow.train.models.modernbert import (ModernBertConfig, ModernBertForMaskedLM, flops_per_sequence,  # noqa: E402
                                        host_indices)
@@ -137,7 +137,7 @@ def compare(name: str, config: ModernBertConfig, args, device: torch.device) -> 
     sides = {"ours": (ours, lambda: ours_step(ours, batch)), "hf": (hf, lambda: hf_step(hf, batch, False)),
              "hf sparse": (hf, lambda: hf_step(hf, batch, True))}
     if args.compile:
-        compiled = torch.compile(ours, mode=args.compile_mode, dynamic=False)
+        compiled = engine.compiled(ours, args.compile_mode, device)
         sides["ours compiled"] = (ours, lambda: ours_step(compiled, batch))
     precision = "fp32"
     times = {side: [] for side in sides}

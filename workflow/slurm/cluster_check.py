@@ -290,10 +290,10 @@ def step_difference(got: tuple, expected: tuple) -> float:
         for a, b in zip(gradients, reference_gradients))])
 
 
-def compiled_step_difference(model, loss_of, compile_mode: str) -> float:
+def compiled_step_difference(model, loss_of, compile_mode: str, device: torch.device) -> float:
     """One step's loss and gradients through torch.compile as the trainer compiles (engine.compiled) against eager's;
     `loss_of(network)` is the step's loss."""
-    compiled = engine.compiled(model, argparse.Namespace(compile=True, compile_mode=compile_mode))
+    compiled = engine.compiled(model, compile_mode, device)
     return step_difference(loss_and_gradients(model, lambda: loss_of(compiled)),
                            loss_and_gradients(model, lambda: loss_of(model)))
 
@@ -365,7 +365,7 @@ def fast_paths(config, batch: dict, env, precision: str, fused: bool, scratch: P
         return loss(network, training_path, precision)
 
     if compile_mode is not None:
-        paths["compiled step"] = compiled_step_difference(model, step_loss, compile_mode)
+        paths["compiled step"] = compiled_step_difference(model, step_loss, compile_mode, device)
     if fused_mlm_loss:
         why = fused_loss.fused_mlm_loss_reason(device)
         if why is None:

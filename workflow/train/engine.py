@@ -9,7 +9,8 @@ API:
         metrics.jsonl and TensorBoard scalars (tensorboard/) in the run directory, a log line with seq/s and the
         ETA every log_every steps, checkpoints every `checkpoint_every` steps, resume, stop signals; every
         `eval_every` steps the held-out evaluation (`evaluate`), added to that step's metrics line.
-    compiled(model, settings)   the model under torch.compile(mode=compile_mode, dynamic=False) where `compile` asks
+    compiled(model, compile_mode, device)   the model under torch.compile(mode=compile_mode, dynamic=False), as
+                        training compiles it (on CPU, dropout's random numbers from aten's kernels)
     refuse_changes(old, new, run_dir)   UserError naming each changed key old -> new and how to start over
     set_threads(threads)  this rank's share of the job's CPU threads
 
@@ -392,11 +393,17 @@ def _shut_down(steps) -> None:
             worker.join()
 
 
-def compiled(model, s: LoopSettings):
-    """`model` under torch.compile with s.compile_mode where s.compile asks for it, else `model`. dynamic=False: every
-    micro-batch of a run has one shape but packed rows' sequence offsets, marked dynamic (kit.unpadded_of), so one
-    graph is compiled and reused."""
-    return torch.compile(model, mode=s.compile_mode, dynamic=False) if s.compile else model
+def compiled(model, compile_mode: str, device: torch.device):
+    """`model` under torch.compile with `compile_mode`, as training compiles it. dynamic=False: every micro-batch of a
+    run has one shape but packed rows' sequence offsets, marked dynamic (kit.unpadded_of), so one graph is compiled
+    and reused. On CPU, dropout draws through aten's kernels (inductor's fallback_random), as eager does: inductor's
+    own per-element generator made a compiled CPU step slower than eager (benchmarks/compile_cpu.py); on a GPU its
+    generator fuses into the kernels and stays."""
+    if device.type == "cpu":
+        from torch._inductor import config as inductor
+
+        inductor.fallback_random = True
+    return torch.compile(model, mode=compile_mode, dynamic=False)
 
 
 def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerprint: dict) -> Outcome:
@@ -443,7 +450,8 @@ def train(env, model, optimizer, scheduler, task: Task, s: LoopSettings, fingerp
         # place rather than set to None, which would drop the views and make DDP rebuild them every step.
         train_model = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
                                               else None, gradient_as_bucket_view=True)
-    train_model = compiled(train_model, s)
+    if s.compile:
+        train_model = compiled(train_model, s.compile_mode, env.device)
     ddp = getattr(train_model, "_orig_mod", train_model)  # under torch.compile, no_sync lives on the DDP module
     split = (f"micro-batches of {s.micro_batch_size} rows" if by_rows else
              f"{s.micro_batch_size} micro x {accumulation} accumulation") + f" x {env.world_size} ranks"
