@@ -25,7 +25,8 @@ Sides, on the same weights and micro-batches, taking turns at each micro-batch s
 A step is forward, the MLM (+ NSP) loss and backward, as training computes them (no optimizer: it is not compiled).
 Per side: the median process CPU time of a step (threads: --threads), real tokens/s over all micro-batches, the
 graphs compiled (its first step compiles; any more is a recompilation), graph breaks, and its first step's seconds
-(the compilation). The goals (issue 43): 1 graph and 0 breaks per compiled side; compiled's step time <= eager's.
+(the compilation). The goals (issue 43): 1 graph and 0 breaks per compiled side, on both paths; compiled's step
+time <= eager's, on the path a CPU trains (rows).
 """
 from __future__ import annotations
 
@@ -158,10 +159,13 @@ def report(name: str, path: str, measured: list[Side], batches: list[dict]) -> l
         print(f"| {side.name} | {ms:.1f} | {ms / eager_ms:.2f}x | {real / sum(side.seconds):,.0f} | {side.graphs} | "
               f"{side.breaks} | {side.first_step_s:.1f} |")
     compiled = measured[1]
+    graphs = (f"{name} {path}: {compiled.graphs} graph, {compiled.breaks} breaks over {len(batches)} micro-batches "
+              f"(goal 1 and 0): {'met' if (compiled.graphs, compiled.breaks) == (1, 0) else 'NOT met'}")
     ratio = statistics.median(compiled.seconds) * 1e3 / eager_ms
-    return [f"{name} {path}: compiled step {ratio:.2f}x eager's (goal <= 1): {'met' if ratio <= 1 else 'NOT met'}",
-            f"{name} {path}: {compiled.graphs} graph, {compiled.breaks} breaks over {len(batches)} micro-batches "
-            f"(goal 1 and 0): {'met' if (compiled.graphs, compiled.breaks) == (1, 0) else 'NOT met'}"]
+    if path != "rows":  # the GPU's graph on CPU: its attention is the custom ops' dense stand-in, on both sides
+        return [graphs, f"{name} {path}: compiled step {ratio:.2f}x eager's (the GPU path's CPU stand-in: not judged)"]
+    verdict = "met" if ratio <= 1 else "NOT met"
+    return [graphs, f"{name} {path}: compiled step {ratio:.2f}x eager's (goal <= 1): {verdict}"]
 
 
 def main(argv=None) -> None:

@@ -167,6 +167,23 @@ def test_pretrain_compile_mode_reaches_torch_compile_with_static_shapes(device, 
     assert calls == [{"mode": "max-autotune-no-cudagraphs", "dynamic": False}]
 
 
+def test_the_cpu_compile_benchmark_counts_one_graph_and_no_break_over_every_packing_of_both_paths():
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compile_cpu.py"), "--families",
+                             "bert,modernbert", "--batches", "3", "--rows", "4", "--backend", "aot_eager"],
+                            capture_output=True, text=True, timeout=300, check=True)
+    for name in ("bert", "modernbert"):
+        for path in ("rows", "varlen"):
+            assert f"{name}, {path}: 3 micro-batches of (4, 128) tokens, 3 packings" in result.stdout
+            assert f"{name} {path}: 1 graph, 0 breaks over 3 micro-batches (goal 1 and 0): met" in result.stdout
+    counts = [line.split("|")[5:7] for line in result.stdout.splitlines() if line.startswith(("| eager", "| compiled"))]
+    assert counts == [[" 0 ", " 0 "], [" 1 ", " 0 "]] * 4  # graphs and breaks: eager's, compiled's, in each table
+
+
 @pytest.mark.parametrize("model_family", ["bert", "modernbert"])
 def test_a_compiled_fine_tuning_run_trains_as_the_eager_one(model_family, tmp_path, monkeypatch):
     import json
