@@ -12,6 +12,11 @@
 #   modernbert_step_SEQ_VOCAB     benchmarks/modernbert_step.py --gpu: ModernBERT-base at 1,024 and 8,192 tokens, vocab
 #                                 50,368, the same variants and figures, StableAdamW per global batch
 #   learning_parity_FAMILY_TEXT   (LEARNING=1) benchmarks/learning_parity.py --device cuda on the texts in $TEXTS
+# PARTS (default "speed checks", in that order) picks and orders the parts: `speed` the step benchmarks, `checks` the
+# GPU tests and cluster checks; the learning runs follow with LEARNING=1. Each row of the verdict is also appended to
+# OUT_DIR/verdict.md as its step ends, so a run stopped from outside keeps the rows of the steps it finished.
+# Wheels: on a GPU machine, the wheels in WHEELS (default .whl; benchmarks/gpu_wheels.sh downloads them where an index
+# can be reached) are installed into a directory of the run, put first on PYTHONPATH, before any step.
 #
 #     bash benchmarks/gpu_checks.sh [OUT_DIR]
 #     GPU_CHECKS_CPU=1 bash benchmarks/gpu_checks.sh    a rehearsal on CPU: the same steps at tiny sizes (the
@@ -19,12 +24,14 @@
 #                                                       GPU-only ones "skipped (no GPU)"
 #     GPU_CHECKS_STEPS=FILE ...                         the steps FILE declares (bash, `step` lines) instead of these
 # A new check is one more `step NAME LIMIT_S COMMAND...` line in gpu_steps (or `gpu_step` for a GPU-only one).
-# Device time: the whole run is meant to take ~12 minutes on one H200 (a lent GPU has 15, its start included): each
-# step's comment says its expected time there (~40 + 2 x 115 + 2 x 120 + 2 x 100 s), its limit stops one that runs
-# long. Expected times are estimates until a run's verdict table gives the seconds.
+# Device time: the whole run is meant to take ~12 minutes on one H200: each step's comment says its expected time
+# there (speed ~2 x 120 + 2 x 100 s, checks ~40 + 2 x 115 s), its limit stops one that runs long. Where one command
+# may run 10 minutes at most, run PARTS=speed and PARTS=checks as two. Expected times are estimates until a run's
+# verdict table gives the seconds.
 set -u
 out=${1:-gpu_checks}
 mkdir -p "$out"
+printf '| step | result | seconds | log |\n|---|---|---|---|\n' >"$out/verdict.md"
 py=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -32,8 +39,9 @@ rows=()
 failed=0
 cpu=${GPU_CHECKS_CPU:-0}
 
-record() {  # record NAME RESULT SECONDS LOG: one row of the verdict
+record() {  # record NAME RESULT SECONDS LOG: one row of the verdict (also appended to $out/verdict.md)
     rows+=("| $1 | $2 | $3 | $4 |")
+    echo "| $1 | $2 | $3 | $4 |" >>"$out/verdict.md"
     case $2 in failed*) failed=1 ;; esac
     echo "== $1: $2 in $3 s"
 }
@@ -126,9 +134,16 @@ benchmark_steps() {  # the GPU step benchmarks; in the rehearsal tiny models on 
     done
 }
 
-gpu_steps() {  # the checks, in order
-    "$py" -c "import torch; print('torch', torch.__version__, 'cuda',
-                                  torch.cuda.is_available() and torch.cuda.get_device_name())"
+install_wheels() {  # the wheels in $WHEELS (GPU only: they are built for the GPU machine's Python)
+    local wheels=${WHEELS:-.whl}
+    [ "$cpu" != 1 ] && compgen -G "$wheels/*.whl" >/dev/null || return 0
+    "$py" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
+        "$wheels"/*.whl || { echo "error: gpu_checks: the wheels in $wheels did not install" >&2; exit 2; }
+    export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+    echo "installed: $(cd "$wheels" && echo *.whl)"
+}
+
+check_steps() {  # the GPU tests and the cluster checks
     if [ "$cpu" = 1 ]; then
         training=${CHECK_TRAINING:-2000} test=${CHECK_TEST:-500} steps=${CHECK_STEPS:-2}
     else
@@ -139,7 +154,22 @@ gpu_steps() {  # the checks, in order
     for family in ${FAMILIES:-bert modernbert}; do
         cluster_check "$family"
     done
-    benchmark_steps
+}
+
+gpu_steps() {  # the checks, in order
+    local part parts=${PARTS:-speed checks}
+    for part in $parts; do
+        case $part in
+            speed | checks) ;;
+            *) echo "error: gpu_checks: PARTS: unknown part '$part' (speed, checks)" >&2; exit 2 ;;
+        esac
+    done
+    install_wheels
+    "$py" -c "import torch; print('torch', torch.__version__, 'cuda',
+                                  torch.cuda.is_available() and torch.cuda.get_device_name())"
+    for part in $parts; do
+        if [ "$part" = speed ]; then benchmark_steps; else check_steps; fi
+    done
     if [ "${LEARNING:-0}" = 1 ]; then
         for text in ${TEXTS:-python-docs wikipedia}; do
             for family in ${FAMILIES:-bert}; do
