@@ -18,7 +18,9 @@ import gc
 import platform
 import resource
 import statistics
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -113,20 +115,26 @@ def requested(args) -> tuple[list[str], set[str]]:
 
 
 def variant_models(model: torch.nn.Module, device: Device, compile_mode: str, variants=VARIANTS):
-    """(variant, the module it calls, or the one line why it is skipped: a str) in turn, each made when the previous
-    one is done with: compiled+float8 converts a copy, which then exists only while it is measured."""
+    """(variant, the module it calls, or the one line why it is skipped: a str, or the exception that building it
+    raised) in turn, each made when the previous one is done with: compiled+float8 converts a copy, which then exists
+    only while it is measured."""
     # Each variant and each micro-batch size searched is one more compilation of the same forward.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for variant in variants:
-        if variant == "eager":
-            yield variant, model
-        elif variant == "compiled":
-            yield variant, engine.compiled(model, compile_mode, device.torch)
-        elif variant == "compiled+float8":
-            error = float8_error(device.torch)
-            yield variant, error or engine.compiled(convert_to_float8(copy.deepcopy(model)), compile_mode, device.torch)
-        else:
+        if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
+        try:
+            if variant == "eager":
+                built = model
+            elif variant == "compiled":
+                built = engine.compiled(model, compile_mode, device.torch)
+            else:
+                built = float8_error(device.torch) or engine.compiled(convert_to_float8(copy.deepcopy(model)),
+                                                                       compile_mode, device.torch)
+        except Exception as error:  # noqa: BLE001: the side's row says so (failed_row)
+            traceback.print_exc()
+            built = error
+        yield variant, built
 
 
 def compiled_graphs() -> int:
@@ -185,19 +193,23 @@ def searched(name: str, chosen: set[str]) -> bool:
 
 @dataclass
 class Row:
-    """One side of a run's table."""
+    """One side of a run's table (`failed`: the side raised; its note says what)."""
     side: str
     real_tokens_per_s: float | None = None
     mfu: str = ""
     peak_memory: str = ""
     max_micro_batch: str = "not searched"
     note: str = ""
+    failed: bool = False
 
     def cells(self) -> list[str]:
         if self.real_tokens_per_s is None:
-            return [self.side, "skipped", "", "", "", self.note]
+            return [self.side, "failed" if self.failed else "skipped", "", "", "", self.note]
         return [self.side, f"{self.real_tokens_per_s:,.0f}", self.mfu, self.peak_memory, self.max_micro_batch,
                 self.note]
+
+    def line(self) -> str:
+        return "| " + " | ".join(self.cells()) + " |"
 
 
 TABLE_HEADER = ("side", "real tokens/s per GPU", "MFU", "peak memory", "largest micro-batch", "note")
@@ -206,8 +218,38 @@ TABLE_HEADER = ("side", "real tokens/s per GPU", "MFU", "peak memory", "largest 
 def table(rows: list[Row]) -> str:
     """The sides as one Markdown table (numbers right-aligned)."""
     lines = ["| " + " | ".join(TABLE_HEADER) + " |", "| --- | ---: | ---: | ---: | ---: | --- |"]
-    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + [row.line() for row in rows])
+
+
+@contextlib.contextmanager
+def side_guard(rows: list[Row], side: str, device: Device):
+    """One side's measurement, which appends its row to `rows`: where it raises, the row says so (the exception's
+    type and first line; the traceback on stderr), memory is freed and the run goes on to the next side, so one
+    side's failure (a compile error, out of memory) never loses the others' figures. Each row is printed as it is
+    added (`measured: | ... |`), so a run stopped from outside keeps the rows it measured."""
+    count = len(rows)
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001: reported in the row and the exit status (exit_status)
+        traceback.print_exc()
+        rows.append(failed_row(side, error))
+        device.reset_peak_memory()
+    for row in rows[count:]:
+        print(f"measured: {row.line()}", flush=True)
+
+
+def failed_row(side: str, error: BaseException) -> Row:
+    """The row of a side that raised `error`: its type and first line."""
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    return Row(side, note=f"failed: {type(error).__name__}: {first_line}", failed=True)
+
+
+def exit_status(rows: list[Row]) -> int:
+    """1 where a side failed (the run's table still printed), else 0."""
+    failed = [row.side for row in rows if row.failed]
+    if failed:
+        print(f"failed sides: {', '.join(failed)}", file=sys.stderr)
+    return int(bool(failed))
 
 
 def skipped_row(side: str, reason: str) -> Row:
@@ -230,15 +272,25 @@ def optimizer_ms(optimizer_step, params, repeats: int, device: Device) -> float:
     return statistics.median(samples) * 1e3
 
 
-def optimizer_table(micro_batch_ms: float, accumulation: int, optimizers: dict[str, float | str]) -> str:
+def micro_batch_ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def micro_batch_text(seconds: float | None) -> str:
+    """Eager's time a micro-batch, in words (None: eager failed)."""
+    return "(failed: no time)" if seconds is None else f"{seconds * 1e3:.1f} ms a micro-batch"
+
+
+def optimizer_table(micro_batch_ms: float | None, accumulation: int, optimizers: dict[str, float | str]) -> str:
     """Optimizers' ms per optimizer step and their share of a global step: `accumulation` micro-batches of
-    `micro_batch_ms` (eager, forward + loss + backward) plus one optimizer step. A str value is why one did not run."""
+    `micro_batch_ms` (eager, forward + loss + backward; None: eager failed, no share) plus one optimizer step. A str
+    value is why one did not run."""
     lines = ["| optimizer | ms per optimizer step | micro-batches per step | share of the step |",
              "| --- | ---: | ---: | ---: |"]
     for name, ms in optimizers.items():
         if isinstance(ms, str):
             lines.append(f"| {name} | not run: {ms} | {accumulation} | |")
         else:
-            share = ms / (accumulation * micro_batch_ms + ms)
-            lines.append(f"| {name} | {ms:.2f} | {accumulation} | {share:.3%} |")
+            share = "n/a" if micro_batch_ms is None else f"{ms / (accumulation * micro_batch_ms + ms):.3%}"
+            lines.append(f"| {name} | {ms:.2f} | {accumulation} | {share} |")
     return "\n".join(lines)

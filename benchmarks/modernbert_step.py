@@ -62,9 +62,9 @@ from workflow.config import PHASES  # noqa: E402
 from workflow.train.models.fused_loss import summed_mlm_loss  # noqa: E402
 from workflow.train.optim.optimizers import make_stable_adamw  # noqa: E402
 from workflow.train.pretrain import unwrapped  # noqa: E402
-from benchmarks.gpu_measure import (HF, Device, Row, largest_micro_batch, mlm_loss_path, optimizer_ms,  # noqa: E402
-                                    optimizer_table, requested, searched, skipped_row, table, timed_steps,
-                                    variant_models)
+from benchmarks.gpu_measure import (HF, Device, Row, exit_status, failed_row, largest_micro_batch,  # noqa: E402
+                                    micro_batch_ms, micro_batch_text, mlm_loss_path, optimizer_ms, optimizer_table,
+                                    requested, searched, side_guard, skipped_row, table, timed_steps, variant_models)
 
 MASKING = 0.3  # ModernBERT's masking rate
 
@@ -228,17 +228,18 @@ def stable_adamw_steps(model) -> dict:
     return steps
 
 
-def gpu_benchmark(args) -> None:
+def gpu_benchmark(args) -> int:
     """ModernBERT (--preset) at --gpu-seq tokens, bf16, forward + loss + backward on the same --steps micro-batches:
     HF's ModernBertForMaskedLM (head at every token, and at the labelled ones) and ours in each variant
     (gpu_measure.VARIANTS); real tokens/s, MFU, peak memory, the largest micro-batch that fits
-    (--find-max-micro-batch); then the recipe's optimizer as its accumulation amortises it."""
+    (--find-max-micro-batch); then the recipe's optimizer as its accumulation amortises it. Returns the exit status:
+    1 where a side failed (gpu_measure.side_guard)."""
     import transformers
 
     device = Device(args.device)
     if not device.available():
         print("no CUDA device: GPU benchmark skipped")
-        return
+        return 0
     device.prepare(args.threads)
 
     bf16 = device.bf16
@@ -265,16 +266,19 @@ def gpu_benchmark(args) -> None:
           f"{device.peak_line()} at {flops / 1e9:.1f} GFLOP per row (real tokens and predictions)")
     rows = []
 
-    def measured(side, step, warmup, search_name) -> float:
-        device.reset_peak_memory()
-        seconds, recompiled = timed_steps(step, batches, warmup, device)
-        row = Row(side, real / seconds, device.mfu(n / seconds * flops), device.peak_memory(),
-                  note=f"{len(batches)} micro-batches" + (f", graphs compiled while timed: {recompiled}"
-                                                          if "compiled" in side else ""))
-        if searched(search_name, search):
-            row.max_micro_batch = largest_micro_batch(lambda r: step(batch_of(r)), micro, args.max_micro_batch_cap,
-                                                      device)
-        rows.append(row)
+    def measured(side, step, warmup, search_name) -> float | None:
+        """The side's seconds over the micro-batches (None: it failed; its row says why)."""
+        seconds = None
+        with side_guard(rows, side, device):
+            device.reset_peak_memory()
+            seconds, recompiled = timed_steps(step, batches, warmup, device)
+            row = Row(side, real / seconds, device.mfu(n / seconds * flops), device.peak_memory(),
+                      note=f"{len(batches)} micro-batches" + (f", graphs compiled while timed: {recompiled}"
+                                                              if "compiled" in side else ""))
+            if searched(search_name, search):
+                row.max_micro_batch = largest_micro_batch(lambda r: step(batch_of(r)), micro,
+                                                          args.max_micro_batch_cap, device)
+            rows.append(row)
         return seconds
 
     torch.manual_seed(0)
@@ -293,12 +297,13 @@ def gpu_benchmark(args) -> None:
     ours = ours.to(device.torch)
     micro_batch_seconds = None
     for variant, model in variant_models(ours, device, args.compile_mode, variants):
-        if isinstance(model, str):
-            rows.append(skipped_row(f"ours {variant}", model))
+        if isinstance(model, (str, Exception)):
+            rows.append(skipped_row(f"ours {variant}", model) if isinstance(model, str) else
+                        failed_row(f"ours {variant}", model))
             continue
         seconds = measured(f"ours {variant}", lambda b, model=model: training_loss_step(model, b, bf16),
                            args.warmup if variant == "eager" else max(args.warmup, 1), variant)
-        if variant == "eager":
+        if variant == "eager" and seconds is not None:
             micro_batch_seconds = seconds / len(batches)
         del model
     print(table(rows))
@@ -309,8 +314,9 @@ def gpu_benchmark(args) -> None:
                for name, step in stable_adamw_steps(ours).items()}
     print(f"\nStableAdamW, one step per global batch (recipes/modernbert-base.yaml {phase}: global_batch_tokens = "
           f"{accumulation} micro-batches of {micro} x {seq}, world 1), against ours eager's "
-          f"{micro_batch_seconds * 1e3:.1f} ms a micro-batch, median of {args.optimizer_repeats} steps:")
-    print(optimizer_table(micro_batch_seconds * 1e3, accumulation, timings))
+          f"{micro_batch_text(micro_batch_seconds)}, median of {args.optimizer_repeats} steps:")
+    print(optimizer_table(micro_batch_ms(micro_batch_seconds), accumulation, timings))
+    return exit_status(rows)
 
 
 def main(argv=None) -> None:
@@ -339,7 +345,8 @@ def main(argv=None) -> None:
     p.add_argument("--optimizer-repeats", type=int, default=5, help="--gpu: optimizer steps timed (median)")
     args = p.parse_args(argv)
     if args.gpu:
-        gpu_benchmark(args)
+        if gpu_benchmark(args):
+            sys.exit(1)  # a side failed: the table says which
         return
     device = torch.device("cpu")
     torch.set_num_threads(args.threads)

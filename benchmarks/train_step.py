@@ -79,8 +79,9 @@ from workflow.train.models.bert import BertConfig, BertForPreTraining, flops_per
 from workflow.train.models.kit import host_indices, pretraining_loss  # noqa: E402
 from workflow.train.pretrain import PretrainingTask, unwrapped  # noqa: E402
 from workflow.train.pretrain import forward as pretraining_forward  # noqa: E402
-from benchmarks.gpu_measure import (HF, Device, Row, largest_micro_batch, mlm_loss_path, optimizer_ms,  # noqa: E402
-                                    optimizer_table, requested, searched, skipped_row, table, timed, timed_steps,
+from benchmarks.gpu_measure import (HF, Device, Row, exit_status, failed_row, largest_micro_batch,  # noqa: E402
+                                    micro_batch_ms, micro_batch_text, mlm_loss_path, optimizer_ms, optimizer_table,
+                                    requested, searched, side_guard, skipped_row, table, timed, timed_steps,
                                     variant_models)
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
@@ -332,16 +333,17 @@ def lamb_steps(model, device: Device) -> dict:
     return steps
 
 
-def gpu_benchmark(args) -> None:
+def gpu_benchmark(args) -> int:
     """Phase 1 (128) and 2 (512), bf16, forward + loss + backward on the same instances: HF's BertForPreTraining on
     padded rows, ours packed in each variant (gpu_measure.VARIANTS); per side real tokens/s, MFU (FLOPs of the real
     tokens), peak memory and, with --find-max-micro-batch, the largest micro-batch that fits; then LAMB's step as
-    the phase's accumulation amortises it."""
+    the phase's accumulation amortises it. Returns the exit status: 1 where a side failed (gpu_measure.side_guard)."""
     device = Device(args.device)
     if not device.available():
         print("no CUDA device: GPU benchmark skipped")
-        return
+        return 0
     device.prepare(args.threads)
+    failures = 0
 
     bf16 = device.bf16
     variants, search = requested(args)
@@ -375,15 +377,18 @@ def gpu_benchmark(args) -> None:
               f"{device.peak_line()} at {flops / 1e9:.1f} GFLOP per sequence (real tokens and predictions)")
         rows = []
 
-        def measured(side, step, batches, warmup, search_name, one_step) -> float:
-            device.reset_peak_memory()
-            seconds, recompiled = timed_steps(step, batches, warmup, device)
-            row = Row(side, real / seconds, device.mfu(n / seconds * flops), device.peak_memory(),
-                      note=f"{len(batches)} micro-batches" + (f", graphs compiled while timed: {recompiled}"
-                                                              if "compiled" in side else ""))
-            if searched(search_name, search):
-                row.max_micro_batch = largest_micro_batch(one_step, micro, args.max_micro_batch_cap, device)
-            rows.append(row)
+        def measured(side, step, batches, warmup, search_name, one_step) -> float | None:
+            """The side's seconds over `batches` (None: it failed; its row says why)."""
+            seconds = None
+            with side_guard(rows, side, device):
+                device.reset_peak_memory()
+                seconds, recompiled = timed_steps(step, batches, warmup, device)
+                row = Row(side, real / seconds, device.mfu(n / seconds * flops), device.peak_memory(),
+                          note=f"{len(batches)} micro-batches" + (f", graphs compiled while timed: {recompiled}"
+                                                                  if "compiled" in side else ""))
+                if searched(search_name, search):
+                    row.max_micro_batch = largest_micro_batch(one_step, micro, args.max_micro_batch_cap, device)
+                rows.append(row)
             return seconds
 
         torch.manual_seed(0)
@@ -399,17 +404,19 @@ def gpu_benchmark(args) -> None:
         micro_batch_seconds = None
         with device.packed_path():
             for variant, model in variant_models(ours, device, args.compile_mode, variants):
-                if isinstance(model, str):
-                    rows.append(skipped_row(f"ours {variant}", model))
+                if isinstance(model, (str, Exception)):
+                    rows.append(skipped_row(f"ours {variant}", model) if isinstance(model, str) else
+                                failed_row(f"ours {variant}", model))
                     continue
                 step = lambda b, model=model: loss_step(model, task, b, bf16)  # noqa: E731
                 seconds = measured(f"ours {variant}", step, packed,
                                    args.warmup if variant == "eager" else max(args.warmup, 1), variant,
                                    lambda r, step=step: step(rows_of(r)[1]))
-                if variant == "eager":
+                if variant == "eager" and seconds is not None:
                     micro_batch_seconds = seconds / len(packed)
                 del model, step
         print(table(rows))
+        failures += exit_status(rows)
 
         accumulation = max(1, pretrain_config[phase]["global_batch_size"] // micro)  # world 1
         timings = {name: step if isinstance(step, str) else optimizer_ms(step, list(ours.parameters()),
@@ -417,10 +424,11 @@ def gpu_benchmark(args) -> None:
                    for name, step in lamb_steps(ours, device).items()}
         print(f"\nLAMB, one step per global batch ({pretrain_config[phase]['global_batch_size']} sequences = "
               f"{accumulation} micro-batches of {micro}, world 1), against ours eager's "
-              f"{micro_batch_seconds * 1e3:.1f} ms a micro-batch, median of {args.optimizer_repeats} steps:")
-        print(optimizer_table(micro_batch_seconds * 1e3, accumulation, timings))
+              f"{micro_batch_text(micro_batch_seconds)}, median of {args.optimizer_repeats} steps:")
+        print(optimizer_table(micro_batch_ms(micro_batch_seconds), accumulation, timings))
         del ours, padded, packed
         device.reset_peak_memory()
+    return int(failures > 0)
 
 
 def main(argv=None) -> None:
@@ -461,7 +469,8 @@ def main(argv=None) -> None:
                    "(pretrain.compile_mode's values)")
     args = p.parse_args(argv)
     if args.gpu:
-        gpu_benchmark(args)
+        if gpu_benchmark(args):
+            sys.exit(1)  # a side failed: the table says which
     elif args.packing_only:
         torch.set_num_threads(args.threads)
         config = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,

@@ -188,3 +188,35 @@ def test_varlen_attention_hands_sdpa_both_sequence_length_extremes_so_cuda_never
     # CUDA's SDPA asks a nested tensor for both; computing one reads the lengths back from the device (a sync).
     with mock.patch.object(nested_internals, "_get_sdpa_extreme_seqlen", side_effect=AssertionError("device sync")):
         assert (nested._get_min_seqlen(), nested._get_max_seqlen()) == (0, 6)  # fixed: 0 and the row length
+
+
+def test_a_side_that_raises_is_a_failed_row_and_the_others_are_still_measured_printed_as_they_end(capsys):
+    from benchmarks.gpu_measure import Row, exit_status, side_guard, table
+
+    rows, device = [], Device("cpu")
+    with side_guard(rows, "ours eager", device):
+        rows.append(Row("ours eager", 1234.0, "n/a", "0.1 GiB RSS"))
+    with side_guard(rows, "ours compiled", device):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nsecond line")
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["measured: | ours eager | 1,234 | n/a | 0.1 GiB RSS | not searched |  |",
+                       "measured: | ours compiled | failed |  |  |  | failed: OutOfMemoryError: CUDA out of memory. "
+                       "Tried to allocate 2.00 GiB |"]
+    assert table(rows).splitlines()[2:] == [line.removeprefix("measured: ") for line in printed]
+    assert exit_status(rows) == 1 and exit_status(rows[:1]) == 0
+
+
+def test_a_variant_that_cannot_be_built_fails_its_row_alone_and_the_run_exits_1():
+    result = subprocess.run([sys.executable, str(MODERNBERT_SCRIPT), "--gpu", *REHEARSAL, "--preset",
+                             "modernbert-tiny", "--gpu-seq", "64", "--micro-batch", "2", "--vocab", "1024",
+                             "--compile-mode", "no-such-mode"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stderr[-3000:]
+    rows = {line.split(" | ")[0].removeprefix("| "): line for line in result.stdout.splitlines()
+            if line.startswith(("| HF", "| ours"))}
+    assert rows["ours compiled"].startswith("| ours compiled | failed |")
+    assert "failed: RuntimeError: Unrecognized mode=no-such-mode" in rows["ours compiled"]
+    for side in ("HF ModernBertForMaskedLM", "ours eager"):
+        assert re.match(rf"\| {re.escape(side)} \| [0-9,]+ \|", rows[side]), rows[side]
+    assert f"measured: {rows['ours eager']}" in result.stdout  # printed when measured, before the table
+    assert "optimi.StableAdamW (foreach, decouple_lr)" in result.stdout  # the run went on to the optimizer
+    assert "failed sides: ours compiled" in result.stderr
