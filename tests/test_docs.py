@@ -41,7 +41,7 @@ PENDING = re.compile(r"<!-- pending: ([\w-]+)")
 # Tools a page may name besides snakemake, python and make: the cluster's, the shell's, the system's.
 TOOLS = {"sacct", "sacctmgr", "scontrol", "sinfo", "squeue", "scancel", "srun", "sbatch", "less", "ls", "rm", "sudo",
          "tensorboard", "apt", "apt-get", "pip", "tmux", "screen", "md5sum", "mkdir", "cp", "tests/slurm/start_cluster.sh",
-         "cd", "source", "wget", "ln", "zcat"}
+         "cd", "source", "wget", "ln", "zcat", "bash"}
 ENV_ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=\S*$")  # `CUDA_VISIBLE_DEVICES=0,1 snakemake ...`: the command after it
 # The user's own files that the pages' examples name (a released model, a DLE checkpoint): the dry runs get stand-ins.
 USER_FILES = ("models/bert-base-uncased/vocab.txt", "models/bert-base-cased/vocab.txt", "checkpoints/ckpt_8601.pt",
