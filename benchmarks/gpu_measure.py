@@ -238,6 +238,35 @@ def side_guard(rows: list[Row], side: str, device: Device):
         print(f"measured: {row.line()}", flush=True)
 
 
+@dataclass(frozen=True)
+class Work:
+    """What every side of one table runs: its micro-batches' real tokens and sequences (rows), one sequence's FLOPs,
+    and the micro-batch size the largest-micro-batch search starts from and stops at."""
+    real_tokens: int
+    sequences: int
+    flops_per_sequence: float
+    micro_batch: int
+    max_micro_batch_cap: int
+
+
+def measured(rows: list[Row], side: str, step, batches: list, warmup: int, device: Device, work: Work,
+             one_step=None) -> float | None:
+    """`step` timed over `batches` (timed_steps) into a row of `rows`: real tokens/s, MFU, peak memory and, given
+    `one_step` (rows -> one step of a micro-batch of that many rows), the largest micro-batch. Returns the seconds, or
+    None where the side failed (side_guard: its row says why)."""
+    seconds = None
+    with side_guard(rows, side, device):
+        device.reset_peak_memory()
+        seconds, recompiled = timed_steps(step, batches, warmup, device)
+        row = Row(side, work.real_tokens / seconds, device.mfu(work.sequences / seconds * work.flops_per_sequence),
+                  device.peak_memory(), note=f"{len(batches)} micro-batches" + (
+                      f", graphs compiled while timed: {recompiled}" if "compiled" in side else ""))
+        if one_step is not None:
+            row.max_micro_batch = largest_micro_batch(one_step, work.micro_batch, work.max_micro_batch_cap, device)
+        rows.append(row)
+    return seconds
+
+
 def failed_row(side: str, error: BaseException) -> Row:
     """The row of a side that raised `error`: its type and first line."""
     first_line = (str(error).strip().splitlines() or [""])[0][:200]

@@ -79,10 +79,10 @@ from workflow.train.models.bert import BertConfig, BertForPreTraining, flops_per
 from workflow.train.models.kit import host_indices, pretraining_loss  # noqa: E402
 from workflow.train.pretrain import PretrainingTask, unwrapped  # noqa: E402
 from workflow.train.pretrain import forward as pretraining_forward  # noqa: E402
-from benchmarks.gpu_measure import (HF, Device, Row, exit_status, failed_row, largest_micro_batch,  # noqa: E402
-                                    micro_batch_ms, micro_batch_text, mlm_loss_path, optimizer_ms, optimizer_table,
-                                    requested, searched, side_guard, skipped_row, table, timed, timed_steps,
-                                    variant_models)
+from benchmarks.gpu_measure import (HF, Device, Work, exit_status, failed_row, micro_batch_ms,  # noqa: E402
+                                    micro_batch_text, mlm_loss_path, optimizer_ms, optimizer_table, requested,
+                                    searched, skipped_row, table, timed, variant_models)
+from benchmarks.gpu_measure import measured as measure_side  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 
@@ -377,19 +377,11 @@ def gpu_benchmark(args) -> int:
               f"{device.peak_line()} at {flops / 1e9:.1f} GFLOP per sequence (real tokens and predictions)")
         rows = []
 
+        work = Work(real, n, flops, micro, args.max_micro_batch_cap)
+
         def measured(side, step, batches, warmup, search_name, one_step) -> float | None:
-            """The side's seconds over `batches` (None: it failed; its row says why)."""
-            seconds = None
-            with side_guard(rows, side, device):
-                device.reset_peak_memory()
-                seconds, recompiled = timed_steps(step, batches, warmup, device)
-                row = Row(side, real / seconds, device.mfu(n / seconds * flops), device.peak_memory(),
-                          note=f"{len(batches)} micro-batches" + (f", graphs compiled while timed: {recompiled}"
-                                                                  if "compiled" in side else ""))
-                if searched(search_name, search):
-                    row.max_micro_batch = largest_micro_batch(one_step, micro, args.max_micro_batch_cap, device)
-                rows.append(row)
-            return seconds
+            return measure_side(rows, side, step, batches, warmup, device, work,
+                                one_step if searched(search_name, search) else None)
 
         torch.manual_seed(0)
         ours = BertForPreTraining(config).train()
