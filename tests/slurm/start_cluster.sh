@@ -145,6 +145,10 @@ ClusterName=$CLUSTER
 SlurmctldHost=$CONTROLLER($SUBNET.1)
 SlurmUser=slurm
 AuthType=auth/munge
+# A requeued job (a node lost, a rank killed, Slurm's time-limit warning) may start again only cred_expire seconds
+# later: 120 by default, the longest wait of the cluster tests. Ample here, where a step's credential is used in
+# well under a second.
+AuthInfo=cred_expire=20
 StateSaveLocation=/var/lib/slurm/slurmctld
 SlurmdSpoolDir=/var/lib/slurm/slurmd
 SlurmctldPidFile=/run/slurm/slurmctld.pid
