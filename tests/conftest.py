@@ -20,6 +20,9 @@ SAMPLE = REPO / "sample"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+# The cluster tests' fixtures, defined once here for every module (tests/fixtures/slurm_cluster.py).
+from tests.fixtures.slurm_cluster import cluster, demo_data, new_run  # noqa: E402, F401
+
 # The tests that use the Slurm test cluster: `make test` (pytest-xdist) runs them all in one worker, one after the
 # other, so that none meets another's jobs (a node is taken down under one). By nodeid prefix under tests/.
 CLUSTER_TESTS = ("test_slurm.py::", "test_multinode.py::", "test_scaling.py::test_scaling_on_slurm",

@@ -14,9 +14,9 @@ import sys
 import torch
 from safetensors.torch import load_file
 
+from tests.fixtures.slurm_cluster import job_records
 from tests.test_multinode import rank_lines, sbatch, state, wait_until
 from tests.test_pretrain import command, environment, settings
-from tests.test_slurm import cluster, job_records  # noqa: F401
 from workflow.data.synthetic_shards import write_synthetic_shards
 from workflow.train import checkpoint as ckpt
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_slurm import (REPO, SNAKEMAKE_TIMEOUT_S, cluster, clean_env, copy_data, demo_data,  # noqa: F401
-                              job_records, new_run, take_node_down)
+from tests.fixtures.slurm_cluster import (REPO, SNAKEMAKE_TIMEOUT_S, clean_env, copy_data, job_records,
+                                          take_node_down)
 
 
 # 2 nodes x 2 ranks (one per fake GPU), one core each: a node's 2 CPUs.

@@ -19,7 +19,6 @@ import pytest
 import yaml
 
 from tests.conftest import copy_workflow
-from tests.test_slurm import cluster  # noqa: F401  (the fixture: the running test cluster, or a skip)
 from workflow.cli import UserError
 from workflow.slurm.profile import derive
 from workflow.train import scaling

@@ -15,25 +15,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.fixtures.slurm_cluster import REPO, SNAKEMAKE_TIMEOUT_S, clean_env, copy_data, job_records
 from workflow.slurm.profile import derive, merge
-
-REPO = Path(__file__).resolve().parents[1]
-CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "start_cluster.sh"
-WORKFLOW_FILES = ["Snakefile", "rules", "workflow", "envs", "sample", "config.yaml", "config.schema.yaml"]
-CONFIG_FILES = ["sample/config.yaml", str(REPO / "tests" / "slurm" / "config.yaml")]
 PHASES = ("phase1", "phase2")  # one rule `pretrain_phase`, its jobs told apart by the wildcard {phase}
 FAIL_AT_STEP = 6  # between the checkpoints at steps 4 and 8 (tests/slurm/config.yaml: checkpoint_every 4)
-SNAKEMAKE_TIMEOUT_S = 900  # the cluster's 2 CPUs are shared: generous
-DATA_TARGETS = ("data/hdf5_seq128", "data/hdf5_seq512")
 # The demo's data half as grouped Slurm jobs (profiles/slurm `groups`; a group job is named <group>_<its rules>):
 # the downloads, the dump parts' template pages, their one compiled template file, their extracts, the one punkt
 # job, the formats (the dump's and the books'), the shard split, the vocab, tokenize+encode of all shards, and one
@@ -43,153 +35,8 @@ DATA_JOBS = {"download_download_bookcorpus_download_wikipedia": 1, "templates_wi
              "vocab": 1, "shard_encode_tokenize": 1, "hdf5_dir": 2}
 DATA_RULES = set(DATA_JOBS)  # the rule or group names sacct shows for them
 
-# (tests/conftest.py runs every cluster test in one xdist worker, in turn.)
-
-
-def _cluster_answers() -> bool:
-    if not shutil.which("sinfo"):
-        return False
-    nodes = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
-    accounting = subprocess.run(["sacct", "-n", "-X", "-S", "now"], capture_output=True, text=True)
-    states = nodes.stdout.split()
-    return any(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in states) and accounting.returncode == 0
-
-
-@pytest.fixture(scope="session")
-def cluster():
-    """A running cluster with accounting: already up (CI runs the script first), or started here as root."""
-    reason = None
-    if not _cluster_answers():
-        if os.geteuid() == 0:
-            result = subprocess.run([str(CLUSTER_SCRIPT)], capture_output=True, text=True, timeout=900)
-            if result.returncode != 0 or not _cluster_answers():
-                reason = f"{CLUSTER_SCRIPT.name} failed: {result.stderr[-2000:]}"
-        else:
-            reason = f"no Slurm cluster and not root: run `sudo {CLUSTER_SCRIPT.relative_to(REPO)}` first"
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true needs the Slurm cluster: {reason}")
-        pytest.skip(reason)
-
-
-def clean_env() -> dict:
-    """The caller's environment with the venv first on PATH and no leftover fault injection."""
-    env = {key: value for key, value in os.environ.items() if key != "SNAKEBERT_FAIL_AT_STEP"}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    return env
-
-
-class Run:
-    """A workdir with the workflow, the slurm profile sized for the test cluster, and helpers around it."""
-
-    def __init__(self, path: Path, profile: dict | None = None):
-        self.path = path
-        path.mkdir(parents=True)
-        for name in WORKFLOW_FILES:
-            (path / name).symlink_to(REPO / name)
-        overrides = merge(yaml.safe_load((REPO / "tests" / "slurm" / "profile.yaml").read_text()), profile or {})
-        (path / "profile.yaml").write_text(yaml.safe_dump(overrides))
-        derive(REPO / "profiles" / "slurm", path / "profile.yaml", path / "profile")
-        self.started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 2))
-
-    def snakemake(self, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-        env = {**clean_env(), **(env_extra or {})}
-        command = ["timeout", "-k", "20", str(SNAKEMAKE_TIMEOUT_S), "snakemake", *args, "--profile", "profile",
-                   "--configfile", *CONFIG_FILES]
-        result = subprocess.run(command, cwd=self.path, env=env, capture_output=True, text=True)
-        (self.path / f"snakemake_{time.time():.0f}.out").write_text(result.stdout + result.stderr)
-        assert result.returncode != 124, f"snakemake timed out:\n{result.stderr[-3000:]}"
-        return result
-
-    def jobs(self) -> list[dict]:
-        """This workdir's Slurm jobs from the accounting database, oldest first."""
-        fields = ["JobID", "JobName", "Comment", "State", "DerivedExitCode", "Partition", "AllocTRES", "WorkDir",
-                  "SubmitLine"]
-        out = subprocess.run(["sacct", "-X", "-n", "-P", "-S", self.started, "-o", ",".join(fields)],
-                             capture_output=True, text=True, check=True).stdout
-        rows = [dict(zip(fields, line.split("|", len(fields) - 1))) for line in out.splitlines() if line]
-        rows = [r for r in rows if Path(r["WorkDir"]).resolve() == self.path.resolve()]
-        for row in rows:  # (slurmdbd stores the comment when the job ends: a running job's is in its submit line)
-            comment = row["Comment"] or re.search(r"--comment (\S+)", row["SubmitLine"]).group(1)
-            row["rule"], _, row["wildcards"] = comment.removeprefix("rule_").partition("_wildcards_")
-        return sorted(rows, key=lambda r: int(r["JobID"].split("_")[0]))
-
-    def phase_jobs(self, phase: str) -> list[dict]:
-        """The Slurm jobs of one pretraining phase (rule pretrain_phase, wildcard {phase}), oldest first."""
-        return [job for job in self.jobs() if job["rule"] == "pretrain_phase" and job["wildcards"] == phase]
-
-    def start(self, *args: str, config: dict | None = None) -> subprocess.Popen:
-        """Snakemake in the background, with `config` layered over the test configs."""
-        configs = list(CONFIG_FILES)
-        if config:
-            (self.path / "extra_config.yaml").write_text(yaml.safe_dump(config))
-            configs.append("extra_config.yaml")
-        return subprocess.Popen(
-            ["timeout", "-k", "20", str(SNAKEMAKE_TIMEOUT_S), "snakemake", *args, "--profile", "profile",
-             "--configfile", *configs], cwd=self.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=clean_env())
-
-    def wait_for_phase1_checkpoint(self, process: subprocess.Popen) -> str:
-        """The Slurm job id of phase 1, once it runs and has written its first checkpoint."""
-        checkpoints = self.path / "runs" / "pretrain" / "phase1" / "checkpoints"
-        deadline = time.time() + SNAKEMAKE_TIMEOUT_S
-        while not list(checkpoints.glob("step_*")) and process.poll() is None and time.time() < deadline:
-            time.sleep(0.5)
-        jobs = self.phase_jobs("phase1")
-        running = [job for job in jobs if job["State"] == "RUNNING"]
-        assert running, f"phase 1 was not running when its first checkpoint appeared: {jobs}"
-        return running[0]["JobID"]
-
-    def active_jobs(self) -> list[str]:
-        out = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True).stdout
-        return [line.split()[0] for line in out.splitlines() if Path(line.split()[1]).resolve() == self.path.resolve()]
-
-    def cancel_leftovers(self) -> None:
-        for job in self.active_jobs():
-            subprocess.run(["scancel", job])
-
-    def weights(self, phase: str) -> dict:
-        from safetensors.torch import load_file
-
-        files = sorted((self.path / "results" / "pretrain" / phase / "model").glob("*.safetensors"))
-        assert files, f"no exported weights for {phase} in {self.path}"
-        return {key: value for f in files for key, value in load_file(f).items()}
-
-    def log_text(self, phase: str) -> str:
-        """A phase's pretrain log and its kept attempts' logs (logs/pretrain/{phase}/)."""
-        logs = self.path / "logs" / "pretrain" / phase
-        return "\n".join(p.read_text(errors="replace") for p in sorted(logs.rglob("*.log")))
-
-
-@pytest.fixture
-def new_run(tmp_path, cluster):
-    runs = []
-
-    def make(name: str, profile: dict | None = None) -> Run:
-        runs.append(Run(tmp_path / name, profile))
-        return runs[-1]
-
-    yield make
-    for run in runs:
-        run.cancel_leftovers()
-
-
-def job_records(job_id: str) -> list[dict]:
-    """Every run of one Slurm job id, requeued runs included (sacct --duplicates), oldest first."""
-    fields = ["JobID", "State", "DerivedExitCode", "NodeList"]
-    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job_id, "-o", ",".join(fields)],
-                         capture_output=True, text=True, check=True).stdout
-    return [dict(zip(fields, line.split("|"))) for line in out.splitlines() if line]
-
-
-@pytest.fixture(scope="session")
-def demo_data(tmp_path_factory, cluster):
-    """The demo's data half, built once on the cluster for the fault tests (of this module and others')."""
-    run = Run(tmp_path_factory.mktemp("slurm") / "data")
-    result = run.snakemake(*DATA_TARGETS)
-    assert result.returncode == 0, result.stderr[-3000:]
-    yield run
-    run.cancel_leftovers()
+# (tests/conftest.py runs every cluster test in one xdist worker, in turn; tests/fixtures/slurm_cluster.py: the
+# fixtures `cluster`, `new_run`, `demo_data`.)
 
 
 def assert_same_weights(actual: dict, expected: dict, what: str) -> None:
@@ -200,9 +47,7 @@ def assert_same_weights(actual: dict, expected: dict, what: str) -> None:
     assert not different, f"{what}: {len(different)} tensors differ, e.g. {different[:3]}"
 
 
-def copy_data(source: Run, target: Run) -> None:
-    """The data half of a finished run (mtimes kept, so Snakemake sees it as up to date)."""
-    shutil.copytree(source.path / "data", target.path / "data", symlinks=True, copy_function=shutil.copy2)
+
 
 
 def test_demo_dag_runs_on_slurm_and_a_failed_phase1_reruns_alone_from_its_checkpoint(demo_data, new_run):
@@ -407,43 +252,6 @@ def test_a_head_killed_mid_phase_is_rerun_and_its_running_job_taken_over_from_it
     assert resumed and int(resumed.group(1)) >= 4, log[-3000:]  # the first job's work, not step 0
     summary = json.loads((run.path / "results" / "pretrain" / "phase1" / "summary.json").read_text())
     assert summary["steps"] == 300, summary
-
-
-def take_node_down(node: str, job_id: str, process: subprocess.Popen) -> None:
-    """Set `node` DOWN under the running job `job_id` (as a lost node), once no other job runs on it (the cluster
-    may be shared; a pending job, e.g. one requeued by an earlier test, is only held); wait until Slurm has taken
-    the job off it, then bring the node back."""
-    deadline = time.time() + SNAKEMAKE_TIMEOUT_S / 2
-    while True:
-        queue = subprocess.run(["squeue", "-h", "-w", node, "-t", "RUNNING,COMPLETING", "-o", "%i"],
-                               capture_output=True, text=True).stdout.split()
-        if queue == [job_id]:
-            break
-        assert time.time() < deadline and process.poll() is None, f"other jobs kept {node} busy: {queue}"
-        time.sleep(1)
-    subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=snakebert-test"], check=True)
-    try:
-        deadline = time.time() + 60
-        while job_records(job_id)[0]["State"] == "RUNNING" and time.time() < deadline:
-            time.sleep(1)
-    finally:
-        resume_node(node)
-
-
-def resume_node(node: str) -> None:
-    """Bring `node` back from DOWN. ReturnToService=2 also brings it back when its slurmd registers, which may happen
-    between reading its state and asking: Slurm then refuses the resume ("Invalid node state specified") of a node
-    that is up already, so a refusal is only an error while the node stays down."""
-    for _ in range(30):
-        if "down" not in subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"],
-                                        capture_output=True, text=True, check=True).stdout:
-            return
-        asked = subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"],
-                               capture_output=True, text=True)
-        if asked.returncode == 0:
-            return
-        time.sleep(1)
-    raise AssertionError(f"{node} stays down; scontrol: {asked.stderr.strip()}")
 
 
 # A node failure under a running phase job (Slurm requeues it, it resumes from its checkpoint, no second job, its
