@@ -24,6 +24,7 @@ import yaml
 
 from tests.fixtures.slurm_cluster import REPO, SNAKEMAKE_TIMEOUT_S, clean_env, copy_data, job_records
 from workflow.slurm.profile import derive, merge
+
 PHASES = ("phase1", "phase2")  # one rule `pretrain_phase`, its jobs told apart by the wildcard {phase}
 FAIL_AT_STEP = 6  # between the checkpoints at steps 4 and 8 (tests/slurm/config.yaml: checkpoint_every 4)
 # The demo's data half as grouped Slurm jobs (profiles/slurm `groups`; a group job is named <group>_<its rules>):

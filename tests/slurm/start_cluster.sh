@@ -146,8 +146,8 @@ SlurmctldHost=$CONTROLLER($SUBNET.1)
 SlurmUser=slurm
 AuthType=auth/munge
 # A requeued job (a node lost, a rank killed, Slurm's time-limit warning) may start again only cred_expire seconds
-# later: 120 by default, the longest wait of the cluster tests. Ample here, where a step's credential is used in
-# well under a second.
+# later: 120 by default, the longest wait of the cluster tests. A job's or step's credential must also be used
+# within it, as the job or step starts: 20 s is still ample on this host.
 AuthInfo=cred_expire=20
 StateSaveLocation=/var/lib/slurm/slurmctld
 SlurmdSpoolDir=/var/lib/slurm/slurmd
