@@ -1,6 +1,7 @@
 """Benchmark: the data half and the loader at 1,024 and 8,192 tokens a sequence, on real text, on CPU.
 
     python benchmarks/long_context.py [--mb 4] [--lengths 1024 8192] [--text python-docs|wikipedia|PATH]
+                                      [--max-sequences-per-pack auto 16 3]   (each packing, side by side)
 
 Text: --mb MB of real text (python3-doc's reST sources by default, or Wikipedia's vital articles' leads;
 benchmarks/learning_parity.read_documents), one sentence a line (Punkt), a byte-level BPE of up to ModernBERT's 50,368
@@ -23,6 +24,7 @@ measured directly as a check of the fit (at 8,192 they would need ~40 GB).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -129,8 +131,8 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--vocab-size", type=int, default=50368, help="BPE ids (ModernBERT's)")
     parser.add_argument("--no-model", action="store_true", help="skip the activation-memory measurement")
-    parser.add_argument("--max-sequences-per-pack", default="3",
-                        help="encode.packing.max_sequences_per_pack: a count or auto (as many as fit)")
+    parser.add_argument("--max-sequences-per-pack", nargs="+", default=["3"],
+                        help="encode.packing.max_sequences_per_pack: counts or auto (as many as fit), each measured")
     parser.add_argument("--read", type=Path, help=argparse.SUPPRESS)  # the loader's own process
     parser.add_argument("--encode", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # the encoder's own process
     args = parser.parse_args(argv)
@@ -158,12 +160,12 @@ def main(argv=None) -> None:
         print(f"text: {text.stat().st_size / 1e6:.1f} MB ({args.text or 'python-docs'}), {counts['documents']:,} "
               f"documents, {counts['tokens']:,} tokens ({counts['tokens'] / counts['documents']:,.0f} a document), "
               f"BPE of {ids:,} ids; prepared in {time.perf_counter() - started:.0f} s")
-        print(f"encode: packed ({args.max_sequences_per_pack} a row at most, gapfill), gzip, dynamic masks, objective "
-              f"{objective}, masking rule {rule}, masked_lm_prob {MASKING}; loader: micro-batches of "
+        print(f"encode: packed ({' / '.join(args.max_sequences_per_pack)} a row at most, gapfill), gzip, dynamic "
+              f"masks, objective {objective}, masking rule {rule}, masked_lm_prob {MASKING}; loader: micro-batches of "
               f"{MICRO_BATCH_TOKENS:,} token slots, masked at load time, with ModernBERT's host indices")
         rows = []
-        for length in args.lengths:
-            output = work / f"seq{length}" / "training" / "shard_0.hdf5"
+        for per_row, length in itertools.product(args.max_sequences_per_pack, args.lengths):
+            output = work / f"{per_row}_seq{length}" / "training" / "shard_0.hdf5"
             output.parent.mkdir(parents=True)
             encode = run_stage([python, Path(__file__).resolve(), "--encode", "--tokenized", work / "tokenized.npz",
                                 "--vocab", vocab, "--output", output, "--max-seq-length", length,
@@ -171,7 +173,7 @@ def main(argv=None) -> None:
                                 "--masking", "dynamic", "--objective", objective, "--dupe-factor", 1,
                                 "--split", "training", "--shard-index", 0,
                                 *(["--masking-rule", rule] if rule != "google" else []),
-                                "--max-sequences-per-pack", args.max_sequences_per_pack])
+                                "--max-sequences-per-pack", per_row])
             with h5py.File(output, "r") as handle:
                 attributes = dict(handle.attrs)
             size = output.stat().st_size
@@ -180,14 +182,14 @@ def main(argv=None) -> None:
             read = json.loads(loader.stdout)
             assert read["real_tokens"] == int(attributes["n_real_tokens"]), (read, attributes["n_real_tokens"])
             encoded = json.loads(encode.stdout.strip().splitlines()[-1])
-            rows.append((length, attributes, size, encode, encoded, read))
-        print("| tokens a sequence | sequences | packed rows | fill | HDF5 bytes a row | HDF5 bytes a token "
-              "| encode+pack tokens/s a core | encode peak RSS | loader tokens/s (a CPU s) "
+            rows.append((per_row, length, attributes, size, encode, encoded, read))
+        print("| a row at most | tokens a sequence | sequences | packed rows | fill | HDF5 bytes a row "
+              "| HDF5 bytes a token | encode+pack tokens/s a core | encode peak RSS | loader tokens/s (a CPU s) "
               "| loader peak RSS (before reading) |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for length, attributes, size, encode, encoded, read in rows:
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for per_row, length, attributes, size, encode, encoded, read in rows:
             tokens = int(attributes["n_real_tokens"])
-            print(f"| {length:,} | {int(attributes['n_instances']):,} | {int(attributes['n_packs']):,} "
+            print(f"| {per_row} | {length:,} | {int(attributes['n_instances']):,} | {int(attributes['n_packs']):,} "
                   f"| {float(attributes['fill']):.3f} | {size / int(attributes['n_packs']):,.0f} "
                   f"| {size / tokens:.3f} | {tokens / encode.cpu:,.0f} | {encoded['rss_mb']:,.0f} MB "
                   f"| {tokens / read['wall_s']:,.0f} ({tokens / read['cpu_s']:,.0f}) "
