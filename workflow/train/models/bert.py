@@ -312,6 +312,8 @@ class BertPreTrainingHeads(nn.Module):
 class BertForPreTraining(nn.Module):
     """BERT with the masked-LM and next-sentence heads."""
 
+    base_model_prefix = "bert"  # HF's: the encoder's name
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
@@ -389,12 +391,9 @@ def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.P
 
 def _normalise_names(state: dict) -> dict:
     """Map older/other BERT checkpoint spellings onto BertForPreTraining names."""
-    out = {}
-    for key, value in state.items():
-        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-        out[key] = value
-    if not any(k.startswith("bert.") for k in out):  # a bare BertModel checkpoint
-        out = {f"bert.{k}": v for k, v in out.items()}
+    from workflow.train.models.hf_weights import with_base_prefix
+
+    out = with_base_prefix(state, BertForPreTraining.base_model_prefix + ".")
     if "cls.predictions.bias" not in out and "cls.predictions.decoder.bias" in out:
         out["cls.predictions.bias"] = out["cls.predictions.decoder.bias"]
     for key in (*_TIED_ALIASES, "bert.embeddings.position_ids"):
@@ -403,21 +402,16 @@ def _normalise_names(state: dict) -> dict:
 
 
 def load_pretrained(directory: str | os.PathLike) -> tuple[BertConfig, dict]:
-    """(config, state_dict) of an HF BERT directory; never unpickles arbitrary objects."""
+    """(config, state_dict) of an HF BERT directory (its weights as hf_weights reads them); never unpickles
+    arbitrary objects."""
+    from workflow.train.models.hf_weights import read_weights
+
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise UserError(f"{directory}: not a BERT model directory (no config.json)")
     config = BertConfig.from_json(config_path)
-    if (directory / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        state = load_file(str(directory / "model.safetensors"))
-    elif (directory / "pytorch_model.bin").is_file():
-        state = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise UserError(f"{directory}: no model.safetensors or pytorch_model.bin")
-    return config, _normalise_names(state)
+    return config, _normalise_names(read_weights(directory, str(directory)))
 
 
 def encoder_state_dict(state: dict) -> dict:

@@ -153,9 +153,18 @@ def _preset(config_class, m: ModelSettings, **sized):
 
 
 def _load_weights(model, state: dict, init_from: str) -> None:
+    """`state` into `model`. Heads the weights lack (a bare encoder's masked-LM head, a masked-LM model's pooler and
+    next-sentence head) start freshly initialised, as HF's from_pretrained starts them; an encoder tensor they lack
+    is refused: the phase would continue from random weights."""
     from workflow.train.models.kit import load_weights
 
     missing, unexpected = load_weights(model, state)
+    encoder = model.base_model_prefix + "."
+    lacking = [key for key in missing if key.startswith(encoder) and not key.startswith(encoder + "pooler.")]
+    if lacking:
+        raise UserError(f"model.init_from {init_from}: its weights lack {len(lacking)} of the encoder's tensors, e.g. "
+                        f"{lacking[0]} (it has {len(state)}, e.g. {next(iter(state), 'none')}): start from a "
+                        "directory of the whole model, or from random weights (model.init_from: null)")
     log.info("initialised from %s (%d tensors)", init_from, len(state))
     if missing or unexpected:
         log.warning("init_from %s: missing %s, unexpected %s (kept freshly initialised)", init_from, missing,
@@ -419,26 +428,24 @@ class RobertaFamily(_Family):
 
 
 def load_pretrained(directory: str | Path, key: str | None = "model.init_from"):
-    """(ModernBertConfig, state dict) of an HF ModernBERT directory (HF's own save or ours); another model type is
-    refused in one line (naming the config `key` that gave the directory, if any)."""
+    """(ModernBertConfig, state dict) of an HF ModernBERT directory (HF's own save or ours; a bare ModernBertModel's
+    weights under `model`: hf_weights); another model type is refused in one line (naming the config `key` that gave
+    the directory, if any)."""
     directory = Path(directory)
     config_path = directory / "config.json"
     where = f"{key} {directory}" if key else str(directory)
     if not config_path.is_file():
         raise UserError(f"{where}: not a Hugging Face model directory (no config.json)")
     from workflow.train.models import modernbert
+    from workflow.train.models.hf_weights import read_weights, with_base_prefix
     from workflow.train.models.kit import read_config_json
 
     fields = read_config_json(config_path)
     if fields.get("model_type") != "modernbert":
         raise UserError(f"{where}: a {fields.get('model_type')!r} model, not a ModernBERT one "
                         "(model.family: modernbert); start a BERT with model.family: bert")
-    weights = directory / "model.safetensors"
-    if not weights.is_file():
-        raise UserError(f"{where}: no model.safetensors")
-    from safetensors.torch import load_file
 
-    state = load_file(str(weights))
+    state = with_base_prefix(read_weights(directory, where), modernbert.ModernBertForMaskedLM.base_model_prefix + ".")
     state.pop("decoder.weight", None)  # tied to the token embeddings
     return modernbert.ModernBertConfig.from_dict(fields), state
 

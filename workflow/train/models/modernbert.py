@@ -392,6 +392,8 @@ class TiedDecoder(nn.Module):
 class ModernBertForMaskedLM(nn.Module):
     """ModernBERT with the masked-LM head (dense + act + norm, the tied decoder with its bias)."""
 
+    base_model_prefix = "model"  # HF's: the encoder's name
+
     def __init__(self, config: ModernBertConfig):
         super().__init__()
         self.config = config
