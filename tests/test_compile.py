@@ -103,13 +103,17 @@ def test_a_compiled_step_equals_the_eager_one(name, packed, request):
         assert torch.allclose(compiled_gradients[key], gradient, rtol=1e-5, atol=1e-6), key
 
 
+def seven_packings(host_indices) -> list:
+    batches = [host_indices(micro_batch(seed, packed=True)) for seed in range(6)]
+    return batches + [host_indices(micro_batch(6, packed=True, sequences=1))]
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_micro_batches_of_different_packings_reuse_one_graph_without_a_break(name, varlen_on_cpu):
     build, host_indices = FAMILIES[name]
     torch.manual_seed(0)
     model = build().train()
-    batches = [host_indices(micro_batch(seed, packed=True)) for seed in range(6)]
-    batches.append(host_indices(micro_batch(6, packed=True, sequences=1)))
+    batches = seven_packings(host_indices)
     assert len({tuple(b["cu_seqlens"].tolist()) for b in batches}) == 7  # seven packings
     assert len({len(b["cu_seqlens"]) for b in batches}) == 2  # kit.unpad: as many offsets as runs, to a power of 2
     # Before static shapes, the real tokens and the real prediction slots set the shapes: they vary here.
@@ -119,6 +123,25 @@ def test_micro_batches_of_different_packings_reuse_one_graph_without_a_break(nam
     compiled = torch.compile(model, backend=counter, dynamic=False)
     for batch in batches:
         step(compiled, batch)
+    assert counter.frame_count == 1
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_berts_exact_path_compiles_to_one_graph_and_trains_as_its_eager_nested_sdpa(varlen_on_cpu, monkeypatch):
+    """Below the flash floor (fp32 on CUDA, a GPU before Ampere, torch < 2.7 without flash-attn) packed rows train
+    with nested SDPA in eager; compiled, where nested tensors would break the graph and recompile for every packing,
+    with the same attention on rows."""
+    monkeypatch.setattr(kit, "FLASH_VARLEN", False)
+    build, host_indices = FAMILIES["bert"]
+    torch.manual_seed(0)
+    model = build().train()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, dynamic=False)
+    for batch in seven_packings(host_indices):
+        (eager_loss, eager_gradients), (compiled_loss, compiled_gradients) = step(model, batch), step(compiled, batch)
+        assert torch.allclose(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+        for key, gradient in eager_gradients.items():
+            assert torch.allclose(compiled_gradients[key], gradient, rtol=1e-5, atol=1e-6), key
     assert counter.frame_count == 1
     assert dict(counters["graph_break"]) == {}
 

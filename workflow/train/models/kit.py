@@ -71,8 +71,10 @@ class VarlenAttention:
     """Attention within each sequence of tokens laid end to end ([T, heads, head_size] q, k, v; sequence i is
     tokens offsets[i]..offsets[i+1], possibly empty), with dropout: on CUDA in 16-bit torch's variable-length flash
     kernels called once per layer, on CPU their exact reference (workflow.train.models.flash_varlen's custom ops,
-    while FLASH_VARLEN); otherwise nested jagged tensors' SDPA (CUDA fp32, eager only; its fused kernels take no
-    empty sequence, so with the padded offsets it falls back to its math kernel: train in 16-bit)."""
+    while FLASH_VARLEN); otherwise, the exact path (CUDA fp32, a GPU or torch below the flash floor: kernels.py),
+    nested jagged tensors' SDPA in eager (its fused kernels take no empty sequence, so with the padded offsets it falls
+    back to its math kernel: train in 16-bit) and, under torch.compile, where nested tensors break the graph and
+    recompile for every packing, SDPA over the rows the tokens come from with a block-diagonal mask."""
 
     def __init__(self, offsets, min_seqlen: int, max_seqlen: int):
         self.offsets, self.min_seqlen, self.max_seqlen = offsets, min_seqlen, max_seqlen
@@ -86,9 +88,20 @@ class VarlenAttention:
     def __call__(self, q, k, v, dropout_p):
         if FLASH_VARLEN and runs_flash_varlen(q) and (kernel := kernels.bert_flash_kernel(q.device, flash_varlen)):
             return kernel(q, k, v, self.offsets32, self.max_seqlen, dropout_p)
+        if torch.compiler.is_compiling():
+            return self._rows(q, k, v, dropout_p)
         context = F.scaled_dot_product_attention(self._nested(q), self._nested(k), self._nested(v),
                                                  dropout_p=dropout_p)
         return context.transpose(1, 2).values()
+
+    def _rows(self, q, k, v, dropout_p):
+        """The same attention on the rows of max_seqlen tokens that unpad laid end to end, each token seeing its own
+        sequence (padding runs are sequences of their own): static shapes, one graph for every packing."""
+        length = self.max_seqlen
+        tokens = torch.arange(q.shape[0], device=q.device)
+        sequence = torch.searchsorted(self.offsets, tokens, right=True).view(-1, length)
+        attention = RowAttention((sequence[:, :, None] == sequence[:, None, :])[:, None])
+        return attention(*(x.unflatten(0, (-1, length)) for x in (q, k, v)), dropout_p).flatten(0, 1)
 
 
 def row_attention(attention_mask, packed: bool, mask_needed: bool | None = None) -> RowAttention:
