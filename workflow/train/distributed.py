@@ -149,25 +149,27 @@ def broadcast_object(obj, src: int = 0):
     return obj
 
 
-def barrier(group=None, timeout: timedelta | None = None) -> None:
+def barrier(group=None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group, timeout=timeout)
+        dist.barrier(group=group)
 
 
 def patient_group():
-    """A gloo group of every rank, for patient_barrier (None in a 1-process run). Every rank must call it: creating
-    a group is a collective, within the process group's own timeout."""
+    """A gloo group of every rank whose collectives wait PATIENT_TIMEOUT, for patient_barrier (None in a 1-process
+    run). Every rank must call it: creating a group is a collective, within the process group's own timeout. The
+    timeout is the group's, as every torch takes it: barrier's own `timeout` argument came in 2026 (pytorch#174974),
+    and an older torch (2.6 tried) refuses it at the first barrier of every multi-rank job."""
     if dist.is_available() and dist.is_initialized():
-        return dist.new_group(backend="gloo")
+        return dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
     return None
 
 
 def patient_barrier(group) -> None:
     """Wait for every rank of `group` (patient_group) as long as it takes: the other ranks wait here for work of rank
-    0 that has no bound, such as the export to slow storage. A gloo barrier keeps the timeout it is given (NCCL's
-    keeps its group's). A rank that dies still ends the wait: its launcher ends the step (workflow/slurm/launch.py
-    guard_rank; torchrun ends its other workers), and gloo fails on a closed peer."""
-    barrier(group, PATIENT_TIMEOUT)
+    0 that has no bound, such as the export to slow storage. A rank that dies still ends the wait: its launcher ends
+    the step (workflow/slurm/launch.py guard_rank; torchrun ends its other workers), and gloo fails on a closed
+    peer."""
+    barrier(group)
 
 
 def local_world_size(environ=os.environ) -> int:
