@@ -118,8 +118,10 @@ def variant_models(model: torch.nn.Module, device: Device, compile_mode: str, va
     """(variant, the module it calls, or the one line why it is skipped: a str, or the exception that building it
     raised) in turn, each made when the previous one is done with: compiled+float8 converts a copy, which then exists
     only while it is measured."""
-    # Each variant and each micro-batch size searched is one more compilation of the same forward.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # Each variant and each micro-batch size searched is one more compilation of the same forward (the limit's name
+    # in torch 2.6: cache_size_limit).
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
     for variant in variants:
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
