@@ -98,10 +98,10 @@ def test_a_directory_without_weights_or_with_a_shard_missing_is_refused_naming_i
     shard = sorted(set(index["weight_map"].values()))[-1]
     (tmp_path / "hf" / shard).unlink()
     with pytest.raises(UserError, match=f"here: model.safetensors.index.json names the shard {shard}, which is not"):
-        read_weights(tmp_path / "hf", "here")
+        read_weights(tmp_path / "hf", "here", "bert")
     with pytest.raises(UserError, match=r"here: no weights \(model.safetensors, model.safetensors.index.json, "
                                         r"pytorch_model.bin, pytorch_model.bin.index.json\)"):
-        read_weights(tmp_path, "here")
+        read_weights(tmp_path, "here", "bert")
 
 
 class Payload:
@@ -115,7 +115,7 @@ def test_a_pytorch_model_bin_is_read_without_running_its_code(tmp_path, capsys):
     torch.save({"weight": torch.ones(2), "payload": Payload()}, tmp_path / "pytorch_model.bin")
     with pytest.raises(UserError, match="here: pytorch_model.bin pickles more than tensors, and a pickle's code is "
                                         "never run here: save its state dict as model.safetensors"):
-        read_weights(tmp_path, "here")
+        read_weights(tmp_path, "here", "bert")
     assert "this ran" not in capsys.readouterr().out
     for name in ("pytorch_model.bin", "model.safetensors"):  # a download cut short
         (tmp_path / "pytorch_model.bin").unlink()
@@ -124,4 +124,4 @@ def test_a_pytorch_model_bin_is_read_without_running_its_code(tmp_path, capsys):
         whole = (tmp_path / name).read_bytes()
         (tmp_path / name).write_bytes(whole[:len(whole) // 2])
         with pytest.raises(UserError, match=f"here: cannot read {name}: .+"):
-            read_weights(tmp_path, "here")
+            read_weights(tmp_path, "here", "bert")

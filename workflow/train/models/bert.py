@@ -391,9 +391,7 @@ def save_pretrained(model: nn.Module, config: BertConfig, vocab_path: str | os.P
 
 def _normalise_names(state: dict) -> dict:
     """Map older/other BERT checkpoint spellings onto BertForPreTraining names."""
-    from workflow.train.models.hf_weights import with_base_prefix
-
-    out = with_base_prefix(state, BertForPreTraining.base_model_prefix + ".")
+    out = dict(state)
     if "cls.predictions.bias" not in out and "cls.predictions.decoder.bias" in out:
         out["cls.predictions.bias"] = out["cls.predictions.decoder.bias"]
     for key in (*_TIED_ALIASES, "bert.embeddings.position_ids"):
@@ -411,7 +409,7 @@ def load_pretrained(directory: str | os.PathLike) -> tuple[BertConfig, dict]:
     if not config_path.is_file():
         raise UserError(f"{directory}: not a BERT model directory (no config.json)")
     config = BertConfig.from_json(config_path)
-    return config, _normalise_names(read_weights(directory, str(directory)))
+    return config, _normalise_names(read_weights(directory, str(directory), BertForPreTraining.base_model_prefix))
 
 
 def encoder_state_dict(state: dict) -> dict:

@@ -437,15 +437,14 @@ def load_pretrained(directory: str | Path, key: str | None = "model.init_from"):
     if not config_path.is_file():
         raise UserError(f"{where}: not a Hugging Face model directory (no config.json)")
     from workflow.train.models import modernbert
-    from workflow.train.models.hf_weights import read_weights, with_base_prefix
+    from workflow.train.models.hf_weights import read_weights
     from workflow.train.models.kit import read_config_json
 
     fields = read_config_json(config_path)
     if fields.get("model_type") != "modernbert":
         raise UserError(f"{where}: a {fields.get('model_type')!r} model, not a ModernBERT one "
                         "(model.family: modernbert); start a BERT with model.family: bert")
-
-    state = with_base_prefix(read_weights(directory, where), modernbert.ModernBertForMaskedLM.base_model_prefix + ".")
+    state = read_weights(directory, where, modernbert.ModernBertForMaskedLM.base_model_prefix)
     state.pop("decoder.weight", None)  # tied to the token embeddings
     return modernbert.ModernBertConfig.from_dict(fields), state
 

@@ -4,12 +4,11 @@ encoder (HF's `base_model_prefix`).
 
 API:
     WEIGHT_FILES                            the files looked for, in order
-    read_weights(directory, where) -> dict  the tensors of model.safetensors, its shards
-                                            (model.safetensors.index.json), pytorch_model.bin or its shards, loaded
-                                            without running code (safetensors; torch.load(weights_only=True));
-                                            `where` starts the error line (a directory without them, a shard missing)
-    with_base_prefix(state, prefix) -> dict a bare encoder's weights (BertModel, RobertaModel, ModernBertModel: no
-                                            key under `prefix`) under it; TF-era LayerNorm gamma/beta as weight/bias
+    read_weights(directory, where, base_model_prefix) -> dict   the tensors of model.safetensors, its shards
+        (model.safetensors.index.json), pytorch_model.bin or its shards, loaded without running code (safetensors;
+        torch.load(weights_only=True)), under the pretraining model's names: a bare encoder's (BertModel,
+        RobertaModel, ModernBertModel: no key under `base_model_prefix`) put under it, TF-era LayerNorm gamma/beta
+        as weight/bias. `where` starts the error line (a directory without them, a shard missing)
 """
 from __future__ import annotations
 
@@ -23,8 +22,11 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
-def read_weights(directory: str | Path, where: str) -> dict:
-    directory = Path(directory)
+def read_weights(directory: str | Path, where: str, base_model_prefix: str) -> dict:
+    return _with_base_prefix(_read_directory(Path(directory), where), base_model_prefix + ".")
+
+
+def _read_directory(directory: Path, where: str) -> dict:
     name = next((name for name in WEIGHT_FILES if (directory / name).is_file()), None)
     if name is None:
         raise UserError(f"{where}: no weights ({', '.join(WEIGHT_FILES)})")
@@ -62,7 +64,7 @@ def _read_file(path: Path, where: str) -> dict:
         raise UserError(f"{where}: cannot read {path.name}: {reason}") from None
 
 
-def with_base_prefix(state: dict, prefix: str) -> dict:
+def _with_base_prefix(state: dict, prefix: str) -> dict:
     renamed = {key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): value
                for key, value in state.items()}
     if any(key.startswith(prefix) for key in renamed):

@@ -79,6 +79,7 @@ class VarlenAttention:
     def __init__(self, offsets, min_seqlen: int, max_seqlen: int):
         self.offsets, self.min_seqlen, self.max_seqlen = offsets, min_seqlen, max_seqlen
         self.offsets32 = offsets.to(torch.int32)  # the flash kernels' cu_seqlens
+        self._row_attention = None  # compiled exact path: the rows' block-diagonal attention, made once for the layers
 
     def _nested(self, x):
         # Both extremes given: CUDA's SDPA asks for them, and would read each from the device (a host sync per call).
@@ -98,10 +99,11 @@ class VarlenAttention:
         """The same attention on the rows of max_seqlen tokens that unpad laid end to end, each token seeing its own
         sequence (padding runs are sequences of their own): static shapes, one graph for every packing."""
         length = self.max_seqlen
-        tokens = torch.arange(q.shape[0], device=q.device)
-        sequence = torch.searchsorted(self.offsets, tokens, right=True).view(-1, length)
-        attention = RowAttention((sequence[:, :, None] == sequence[:, None, :])[:, None])
-        return attention(*(x.unflatten(0, (-1, length)) for x in (q, k, v)), dropout_p).flatten(0, 1)
+        if self._row_attention is None:
+            tokens = torch.arange(q.shape[0], device=q.device)
+            sequence = torch.searchsorted(self.offsets, tokens, right=True).view(-1, length)
+            self._row_attention = RowAttention((sequence[:, :, None] == sequence[:, None, :])[:, None])
+        return self._row_attention(*(x.unflatten(0, (-1, length)) for x in (q, k, v)), dropout_p).flatten(0, 1)
 
 
 def row_attention(attention_mask, packed: bool, mask_needed: bool | None = None) -> RowAttention:

@@ -36,7 +36,7 @@ from torch import nn
 from workflow.cli import UserError
 from workflow.train.models.bert import BertConfig, BertHeadParts, BertModel, flops_per_sequence
 from workflow.train.models.heads import SEQUENCE_CLASSIFICATION
-from workflow.train.models.hf_weights import read_weights, with_base_prefix
+from workflow.train.models.hf_weights import read_weights
 from workflow.train.models.kit import Unpadded, at_positions, host_indices, read_config_json
 
 MODEL_TYPES = {"roberta": "RobertaForMaskedLM", "xlm-roberta": "XLMRobertaForMaskedLM"}  # -> the export's class
@@ -237,9 +237,9 @@ HEAD_PARTS = RobertaHeadParts()
 
 
 def load_pretrained(directory: str | os.PathLike, key: str | None = "model.init_from") -> tuple[RobertaConfig, dict]:
-    """(RobertaConfig, state dict) of an HF RoBERTa or XLM-R directory (HF's own save or ours; model_type kept); never
-    unpickles (hf_weights reads its weights, a bare RobertaModel's under `roberta`); another model type is refused in one line (naming the config `key` that gave
-    the directory, if any)."""
+    """(RobertaConfig, state dict) of an HF RoBERTa or XLM-R directory (HF's own save or ours; model_type kept; its
+    weights as hf_weights reads them, never unpickling code); another model type is refused in one line (naming the
+    config `key` that gave the directory, if any)."""
     directory = Path(directory)
     where = f"{key} {directory}" if key else str(directory)
     if not (directory / "config.json").is_file():
@@ -248,7 +248,7 @@ def load_pretrained(directory: str | os.PathLike, key: str | None = "model.init_
     if fields.get("model_type") not in MODEL_TYPES:
         raise UserError(f"{where}: a {fields.get('model_type')!r} model, not a RoBERTa or XLM-R one "
                         "(model.family: roberta)")
-    state = with_base_prefix(read_weights(directory, where), RobertaForMaskedLM.base_model_prefix + ".")
+    state = read_weights(directory, where, RobertaForMaskedLM.base_model_prefix)
     if "lm_head.bias" not in state and "lm_head.decoder.bias" in state:
         state["lm_head.bias"] = state["lm_head.decoder.bias"]
     for name in (*_TIED, "roberta.embeddings.position_ids", "roberta.embeddings.token_type_ids"):
