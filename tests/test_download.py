@@ -265,3 +265,30 @@ def test_single_or_no_listed_parts_mean_the_one_file(sample_dir, tmp_path, http_
     assert [p.name for p in dump_parts(f"{nothing.url}/{DUMP}", None, "auto", tmp_path / "c")] == ["whole"]
     with pytest.raises(UserError, match="HTTP 404"):  # a list the user names must exist
         dump_parts(f"{nothing.url}/{DUMP}", f"{nothing.url}/md5sums.txt", "auto", tmp_path / "c")
+
+
+@pytest.mark.parametrize("content, reason", [
+    ("utf-16", r"not UTF-8 \(UTF-16\); .* bzcat enwiki-20240601-pages-articles\.xml\.bz2 \| iconv -f UTF-16 -t UTF-8 .*"),
+    ("html", r"not a MediaWiki XML export \(root element: <html>\)"),  # a proxy's or mirror's error page
+    ("gzip", r"not a bz2 file \(bad magic number b'\\x1f\\x8b\\x08'\)"),
+])
+def test_a_dump_that_is_not_a_utf8_mediawiki_export_stops_its_download_naming_the_url(http_server, sample_dir,
+                                                                                      tmp_path, content, reason):
+    """Refused where it is downloaded, naming the URL the user gave, with nothing kept to look like a dump."""
+    import bz2
+    import gzip
+    import re
+
+    from workflow.data.download import fetch_dump
+
+    xml = (sample_dir / "enwiki-sample-pages-articles.xml").read_text(encoding="utf-8")
+    data = {"utf-16": lambda: bz2.compress(xml.encode("utf-16")), "gzip": lambda: gzip.compress(xml.encode()),
+            "html": lambda: bz2.compress(b"<!DOCTYPE html><html><body>Service unavailable</body></html>")}[content]()
+    name = "enwiki-20240601-pages-articles.xml.bz2"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / name).write_bytes(data)
+    url = f"{http_server(tmp_path / 'site').url}/{name}"
+    with pytest.raises(UserError) as error:
+        fetch_dump(url, tmp_path / "out" / "whole.xml.bz2")
+    assert re.fullmatch(f"{re.escape(url)}: {reason}", str(error.value)), error.value
+    assert list((tmp_path / "out").iterdir()) == []

@@ -1,6 +1,7 @@
 """Stage 2: real wikiextractor on the sample dump; its quirks handled; bad dumps fail in one line with no output, on
 CPython and on PyPy (the extract rule's interpreter, envs/extract.yaml), whose extracts are equal byte for byte."""
 import bz2
+import codecs
 import json
 import re
 import subprocess
@@ -127,6 +128,36 @@ def test_xml_that_is_not_a_mediawiki_export_is_a_one_line_error(tmp_path, repo_e
     dump.write_bytes(bz2.compress(xml.encode()))
     output = tmp_path / "out.jsonl"
     assert_one_line_error(run_cli(dump, output, repo_env, python), dump, output, rf"not a MediaWiki XML export \({reason}\)")
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "latin-1"])  # gensim's bgwiki test dump is UTF-16
+@pytest.mark.parametrize("python", INTERPRETERS)
+def test_an_export_not_in_utf8_is_a_one_line_error_naming_its_encoding(tmp_path, sample_dir, repo_env, encoding,
+                                                                        python):
+    """An XML parser reads these, wikiextractor does not: refused before any stage reads on."""
+    xml = (sample_dir / "enwiki-sample-pages-articles.xml").read_text(encoding="utf-8").encode(encoding, "replace")
+    dump = tmp_path / "other.xml.bz2"
+    dump.write_bytes(bz2.compress(xml))
+    if encoding == "latin-1":  # no mark: the first byte that is not UTF-8
+        first = next(i for i, byte in enumerate(xml) if byte >= 0x80)
+        reason = re.escape(f"byte {first} is {xml[first:first + 1]!r});") + ".* iconv -f <its encoding> -t UTF-8 .*"
+    else:
+        name = encoding.upper()
+        reason = rf"{name}\); .* iconv -f {name} -t UTF-8 .*"
+    output = tmp_path / "out.jsonl"
+    assert_one_line_error(run_cli(dump, output, repo_env, python), dump, output, rf"not UTF-8 \({reason}")
+
+
+def test_an_export_with_a_utf8_byte_order_mark_extracts_as_without(tmp_path, sample_dir, repo_env):
+    xml = (sample_dir / "enwiki-sample-pages-articles.xml").read_bytes()
+    outputs = []
+    for name, data in (("plain", xml), ("bom", codecs.BOM_UTF8 + xml)):
+        dump = tmp_path / f"{name}.xml.bz2"
+        dump.write_bytes(bz2.compress(data))
+        outputs.append(tmp_path / name / "out.jsonl")
+        outputs[-1].parent.mkdir()
+        assert run_cli(dump, outputs[-1], repo_env).returncode == 0
+    assert outputs[0].read_bytes() == outputs[1].read_bytes()
 
 
 @pytest.mark.parametrize("python", INTERPRETERS)

@@ -23,13 +23,13 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tqdm import tqdm
 
 from workflow.atomic import atomic_path, write_text
 from workflow.cli import UserError, run
-from workflow.data.extract import date_in_name, parse_dump_date
+from workflow.data.extract import check_mediawiki_export, date_in_name, parse_dump_date
 
 log = logging.getLogger("download")
 
@@ -190,6 +190,7 @@ def fetch(
     checksum: str | None = None,
     retries: int = 5,
     timeout: float = 60,
+    check: Callable[[Path], None] | None = None,
 ) -> Path:
     """Download `url` to `destination`, resuming and verifying; return the destination path.
 
@@ -198,7 +199,8 @@ def fetch(
     stopped (and a later call resumes a `.part` left behind by an earlier one). If `checksum_url`
     is given, the md5/sha1 listed there for the URL's basename must match (`checksum`, a bare hex
     digest, may be given instead). Only a verified file is renamed to `destination`; a mismatch
-    deletes the `.part` and raises UserError, so nothing unverified is ever promoted.
+    deletes the `.part` and raises UserError, so nothing unverified is ever promoted. `check(path)`, if given, then
+    vets the contents (a dump's format) the same way: its UserError deletes the `.part` too.
     """
     destination = Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -236,6 +238,12 @@ def fetch(
             part.unlink()
             raise UserError(f"{url}: {algorithm} mismatch (expected {digest}, got {actual}); nothing kept")
         log.info("%s: %s verified (%s)", url, algorithm, digest)
+    if check is not None:
+        try:
+            check(part)
+        except UserError:
+            part.unlink()
+            raise
     os.replace(part, destination)
     return destination
 
@@ -311,7 +319,7 @@ def fetch_dump(url: str, destination: str | os.PathLike, checksum_url: str | Non
     if not listing:
         log.warning("%s: nothing verified: wikipedia.checksum_url is not set and no %s lies beside the dump",
                     url, basename(checksum_list_beside(url) or "<prefix>-md5sums.txt"))
-    return fetch(url, destination, listing)
+    return fetch(url, destination, listing, check=lambda part: check_mediawiki_export(part, url))
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from __future__ import annotations  # also runs on PyPy 3.9 (the extract rule)
 
 import argparse
 import bz2
+import codecs
 import collections
 import datetime
 import html
@@ -224,37 +225,63 @@ def load_compiled_templates(load_and_compact_templates):
     return load
 
 
-def open_dump(path: Path):
-    """Binary stream of the XML inside `path` (bz2 by magic number, else plain XML)."""
+def open_dump(path: Path, name: str | None = None):
+    """Binary stream of the XML inside `path` (bz2 by magic number, else plain XML, unless `name`, the dump's URL or
+    else `path`, ends in .bz2)."""
+    name = name or str(path)
     with open(path, "rb") as stream:
         magic = stream.read(3)
     if magic == b"BZh":
         return bz2.open(path, "rb")
-    if path.suffix == ".bz2":
-        raise UserError(f"{path}: not a bz2 file (bad magic number {magic!r})")
+    if name.endswith(".bz2"):
+        raise UserError(f"{name}: not a bz2 file (bad magic number {magic!r})")
     return open(path, "rb")
 
 
-def check_mediawiki_export(path: Path) -> None:
-    """Raise UserError unless `path` starts like a MediaWiki XML export (root element <mediawiki xmlns=export-...>)."""
+# byte-order marks of the encodings an XML parser reads but wikiextractor does not (UTF-32's first: it starts as UTF-16's)
+_OTHER_UNICODE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+                       (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
+def check_utf8(name: str, head: bytes) -> None:
+    """Raise UserError unless the first bytes `head` of dump `name` are UTF-8, as Wikimedia and MediaWiki write
+    exports: wikiextractor reads nothing else, where an XML parser also takes UTF-16 (a dump re-saved by an editor)."""
+    encoding = next((encoding for bom, encoding in _OTHER_UNICODE_BOMS if head.startswith(bom)), None)
+    found = encoding
+    if encoding is None:
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+            return
+        except UnicodeDecodeError as error:
+            found, encoding = f"byte {error.start} is {head[error.start:error.start + 1]!r}", "<its encoding>"
+    raise UserError(f"{name}: not UTF-8 ({found}); wikiextractor reads UTF-8 dumps only, as Wikimedia writes them: "
+                    f"convert it, e.g. bzcat {name.rsplit('/', 1)[-1]} | iconv -f {encoding} -t UTF-8 | bzip2 > "
+                    "utf8.xml.bz2")
+
+
+def check_mediawiki_export(path: Path, name: str | None = None) -> None:
+    """Raise UserError unless `path` starts like a MediaWiki XML export (UTF-8, root element <mediawiki
+    xmlns=export-...>); the error names `name` (the dump's URL), else `path`."""
+    name = name or str(path)
     try:
-        with open_dump(path) as stream:
+        with open_dump(path, name) as stream:
             head = stream.read(1 << 20)
     except EOFError as error:
-        raise UserError(f"{path}: truncated bz2 ({error})") from error
+        raise UserError(f"{name}: truncated bz2 ({error})") from error
     except OSError as error:
-        raise UserError(f"{path}: corrupt bz2 ({error})") from error
+        raise UserError(f"{name}: corrupt bz2 ({error})") from error
     if not head.strip():
-        raise UserError(f"{path}: empty dump")
+        raise UserError(f"{name}: empty dump")
+    check_utf8(name, head)
     parser = ElementTree.XMLPullParser(events=("start",))
     try:
         parser.feed(head)
         root = next((element for _event, element in parser.read_events()), None)
     except ElementTree.ParseError as error:
-        raise UserError(f"{path}: not a MediaWiki XML export (XML error: {error})") from error
+        raise UserError(f"{name}: not a MediaWiki XML export (XML error: {error})") from error
     if root is None or not MEDIAWIKI_ROOT.fullmatch(root.tag):
         tag = "none" if root is None else f"<{root.tag}>"
-        raise UserError(f"{path}: not a MediaWiki XML export (root element: {tag})")
+        raise UserError(f"{name}: not a MediaWiki XML export (root element: {tag})")
 
 
 def run_wikiextractor(dump: Path, workdir: Path, processes: int, date: datetime.date | None,
