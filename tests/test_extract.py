@@ -130,6 +130,18 @@ def test_xml_that_is_not_a_mediawiki_export_is_a_one_line_error(tmp_path, repo_e
     assert_one_line_error(run_cli(dump, output, repo_env, python), dump, output, rf"not a MediaWiki XML export \({reason}\)")
 
 
+@pytest.mark.parametrize("python", INTERPRETERS)
+def test_an_export_without_siteinfo_is_a_one_line_error_not_zero_articles(tmp_path, sample_dir, repo_env, python):
+    """gensim's enwiki-table-markup test dump has none: wikiextractor reads up to a </siteinfo> that never comes."""
+    xml = (sample_dir / "enwiki-sample-pages-articles.xml").read_text(encoding="utf-8")
+    xml = re.sub(r"\s*<siteinfo>.*?</siteinfo>", "", xml, count=1, flags=re.DOTALL)
+    dump = tmp_path / "no-siteinfo.xml.bz2"
+    dump.write_bytes(bz2.compress(xml.encode()))
+    output = tmp_path / "out.jsonl"
+    assert_one_line_error(run_cli(dump, output, repo_env, python), dump, output,
+                          r"a MediaWiki XML export without <siteinfo> \(its first element is <page>\): .*")
+
+
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "latin-1"])  # gensim's bgwiki test dump is UTF-16
 @pytest.mark.parametrize("python", INTERPRETERS)
 def test_an_export_not_in_utf8_is_a_one_line_error_naming_its_encoding(tmp_path, sample_dir, repo_env, encoding,

@@ -276,12 +276,17 @@ def check_mediawiki_export(path: Path, name: str | None = None) -> None:
     parser = ElementTree.XMLPullParser(events=("start",))
     try:
         parser.feed(head)
-        root = next((element for _event, element in parser.read_events()), None)
+        events = parser.read_events()
+        root, first = (next(events, (None, None))[1] for _ in range(2))  # the root and its first child
     except ElementTree.ParseError as error:
         raise UserError(f"{name}: not a MediaWiki XML export (XML error: {error})") from error
     if root is None or not MEDIAWIKI_ROOT.fullmatch(root.tag):
         tag = "none" if root is None else f"<{root.tag}>"
         raise UserError(f"{name}: not a MediaWiki XML export (root element: {tag})")
+    if first is not None and first.tag != root.tag.removesuffix("mediawiki") + "siteinfo":
+        # wikiextractor reads the namespaces from <siteinfo> and takes every line up to </siteinfo>: 0 articles
+        raise UserError(f"{name}: a MediaWiki XML export without <siteinfo> (its first element is "
+                        f"<{first.tag.split('}')[-1]}>): MediaWiki writes one first, and wikiextractor needs it")
 
 
 def run_wikiextractor(dump: Path, workdir: Path, processes: int, date: datetime.date | None,
