@@ -218,6 +218,23 @@ def test_a_paragraph_wrapped_over_lines_comes_out_on_one_line_and_paragraphs_sta
     ]
 
 
+def test_an_articles_onlyinclude_tags_are_gone_and_the_prose_they_enclose_kept(tmp_path):
+    """As gensim's real enwiki test dump's "Agricultural science" has them (for "Agriculture" to include its lead)."""
+    fixture = (Path(__file__).parent / "fixtures" / "enwiki-real-shaped-pages-articles.xml").read_text(encoding="utf-8")
+    head = fixture[: fixture.index("</siteinfo>") + len("</siteinfo>")]
+    text = ("&lt;onlyinclude&gt;\n'''Agricultural science''' is a broad field of biology.\n&lt;/onlyinclude&gt;\n"
+            "The three terms are often confused. &lt; ONLYINCLUDE &gt;Soil&lt;/onlyinclude &gt; is studied too.")
+    dump = tmp_path / "onlyinclude.xml"
+    dump.write_text(f"{head}\n  <page>\n    <title>Agricultural science</title>\n    <ns>0</ns>\n    <id>1</id>\n"
+                    f'    <revision>\n      <text xml:space="preserve">{text}</text>\n    </revision>\n  </page>\n'
+                    "</mediawiki>\n", encoding="utf-8")
+    extract(dump, tmp_path / "out.jsonl")
+    assert json.loads((tmp_path / "out.jsonl").read_text(encoding="utf-8"))["text"].split("\n") == [
+        "Agricultural science is a broad field of biology.",
+        "The three terms are often confused. Soil is studied too.",
+    ]
+
+
 def test_parts_extracted_with_the_compiled_templates_of_all_parts_read_as_the_whole_dump(tmp_path, sample_dir):
     from workflow.data.template_pages import collect_template_pages
     from workflow.data.templates import compile_templates

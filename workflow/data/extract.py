@@ -18,6 +18,8 @@ Runs the real wikiextractor 3.1.0 (parallel processes; it keeps only namespace-0
   the template pages of every part (`workflow.data.template_pages` collects them from one part, `workflow.data.templates`
   compiles them all once, `--templates` loads that file in place of wikiextractor's own parse), so each part's
   articles read exactly as they would in the whole dump;
+- it leaves an article's <onlyinclude> tags in its text (it drops <noinclude> and <includeonly>): MediaWiki shows
+  what they enclose on the article's own page, so the tags are removed and their content kept (ONLYINCLUDE_TAG);
 - it fills {{CURRENTYEAR}}, {{CURRENTMONTH}}, {{CURRENTDAY}}, {{CURRENTHOUR}} and {{CURRENTTIME}} from the clock
   (`time.strftime`, before every page), and templates such as {{age}} expand through them: here every date and
   time magic word is the dump's date at 00:00:00 UTC (`--date-file`, DumpDateMagicWords), so the text is the same
@@ -48,6 +50,9 @@ from workflow.data.templates import load_compiled
 
 log = logging.getLogger("extract")
 
+# transclusion markup of pages that other articles include a part of (a season's episode table, a lead): on the
+# article's own page MediaWiki shows the enclosed text and not the tags; wikiextractor cleans text still XML-escaped
+ONLYINCLUDE_TAG = re.compile(r"&lt;\s*/?\s*onlyinclude\s*/?\s*&gt;", re.IGNORECASE)
 MEDIAWIKI_ROOT = re.compile(r"\{http://www\.mediawiki\.org/xml/export-[0-9.]+/\}mediawiki")
 OUTPUT_FILE_SIZE = "1G"  # wikiextractor's -b: must be >= 200K or it silently writes nothing
 PAGES_LOG = "pages of the dump:"
@@ -169,6 +174,7 @@ def wikiextractor_main(date: str | None) -> None:
                                          for tag in (*wikiextract.blockSeparatorTags, "blockquote")), re.I | re.S)
 
     def clean_text_marking_headers(self, text, mark_headers=False, **options):
+        text = ONLYINCLUDE_TAG.sub("", text)
         text = "\n".join(line if line.strip() else PARAGRAPH_BREAK for line in text.split("\n"))
         return clean_text(self, text, mark_headers=True, **options)
 
