@@ -2,6 +2,7 @@
 positions offset past the padding index, packed rows = each sequence alone on both attention paths, HF loading our
 export and our loading HF's own save."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -241,11 +242,49 @@ def xlmr_unigram(path):
     return path
 
 
-@pytest.fixture(scope="module", params=["roberta", "xlm-roberta"])
+def xlmr_converted(path):
+    """An XLM-R tokenizer.json as the published ones are made: a SentencePiece Unigram model (its defaults, as XLM-R's:
+    <unk> 0, <s> 1, </s> 2) converted by transformers' XLMRobertaTokenizer, with fairseq's ids (<s> 0, <pad> 1,
+    </s> 2, <unk> 3, the pieces one up), its Precompiled normaliser and WhitespaceSplit + Metaspace pre-tokeniser."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(SAMPLE_XML.read_text(encoding="utf-8").split("\n")),
+                                             model_writer=model, vocab_size=1000, minloglevel=2)
+    (path.parent / "sentencepiece.bpe.model").write_bytes(model.getvalue())
+    transformers.XLMRobertaTokenizer.from_pretrained(path.parent).backend_tokenizer.save(str(path))
+    return path
+
+
+SAMPLE_XML = Path(__file__).parents[1] / "sample" / "enwiki-sample-pages-articles.xml"
+# accents, digits, a dash, CJK, spaces in a row: what the Precompiled (NFKC) normaliser and the pre-tokeniser touch
+SAMPLE_LINES = "Café №5 — the ﬁrst ２０２４ Ｔｏｋｙｏ:   東京  was   built in 1890 (Naïve façade)."
+TOKENIZERS = {"roberta": ("roberta", roberta_bpe), "xlm-roberta": ("xlm-roberta", xlmr_unigram),
+              "xlm-roberta-converted": ("xlm-roberta", xlmr_converted)}
+
+
+@pytest.fixture(scope="module", params=list(TOKENIZERS))
 def tokenizer_json(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    make = roberta_bpe if request.param == "roberta" else xlmr_unigram
-    return request.param, make(directory / "tokenizer.json")
+    model_type, make = TOKENIZERS[request.param]
+    if make is xlmr_converted:
+        pytest.importorskip("sentencepiece")
+    return model_type, make(tmp_path_factory.mktemp(request.param) / "tokenizer.json")
+
+
+def test_text_tokenizes_as_transformers_own_xlm_roberta_tokenizer_on_wikipedia_text(tmp_path):
+    """The oracle: HF's XLMRobertaTokenizer, from the SentencePiece model the tokenizer.json was converted from."""
+    from workflow.data.tokenizer import Vocabulary
+
+    pytest.importorskip("sentencepiece")
+    path = xlmr_converted(tmp_path / "tokenizer.json")
+    hf = transformers.XLMRobertaTokenizer.from_pretrained(tmp_path)
+    ours = Vocabulary.load(path, "bpe").text_tokenizer()
+    lines = [line for line in SAMPLE_XML.read_text(encoding="utf-8").split("\n") if line.strip()] + [SAMPLE_LINES]
+    assert [ours.encode(line).ids for line in lines] == [hf(line, add_special_tokens=False)["input_ids"]
+                                                         for line in lines]
+    assert sum(map(len, lines)) > 100_000
 
 
 def test_special_tokens_are_found_by_role_in_roberta_and_xlm_r_tokenizers(tokenizer_json):
