@@ -270,7 +270,8 @@ def test_single_or_no_listed_parts_mean_the_one_file(sample_dir, tmp_path, http_
 @pytest.mark.parametrize("content, reason", [
     ("utf-16", r"not UTF-8 \(UTF-16\); .* bzcat enwiki-20240601-pages-articles\.xml\.bz2 \| iconv -f UTF-16 -t UTF-8 .*"),
     ("html", r"not a MediaWiki XML export \(root element: <html>\)"),  # a proxy's or mirror's error page
-    ("gzip", r"not a bz2 file \(bad magic number b'\\x1f\\x8b\\x08'\)"),
+    ("gzip", r"not a bz2 file \(bad magic number b'\\x1f\\x8b\\x08'\); .* compress a plain XML export with bzip2"),
+    ("xml", r"not a bz2 file \(bad magic number b'<me'\); .*"),  # Special:Export's .xml, even named so
 ])
 def test_a_dump_that_is_not_a_utf8_mediawiki_export_stops_its_download_naming_the_url(http_server, sample_dir,
                                                                                       tmp_path, content, reason):
@@ -283,8 +284,9 @@ def test_a_dump_that_is_not_a_utf8_mediawiki_export_stops_its_download_naming_th
 
     xml = (sample_dir / "enwiki-sample-pages-articles.xml").read_text(encoding="utf-8")
     data = {"utf-16": lambda: bz2.compress(xml.encode("utf-16")), "gzip": lambda: gzip.compress(xml.encode()),
-            "html": lambda: bz2.compress(b"<!DOCTYPE html><html><body>Service unavailable</body></html>")}[content]()
-    name = "enwiki-20240601-pages-articles.xml.bz2"
+            "html": lambda: bz2.compress(b"<!DOCTYPE html><html><body>Service unavailable</body></html>"),
+            "xml": lambda: xml.encode()}[content]()
+    name = "enwiki-20240601-pages-articles.xml" + ("" if content == "xml" else ".bz2")
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / name).write_bytes(data)
     url = f"{http_server(tmp_path / 'site').url}/{name}"

@@ -319,7 +319,8 @@ def fetch_dump(url: str, destination: str | os.PathLike, checksum_url: str | Non
     if not listing:
         log.warning("%s: nothing verified: wikipedia.checksum_url is not set and no %s lies beside the dump",
                     url, basename(checksum_list_beside(url) or "<prefix>-md5sums.txt"))
-    return fetch(url, destination, listing, check=lambda part: check_mediawiki_export(part, url))
+    # kept as .xml.bz2, which the later stages read as bz2
+    return fetch(url, destination, listing, check=lambda part: check_mediawiki_export(part, url, bz2_only=True))
 
 
 @dataclass(frozen=True)

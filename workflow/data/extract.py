@@ -231,16 +231,17 @@ def load_compiled_templates(load_and_compact_templates):
     return load
 
 
-def open_dump(path: Path, name: str | None = None):
-    """Binary stream of the XML inside `path` (bz2 by magic number, else plain XML, unless `name`, the dump's URL or
-    else `path`, ends in .bz2)."""
+def open_dump(path: Path, name: str | None = None, bz2_only: bool = False):
+    """Binary stream of the XML inside `path`: bz2 by magic number, else plain XML, unless `bz2_only` or `name` (the
+    dump's URL, else `path`) ends in .bz2."""
     name = name or str(path)
     with open(path, "rb") as stream:
         magic = stream.read(3)
     if magic == b"BZh":
         return bz2.open(path, "rb")
-    if name.endswith(".bz2"):
-        raise UserError(f"{name}: not a bz2 file (bad magic number {magic!r})")
+    if bz2_only or name.endswith(".bz2"):
+        raise UserError(f"{name}: not a bz2 file (bad magic number {magic!r}); dumps are read bz2-compressed, as "
+                        "Wikimedia publishes them: compress a plain XML export with bzip2")
     return open(path, "rb")
 
 
@@ -265,12 +266,12 @@ def check_utf8(name: str, head: bytes) -> None:
                     "utf8.xml.bz2")
 
 
-def check_mediawiki_export(path: Path, name: str | None = None) -> None:
+def check_mediawiki_export(path: Path, name: str | None = None, bz2_only: bool = False) -> None:
     """Raise UserError unless `path` starts like a MediaWiki XML export (UTF-8, root element <mediawiki
-    xmlns=export-...>); the error names `name` (the dump's URL), else `path`."""
+    xmlns=export-...>), bz2-compressed if `bz2_only`; the error names `name` (the dump's URL), else `path`."""
     name = name or str(path)
     try:
-        with open_dump(path, name) as stream:
+        with open_dump(path, name, bz2_only) as stream:
             head = stream.read(1 << 20)
     except EOFError as error:
         raise UserError(f"{name}: truncated bz2 ({error})") from error
