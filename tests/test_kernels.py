@@ -350,3 +350,37 @@ def test_the_heads_check_reads_the_installed_torch_without_importing_it():
     shown = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                            check=True).stdout.split()
     assert shown == ["False", importlib.metadata.version("torch")]
+
+
+# ---------------------------------------------------------------- torch 2.4 (NGC 24.07-24.09), seen on a real 2.4.1
+
+
+def test_flash_varlens_custom_ops_carry_annotations_as_types_as_torch_2_4_reads_them():
+    """Its custom_op infers the schema from the annotations and took a string ('torch.Tensor', which `from __future__
+    import annotations` makes) for an unsupported type: importing the trainer failed there."""
+    from workflow.train.models import flash_varlen as module
+
+    assert module.runs_flash_varlen.__annotations__["q"] is torch.Tensor
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_the_exact_path_runs_on_torch_2_4s_nested_tensors_which_take_no_extremes(monkeypatch):
+    """Its nested_tensor_from_jagged has no min_seqlen / max_seqlen (2.5 added them): nested SDPA, the path below the
+    flash floor, stopped with a TypeError at the first step. Each sequence still attends to itself alone."""
+    import inspect
+
+    real = torch.nested.nested_tensor_from_jagged
+
+    def torch_2_4(values, offsets, lengths=None, jagged_dim=None):
+        return real(values, offsets, lengths, jagged_dim)
+
+    monkeypatch.setattr(torch.nested, "nested_tensor_from_jagged", torch_2_4)
+    monkeypatch.setattr(accelerator, "_JAGGED_TAKES_EXTREMES", "max_seqlen" in inspect.signature(torch_2_4).parameters)
+    monkeypatch.setattr(kernels, "bert_flash_kernel", lambda device, kernel: None)  # below the flash floor
+    torch.manual_seed(0)
+    offsets = torch.tensor([0, 3, 10, 12])
+    q, k, v = torch.randn(3, 12, 2, 8).unbind()
+    out = kit.VarlenAttention(offsets, 2, 7)(q, k, v, dropout_p=0.0)
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        alone = torch.nn.functional.scaled_dot_product_attention(*(x[start:end].transpose(0, 1) for x in (q, k, v)))
+        assert torch.allclose(out[start:end], alone.transpose(0, 1), atol=1e-6)

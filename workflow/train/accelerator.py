@@ -35,6 +35,7 @@ API:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 
@@ -194,6 +195,17 @@ def fused_lamb(device: torch.device):
     return FusedLAMB, ""
 
 
+def jagged(values: torch.Tensor, offsets: torch.Tensor, min_seqlen: int, max_seqlen: int) -> torch.Tensor:
+    """A nested jagged tensor of `values` cut at `offsets`, its extremes given where torch takes them (2.5 and later;
+    CUDA's SDPA would read each from the device, a host sync per call); torch 2.4 has no such arguments."""
+    if _JAGGED_TAKES_EXTREMES:
+        return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=min_seqlen, max_seqlen=max_seqlen)
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
+_JAGGED_TAKES_EXTREMES = "max_seqlen" in inspect.signature(torch.nested.nested_tensor_from_jagged).parameters
+
+
 def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, family: str, heads: int = 2) -> str:
     """The kernel the unpadded attention of `family` trains with on `device` (workflow.train.models.kernels); for
     nested SDPA the first kernel SDPA can run for nested (variable-length) q, k, v of this dtype and head size, in the
@@ -214,7 +226,7 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, f
 
     values = torch.zeros(6, heads, head_size, device=device, dtype=dtype)
     offsets = torch.tensor([0, 2, 6], device=device)
-    q = torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=2, max_seqlen=4).transpose(1, 2)
+    q = jagged(values, offsets, 2, 4).transpose(1, 2)
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         with contextlib.suppress(RuntimeError), sdpa_kernel([backend]):
             F.scaled_dot_product_attention(q, q, q)

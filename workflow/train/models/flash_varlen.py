@@ -23,7 +23,7 @@ API:
         with a head size <= 256 and a multiple of 8; the caller runs nested SDPA otherwise (CUDA fp32)
     torch.ops.snakebert.flash_varlen_forward / flash_varlen_backward   the custom ops (fake and autograd registered)
 """
-from __future__ import annotations
+# no `from __future__ import annotations`: torch 2.4's custom_op reads the annotations below as types, not strings
 
 import torch
 

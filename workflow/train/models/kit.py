@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workflow.cli import UserError
+from workflow.train import accelerator
 from workflow.train.models import kernels
 from workflow.train.models.flash_varlen import flash_varlen, runs_flash_varlen
 
@@ -82,9 +83,7 @@ class VarlenAttention:
         self._row_attention = None  # compiled exact path: the rows' block-diagonal attention, made once for the layers
 
     def _nested(self, x):
-        # Both extremes given: CUDA's SDPA asks for them, and would read each from the device (a host sync per call).
-        return torch.nested.nested_tensor_from_jagged(x, self.offsets, min_seqlen=self.min_seqlen,
-                                                      max_seqlen=self.max_seqlen).transpose(1, 2)
+        return accelerator.jagged(x, self.offsets, self.min_seqlen, self.max_seqlen).transpose(1, 2)
 
     def __call__(self, q, k, v, dropout_p):
         if FLASH_VARLEN and runs_flash_varlen(q) and (kernel := kernels.bert_flash_kernel(q.device, flash_varlen)):
