@@ -375,7 +375,8 @@ def test_the_exact_path_runs_on_torch_2_4s_nested_tensors_which_take_no_extremes
         return real(values, offsets, lengths, jagged_dim)
 
     monkeypatch.setattr(torch.nested, "nested_tensor_from_jagged", torch_2_4)
-    monkeypatch.setattr(accelerator, "_JAGGED_TAKES_EXTREMES", "max_seqlen" in inspect.signature(torch_2_4).parameters)
+    takes = "max_seqlen" in inspect.signature(torch_2_4).parameters
+    monkeypatch.setattr(accelerator, "jagged_takes_extremes", lambda: takes)
     monkeypatch.setattr(kernels, "bert_flash_kernel", lambda device, kernel: None)  # below the flash floor
     torch.manual_seed(0)
     offsets = torch.tensor([0, 3, 10, 12])
@@ -384,3 +385,15 @@ def test_the_exact_path_runs_on_torch_2_4s_nested_tensors_which_take_no_extremes
     for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
         alone = torch.nn.functional.scaled_dot_product_attention(*(x[start:end].transpose(0, 1) for x in (q, k, v)))
         assert torch.allclose(out[start:end], alone.transpose(0, 1), atol=1e-6)
+
+
+def test_a_trainer_on_torch_below_2_4_stops_with_one_error_line_naming_the_floor(repo_env):
+    """torch 2.3 (NGC 24.04-24.06; a real 2.3.1 tried) has no nested_tensor_from_jagged, nn.RMSNorm or
+    torch.library.custom_op: every trainer's import crashed with a traceback. accelerator, which they all import
+    first, stops them in one line (on the real 2.3.1: pretrain, SQuAD, GLUE, tasks, cluster_check, scaling)."""
+    code = "import torch; torch.__version__ = '2.3.1+cu121'; import workflow.train.pretrain"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=repo_env)
+    assert result.returncode == 1
+    assert [line for line in result.stderr.splitlines() if "error" in line.lower()] == [
+        "error: torch 2.3.1+cu121: snakebert trains with torch >= 2.4 (its attention kernels are torch.library custom "
+        "ops, new in 2.4); upgrade torch (NGC's PyTorch containers have 2.4 from 24.07)"]

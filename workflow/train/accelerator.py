@@ -35,11 +35,18 @@ API:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
 
 import torch
+
+from workflow.train.models.floors import torch_floor_error
+
+# every trainer imports this module before any other of torch's users: below the floor, one line, not a traceback
+if _below_floor := torch_floor_error(torch.__version__):
+    raise SystemExit(f"error: {_below_floor}")
 
 log = logging.getLogger(__name__)
 
@@ -198,12 +205,14 @@ def fused_lamb(device: torch.device):
 def jagged(values: torch.Tensor, offsets: torch.Tensor, min_seqlen: int, max_seqlen: int) -> torch.Tensor:
     """A nested jagged tensor of `values` cut at `offsets`, its extremes given where torch takes them (2.5 and later;
     CUDA's SDPA would read each from the device, a host sync per call); torch 2.4 has no such arguments."""
-    if _JAGGED_TAKES_EXTREMES:
+    if jagged_takes_extremes():
         return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=min_seqlen, max_seqlen=max_seqlen)
     return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
-_JAGGED_TAKES_EXTREMES = "max_seqlen" in inspect.signature(torch.nested.nested_tensor_from_jagged).parameters
+@functools.cache
+def jagged_takes_extremes() -> bool:  # read when first asked: torch 2.3 has no nested_tensor_from_jagged at all
+    return "max_seqlen" in inspect.signature(torch.nested.nested_tensor_from_jagged).parameters
 
 
 def attention_kernel(device: torch.device, dtype: torch.dtype, head_size: int, family: str, heads: int = 2) -> str:

@@ -3,6 +3,7 @@ warning that says so; torch-free, so that the Snakefile checks the floor at pars
 importing torch. workflow/train/models/kernels.py applies them where a job trains (docs/gpu.md's table).
 
 API:
+    torch_floor_error(version) -> str | None   the one line a trainer stops with on a torch below TORCH_FLOOR
     FAST_PATHS[family] -> (fast path, torch floor (major, minor), exact path, what the fast path is)
     fallback(fast, floor, exact, capability, torch_version, flash_attn) -> the path that trains
     floor_warning(family, name, why, upgrade, or_flash_attn) -> the one line of a job training `name` instead
@@ -19,6 +20,7 @@ import sys
 
 FLASH_VARLEN, WINDOWED_FLASH_VARLEN, FLASH_ATTN = "flash_varlen", "flash_varlen (windowed)", "flash_attn_varlen_func"
 NESTED_SDPA, ROWS = "nested SDPA", "rows (SDPA with a mask)"
+TORCH_FLOOR = (2, 4)  # torch.library.custom_op (flash_varlen); the trainers were run on a real 2.4.1 and 2.6.0
 FLASH_CAPABILITY = (8, 0)  # flash kernels (torch's and flash-attn 2's): Ampere and newer; T4 / RTX 20xx are (7, 5)
 # family: (its fast path, the torch it needs, its exact path, what the fast path is)
 FAST_PATHS = {
@@ -93,6 +95,15 @@ def _pip_pins(conda_env: str) -> dict[str, str]:
 def major_minor(version: str) -> tuple[int, int]:
     major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
     return int(major), int(minor)
+
+
+def torch_floor_error(version: str) -> str | None:
+    """The one line a trainer stops with where its torch (`version`) is below TORCH_FLOOR, else None."""
+    if major_minor(version) >= TORCH_FLOOR:
+        return None
+    return (f"torch {version}: snakebert trains with torch >= {TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (its attention "
+            "kernels are torch.library custom ops, new in 2.4); upgrade torch (NGC's PyTorch containers have 2.4 "
+            "from 24.07)")
 
 
 def installed_torch() -> str:
