@@ -23,6 +23,8 @@ API:
                                   (DeviceReads, a torch function mode)
     reset_peak_memory(device) / peak_memory_bytes(device)
     fused_lamb(device) -> (class | None, reason)   apex FusedLAMB where it can run (CUDA, apex importable)
+    jagged(values, offsets, min_seqlen, max_seqlen)   a nested jagged tensor, its extremes given where torch takes them
+                                  (>= 2.5)
     attention_kernel(device, dtype, head_size, family) -> str   the unpadded attention kernel that trains
                                   (workflow.train.models.kernels: its torch and GPU floors); for nested SDPA, SDPA's
                                   first usable kernel for nested (varlen) q, k, v: "flash" | "efficient" | "math"
