@@ -75,3 +75,13 @@ def test_a_dry_run_under_conda_compares_the_envs_pin_not_the_heads_torch(workdir
         f"warning: ModernBERT's windowed varlen flash attention needs torch >= 2.11 and compute capability >= 8.0; "
         f"torch 2.10.0 lacks it (the jobs' torch: {env}'s pin): training with rows with masks (exact, slower) "
         f"instead; pin torch >= 2.11 in {env} (or add flash-attn to it)"], output[-3000:]
+
+
+def test_a_dry_run_on_a_torch_below_the_trainers_floor_says_each_training_job_will_stop(workdir):
+    """torch 2.3 (NGC 24.04-24.06): the plan still runs (the data stages need no torch); the line says so first."""
+    output = dry_run(workdir, torch_version="2.3.1")
+    assert "This was a dry-run" in output, output[-3000:]
+    assert [line for line in output.splitlines() if "snakebert trains with torch" in line] == [
+        "warning: torch 2.3.1: snakebert trains with torch >= 2.4 (its attention kernels are torch.library custom "
+        "ops, new in 2.4); upgrade torch (NGC's PyTorch containers have 2.4 from 24.07) (the jobs' torch: this "
+        f"interpreter's, {sys.executable}); the data stages run, each training job stops at its start"], output[-3000:]

@@ -269,6 +269,9 @@ MODERNBERT_FLOOR = "ModernBERT's windowed varlen flash attention needs torch >= 
     ("bert", "bf16", False, "2.6.0", False, None),      # unpacked BERT: padded rows, no varlen kernel
     ("bert", "fp32", True, "2.6.0", False, None),       # fp32: the exact path whatever the torch
     ("modernbert", "fp32", True, "2.6.0", False, None),
+    ("bert", "fp32", False, "2.3.1", False, "torch 2.3.1: snakebert trains with torch >= 2.4 (its attention kernels are "
+     "torch.library custom ops, new in 2.4); upgrade torch (NGC's PyTorch containers have 2.4 from 24.07) (the jobs' "
+     "torch: {here}); the data stages run, each training job stops at its start"),  # below the floor: any precision
 ])
 def test_the_head_warns_as_the_job_will_when_the_jobs_torch_is_its_own(platform, family, precision, packed, version,
                                                                        flash_attn, expected):
@@ -284,6 +287,9 @@ def test_the_head_warns_as_the_job_will_when_the_jobs_torch_is_its_own(platform,
      "pin): training with flash-attn's flash_attn_varlen_func instead; pin torch >= 2.11 in {env}"),
     (["torch==2.13.0"], None),
     (["torch>=2.5"], None),  # no exact pin: what conda resolves is not known at the head
+    (["torch==2.3.1"], "torch 2.3.1: snakebert trains with torch >= 2.4 (its attention kernels are torch.library "
+     "custom ops, new in 2.4); upgrade torch (NGC's PyTorch containers have 2.4 from 24.07) (the jobs' torch: {env}'s "
+     "pin); the data stages run, each training job stops at its start"),
 ])
 def test_under_conda_the_head_compares_the_envs_torch_pin_not_its_own(platform, tmp_path, pins, expected):
     platform(torch_version="2.13.0")  # the head's own torch has no say

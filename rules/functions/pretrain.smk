@@ -44,12 +44,11 @@ def warn_below_torch_floor():
     job will log where it starts when its torch is below its attention path's floor (workflow/train/models/kernels.py,
     docs/gpu.md), where the head knows that torch: under conda the pin of envs/train.yaml; without a deployment method
     this interpreter's (every job runs the python active at submission, locally or through Slurm's --export=ALL);
-    in a container, nothing is known here. Not inside a job (it warns itself), nor for fp32 (no fast path)."""
+    in a container, nothing is known here. Not inside a job (it warns itself). Below workflow/train/models/floors.py's
+    TORCH_FLOOR every training job would stop at its start: that is said here too."""
     methods = workflow.deployment_settings.deployment_method  # Snakemake 9's --sdm, a set of DeploymentMethod
     if not workflow.is_main_process or "APPTAINER" in {method.name for method in methods}:
         return
-    if config["pretrain"]["precision"] == "fp32":
-        return  # the exact path: torch need not be imported at parse time
     from snakemake.logging import logger
     from workflow.train.models.floors import head_floor_warning
 

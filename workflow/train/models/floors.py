@@ -8,8 +8,8 @@ API:
     fallback(fast, floor, exact, capability, torch_version, flash_attn) -> the path that trains
     floor_warning(family, name, why, upgrade, or_flash_attn) -> the one line of a job training `name` instead
     head_floor_warning(family, precision, packed, conda_env) -> str | None   at parse time (`snakemake -n`, rules/
-        pretrain.smk): the warning a pretraining job would log at its start about its torch floor, where the head
-        knows the job's torch; the GPU is not known there
+        pretrain.smk): the warning a pretraining job would log at its start about its torch floor, or that it will
+        stop (below TORCH_FLOOR), where the head knows the job's torch; the GPU is not known there
 """
 from __future__ import annotations
 
@@ -54,27 +54,31 @@ def floor_warning(family: str, name: str, why: str, upgrade: str, or_flash_attn:
 def head_floor_warning(family: str, precision: str, packed: bool, conda_env: str | None) -> str | None:
     """At parse time on the Snakemake head: the warning a pretraining job (model.family `family`, pretrain.precision
     `precision`, packed rows or not) will log at its start on a GPU of compute capability >= 8.0, about its fast
-    path's torch floor; None when that torch meets it, the job's precision is fp32 or its family trains no fast path
-    there. The job's torch is the pin of the conda env file `conda_env` (its `torch==` line) when given, else this
-    interpreter's (a job without a deployment method runs the python active at submission). The GPU is not known
+    path's torch floor; or, where that torch is below TORCH_FLOOR, that every training job will stop at its start.
+    None when that torch meets both, or meets TORCH_FLOOR and the job's precision is fp32 or its family trains no fast
+    path there. The job's torch is the pin of the conda env file `conda_env` (its `torch==` line) when given, else
+    this interpreter's (a job without a deployment method runs the python active at submission). The GPU is not known
     here: below compute capability 8.0 the job takes its exact path whatever torch it has, and says so there."""
     from workflow.train.models.family import family as model_family
 
-    if precision == "fp32" or not model_family(family).unpads(packed, "bf16"):
-        return None  # auto: bf16 on a GPU that has it, every GPU with flash kernels does
-    fast, floor, exact, _ = FAST_PATHS[family]
     if conda_env is None:
         version_text, where = installed_torch(), f"this interpreter's, {sys.executable}"
         flash_attn = importlib.util.find_spec("flash_attn") is not None  # installed; imported only on a GPU node
-        upgrade, or_flash_attn = f"upgrade torch to >= {floor[0]}.{floor[1]}", " (or pip install flash-attn)"
     else:
         pins = _pip_pins(conda_env)
         if "torch" not in pins:
             return None  # no exact pin: the version conda resolves is not known here
         version_text, where, flash_attn = pins["torch"], f"{conda_env}'s pin", "flash-attn" in pins
+    if below := torch_floor_error(version_text):
+        return f"{below} (the jobs' torch: {where}); the data stages run, each training job stops at its start"
+    if precision == "fp32" or not model_family(family).unpads(packed, "bf16"):
+        return None  # auto: bf16 on a GPU that has it, every GPU with flash kernels does
+    fast, floor, exact, _ = FAST_PATHS[family]
+    if conda_env is None:
+        upgrade, or_flash_attn = f"upgrade torch to >= {floor[0]}.{floor[1]}", " (or pip install flash-attn)"
+    else:
         upgrade, or_flash_attn = f"pin torch >= {floor[0]}.{floor[1]} in {conda_env}", " (or add flash-attn to it)"
-    version = major_minor(version_text)
-    trains = fallback(fast, floor, exact, None, version, flash_attn)
+    trains = fallback(fast, floor, exact, None, major_minor(version_text), flash_attn)
     if trains == fast:
         return None
     return floor_warning(family, trains, f"torch {version_text} lacks it (the jobs' torch: {where})", upgrade,
