@@ -197,17 +197,22 @@ def test_pages_skipped_by_wikiextractor_are_counted_by_reason_in_the_log(tmp_pat
     assert f"INFO extract: {PAGES_LOG} 48 read: 41 articles, 1 redirects and 6 pages of other namespaces skipped" in result.stderr
 
 
-def test_a_paragraph_wrapped_over_lines_comes_out_on_one_line_and_paragraphs_stay_apart(tmp_path, repo_env):
+def one_article_export(path, title, text):
+    """A MediaWiki export at `path` (the real-shaped fixture's siteinfo) of one article: `title`, wikitext `text`
+    (XML-escaped, as a dump holds it)."""
     fixture = (Path(__file__).parent / "fixtures" / "enwiki-real-shaped-pages-articles.xml").read_text(encoding="utf-8")
     head = fixture[: fixture.index("</siteinfo>") + len("</siteinfo>")]
+    path.write_text(f"{head}\n  <page>\n    <title>{title}</title>\n    <ns>0</ns>\n    <id>1</id>\n    <revision>\n"
+                    f'      <text xml:space="preserve">{text}</text>\n    </revision>\n  </page>\n</mediawiki>\n',
+                    encoding="utf-8")
+    return path
+
+
+def test_a_paragraph_wrapped_over_lines_comes_out_on_one_line_and_paragraphs_stay_apart(tmp_path, repo_env):
     text = ("'''Ellery''' is a town on the\nwest coast.&lt;ref&gt;{{cite web |title=Ports}}&lt;/ref&gt; Its harbour was\n"
             "dredged in 1890.\n\n\n[[File:Harbour.jpg|thumb|The harbour]]\nThe town grew around\nthe market\n"
             "* a list item\nand a new paragraph after it\n&lt;blockquote&gt;A quote.&lt;/blockquote&gt;\nAfter the quote.")
-    dump = tmp_path / "wrapped.xml"
-    dump.write_text(f"{head}\n  <page>\n    <title>Ellery</title>\n    <ns>0</ns>\n    <id>1</id>\n    <revision>\n"
-                    f'      <text xml:space="preserve">{text}</text>\n    </revision>\n  </page>\n</mediawiki>\n',
-                    encoding="utf-8")
-    extract(dump, tmp_path / "out.jsonl")
+    extract(one_article_export(tmp_path / "wrapped.xml", "Ellery", text), tmp_path / "out.jsonl")
     record = json.loads((tmp_path / "out.jsonl").read_text(encoding="utf-8"))
     assert record["text"].split("\n") == [
         "Ellery is a town on the west coast. Its harbour was dredged in 1890.",
@@ -220,15 +225,9 @@ def test_a_paragraph_wrapped_over_lines_comes_out_on_one_line_and_paragraphs_sta
 
 def test_an_articles_onlyinclude_tags_are_gone_and_the_prose_they_enclose_kept(tmp_path):
     """As gensim's real enwiki test dump's "Agricultural science" has them (for "Agriculture" to include its lead)."""
-    fixture = (Path(__file__).parent / "fixtures" / "enwiki-real-shaped-pages-articles.xml").read_text(encoding="utf-8")
-    head = fixture[: fixture.index("</siteinfo>") + len("</siteinfo>")]
     text = ("&lt;onlyinclude&gt;\n'''Agricultural science''' is a broad field of biology.\n&lt;/onlyinclude&gt;\n"
             "The three terms are often confused. &lt; ONLYINCLUDE &gt;Soil&lt;/onlyinclude &gt; is studied too.")
-    dump = tmp_path / "onlyinclude.xml"
-    dump.write_text(f"{head}\n  <page>\n    <title>Agricultural science</title>\n    <ns>0</ns>\n    <id>1</id>\n"
-                    f'    <revision>\n      <text xml:space="preserve">{text}</text>\n    </revision>\n  </page>\n'
-                    "</mediawiki>\n", encoding="utf-8")
-    extract(dump, tmp_path / "out.jsonl")
+    extract(one_article_export(tmp_path / "onlyinclude.xml", "Agricultural science", text), tmp_path / "out.jsonl")
     assert json.loads((tmp_path / "out.jsonl").read_text(encoding="utf-8"))["text"].split("\n") == [
         "Agricultural science is a broad field of biology.",
         "The three terms are often confused. Soil is studied too.",

@@ -61,23 +61,21 @@ def head_floor_warning(family: str, precision: str, packed: bool, conda_env: str
     here: below compute capability 8.0 the job takes its exact path whatever torch it has, and says so there."""
     from workflow.train.models.family import family as model_family
 
+    fast, floor, exact, _ = FAST_PATHS[family]
     if conda_env is None:
         version_text, where = installed_torch(), f"this interpreter's, {sys.executable}"
         flash_attn = importlib.util.find_spec("flash_attn") is not None  # installed; imported only on a GPU node
+        upgrade, or_flash_attn = f"upgrade torch to >= {floor[0]}.{floor[1]}", " (or pip install flash-attn)"
     else:
         pins = _pip_pins(conda_env)
         if "torch" not in pins:
             return None  # no exact pin: the version conda resolves is not known here
         version_text, where, flash_attn = pins["torch"], f"{conda_env}'s pin", "flash-attn" in pins
+        upgrade, or_flash_attn = f"pin torch >= {floor[0]}.{floor[1]} in {conda_env}", " (or add flash-attn to it)"
     if below := torch_floor_error(version_text):
         return f"{below} (the jobs' torch: {where}); the data stages run, each training job stops at its start"
     if precision == "fp32" or not model_family(family).unpads(packed, "bf16"):
         return None  # auto: bf16 on a GPU that has it, every GPU with flash kernels does
-    fast, floor, exact, _ = FAST_PATHS[family]
-    if conda_env is None:
-        upgrade, or_flash_attn = f"upgrade torch to >= {floor[0]}.{floor[1]}", " (or pip install flash-attn)"
-    else:
-        upgrade, or_flash_attn = f"pin torch >= {floor[0]}.{floor[1]} in {conda_env}", " (or add flash-attn to it)"
     trains = fallback(fast, floor, exact, None, major_minor(version_text), flash_attn)
     if trains == fast:
         return None
