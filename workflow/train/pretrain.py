@@ -225,10 +225,10 @@ class PretrainingTask:
         return {"loss": mlm_loss + nsp["nsp_loss"], "mlm_loss": mlm_loss, **nsp, **stats}
 
     def metrics(self, sums: dict, steps: int, sequences: int, elapsed: float, step: int) -> dict:
+        nsp = {"nsp_loss": sums["nsp_loss"] / steps, "nsp_accuracy": sums["nsp_correct"] / max(sums["nsp_count"], 1)}
         return {"loss": sums["loss"] / steps, "mlm_loss": sums["mlm_loss"] / steps,
-                "nsp_loss": sums["nsp_loss"] / steps,
                 "mlm_accuracy": sums["mlm_correct"] / max(sums["mlm_count"], 1),
-                "nsp_accuracy": sums["nsp_correct"] / max(sums["nsp_count"], 1),
+                **(nsp if self.next_sentence_prediction else {}),  # no NSP objective, no NSP figure
                 "tokens_per_s": sequences * self.seq_length / max(elapsed, 1e-9),
                 "real_tokens": int(sums["real_tokens"]), "real_tokens_per_s": sums["real_tokens"] / max(elapsed, 1e-9)}
 
@@ -274,25 +274,29 @@ def pretraining_forward(model, batch: dict) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, evaluation_set: EvaluationSet, env, precision, batch_size,
+def evaluate(model, evaluation_set: EvaluationSet, env, precision, batch_size, next_sentence_prediction: bool = True,
              host_indices=host_indices) -> dict:
     """Held-out MLM/NSP accuracy and loss on the fixed evaluation set: each rank scores its share, the sums are
-    all-reduced (the counts exactly: an accuracy does not depend on the world size). Every rank calls it."""
+    all-reduced (the counts exactly: an accuracy does not depend on the world size). Every rank calls it.
+    `test_sequences` counts the sequences scored; without `next_sentence_prediction` (the data's objective has none)
+    the NSP figures are left out, not reported as 0 or as an untrained head's guesses."""
     model.eval()
-    sums = torch.zeros(6, dtype=torch.float64, device=env.device)
+    sums = torch.zeros(7, dtype=torch.float64, device=env.device)
     for batch in evaluation_set.batches(env.rank, env.world_size, batch_size):
         batch = {k: v.to(env.device) if isinstance(v, torch.Tensor) else v for k, v in host_indices(batch).items()}
         with autocast(env.device, precision):
             out = pretraining_forward(model, batch)
         sums += torch.stack([out["mlm_correct"], out["mlm_count"], out["nsp_correct"], out["nsp_count"],
                              out["mlm_loss"].float() * out["mlm_count"],
-                             out["nsp_loss"].float() * out["nsp_count"]]).double()
+                             out["nsp_loss"].float() * out["nsp_count"],
+                             (batch["next_sentence_labels"] >= 0).sum()]).double()
     distributed.all_reduce_(sums)
     model.train()
-    mlm_correct, mlm_count, nsp_correct, nsp_count, mlm_loss, nsp_loss = sums.tolist()
-    return {"test_mlm_accuracy": mlm_correct / max(mlm_count, 1), "test_nsp_accuracy": nsp_correct / max(nsp_count, 1),
-            "test_mlm_loss": mlm_loss / max(mlm_count, 1), "test_nsp_loss": nsp_loss / max(nsp_count, 1),
-            "test_sequences": int(nsp_count), "test_predictions": int(mlm_count)}
+    mlm_correct, mlm_count, nsp_correct, nsp_count, mlm_loss, nsp_loss, sequences = sums.tolist()
+    nsp = {"test_nsp_accuracy": nsp_correct / max(nsp_count, 1), "test_nsp_loss": nsp_loss / max(nsp_count, 1)}
+    return {"test_mlm_accuracy": mlm_correct / max(mlm_count, 1), "test_mlm_loss": mlm_loss / max(mlm_count, 1),
+            **(nsp if next_sentence_prediction else {}),
+            "test_sequences": int(sequences), "test_predictions": int(mlm_count)}
 
 
 def _fingerprint(s: TrainSettings, config, data: dict, optimizer_name: str) -> dict:
@@ -406,8 +410,10 @@ def train_phase(s: TrainSettings, env) -> dict:
     sequences = PretrainingSequences(train_shards, s.seed)
     evaluation_set = EvaluationSet(test_shards, p.eval_max_sequences, p.eval_seed)
     log.info("held-out evaluation set: %s", evaluation_set.identity)
+    next_sentence_prediction = train_shards[0].objective == "nsp"
     held_out = functools.partial(evaluate, evaluation_set=evaluation_set, env=env, precision=precision,
-                                 batch_size=phase.micro_batch_size * 2, host_indices=model_family.host_indices)
+                                 batch_size=phase.micro_batch_size * 2, next_sentence_prediction=next_sentence_prediction,
+                                 host_indices=model_family.host_indices)
     loop = LoopSettings(config_key=phase.key, run_dir=s.run_dir, total_steps=phase.total_steps,
                         global_batch_size=phase.global_batch_size, micro_batch_size=phase.micro_batch_size,
                         max_steps=phase.max_steps, precision=precision, checkpoint_every=p.checkpoint_every,
@@ -416,7 +422,7 @@ def train_phase(s: TrainSettings, env) -> dict:
                         compile_mode=p.compile_mode, loader_workers=p.loader_workers, eval_every=p.eval_every,
                         evaluate=held_out, batch_ramp=s.batch_ramp)
     try:
-        task = PretrainingTask(sequences, seq_length, train_shards[0].objective == "nsp", model_family.host_indices,
+        task = PretrainingTask(sequences, seq_length, next_sentence_prediction, model_family.host_indices,
                                fused_loss)
         outcome = train(env, model, optimizer, scheduler, task, loop,
                         _fingerprint(s, config, data_identity(s.data_dir, train_shards), optimizer_name))
@@ -483,7 +489,7 @@ def _export(s: TrainSettings, env, model, config, optimizer, optimizer_name, out
                 torch.save(state_to_carry(optimizer), temporary)
         write_json(s.out_summary, summary)
         log.info("%s done: %s", phase.name, {k: summary[k] for k in ("steps", "seq_per_s", "test_mlm_accuracy",
-                                                                   "test_nsp_accuracy")})
+                                                                   "test_nsp_accuracy") if k in summary})
     distributed.patient_barrier(exported)
     return summary
 
