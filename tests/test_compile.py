@@ -207,6 +207,19 @@ def test_the_cpu_compile_benchmark_counts_one_graph_and_no_break_over_every_pack
     assert counts == [[" 0 ", " 0 "], [" 1 ", " 0 "]] * 4  # graphs and breaks: eager's, compiled's, in each table
 
 
+@pytest.mark.parametrize("size,family,layers,hidden,pad", [
+    ("cpu", "bert", 2, 128, 0), ("cpu", "modernbert", 4, 128, 0), ("real", "bert", 24, 1024, 0),
+    ("real", "modernbert", 22, 768, 50283), ("real", "roberta", 12, 768, 1)])
+def test_the_cpu_compile_benchmark_builds_the_tiny_presets_or_those_a_gpu_trains(size, family, layers, hidden, pad):
+    """--size real: the GPU presets at full depth and width, with the family's own special ids (ModernBERT's fit
+    its vocabulary of 50,368; the tiny preset's are moved into a small one)."""
+    from benchmarks.compile_cpu import build
+
+    config, model = build(family, 50368, 128, size)
+    assert (config.num_hidden_layers, config.hidden_size, config.pad_token_id, model.training) == (
+        layers, hidden, pad, True)
+
+
 @pytest.mark.parametrize("model_family", ["bert", "modernbert"])
 def test_a_compiled_fine_tuning_run_trains_as_the_eager_one(model_family, tmp_path, monkeypatch):
     import json
