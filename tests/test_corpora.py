@@ -149,9 +149,13 @@ def test_shards_mix_corpora_identically_for_any_processes_and_count_each_corpus_
             else Corpus(name, "jsonl", str(tmp_path / "web.jsonl"), "body"), tmp_path / "again.txt", min_article_chars=50)))
     tokenizer, _ = bert_tokenizer(tmp_path / "vocab.txt")
     tokens = [sum(len(tokenizer.encode(s, add_special_tokens=False).ids) for d in docs for s in d) for docs in (notes, web)]
+    unknown = [sum(tokenizer.encode(s, add_special_tokens=False).ids.count(1) for d in docs for s in d)  # [UNK]: 1
+               for docs in (notes, web)]
     assert corpus_statistics(summaries, root / "corpora.json", tmp_path / "tokenized") == [
-        {"corpus": "notes", "documents_read": 12, "documents": 12, "sentences": 48, "tokens": tokens[0]},
-        {"corpus": "web", "documents_read": 20, "documents": 20, "sentences": 80, "tokens": tokens[1]},
+        {"corpus": "notes", "documents_read": 12, "documents": 12, "sentences": 48, "tokens": tokens[0],
+         "unknown_tokens": unknown[0]},
+        {"corpus": "web", "documents_read": 20, "documents": 20, "sentences": 80, "tokens": tokens[1],
+         "unknown_tokens": unknown[1]},
     ]
 
 
@@ -201,5 +205,5 @@ def test_wikipedia_off_with_a_text_and_a_jsonl_corpus_builds_training_rows_of_th
             rows += 1
     assert rows > 20
     lines = (work / "results" / "corpora.csv").read_text().splitlines()
-    assert lines[0] == "corpus,documents_read,documents,sentences,tokens"
+    assert lines[0] == "corpus,documents_read,documents,sentences,tokens,unknown_tokens"
     assert [line.split(",")[:4] for line in lines[1:]] == [["notes", "12", "12", "48"], ["web", "20", "20", "80"]]

@@ -65,7 +65,7 @@ def test_ids_equal_the_reference_bert_tokenizer_per_sentence(tokenized, referenc
     sentences = [ids[s:e].tolist() for s, e in zip(sentence_offsets[:-1], sentence_offsets[1:])]
     documents = [sentences[s:e] for s, e in zip(document_offsets[:-1], document_offsets[1:])]
     assert documents == expected_documents
-    assert counts == {"tokens": len(ids), "sentences": 8, "documents": 4}
+    assert counts == {"tokens": len(ids), "sentences": 8, "documents": 4, "unknown_tokens": int((ids == 1).sum())}
     assert ids.dtype == np.uint16 and sentence_offsets.dtype == document_offsets.dtype == np.int64
 
 
@@ -161,3 +161,37 @@ def test_shard_of_adversarial_text_equals_the_reference_bert_tokenizer(adversari
     with open(text, encoding="utf-8") as handle:  # as Google's reader: universal newlines (\r ends a line too)
         expected = [ids for ids in (encode(line.strip()) for line in handle) if ids]
     assert sentences == expected
+
+
+def test_text_the_vocab_cannot_spell_is_counted_per_corpus_and_warned_of(tmp_path, caplog):
+    """Each corpus's unknown tokens, as BERT's own tokenizer makes them; a shard past 0.5% of them warns."""
+    import json
+
+    english = [["Rivers cross the northern plains.", "Villages grew near the river."], ["The café opened in 1871."]]
+    greek = [["Τα ποτάμια διασχίζουν τις πεδιάδες.", "Rivers and villages."]]
+    (tmp_path / "train.txt").write_text("\n\n".join("\n".join(d) for d in english * 20), encoding="utf-8")
+    train_vocab([tmp_path / "train.txt"], tmp_path / "vocab.txt", size=120, lowercase=True)
+    (tmp_path / "training").mkdir()
+    (tmp_path / "corpora.json").write_text(json.dumps({"corpora": ["en", "el"], "training": [[2, 1]], "test": []}))
+    text = tmp_path / "training" / "shard_0.txt"
+    text.write_text("\n\n".join("\n".join(d) for d in english + greek) + "\n", encoding="utf-8")
+    reference = BertTokenizer(str(tmp_path / "vocab.txt"), do_lower_case=True)
+    unknown = [sum(reference.encode(s, add_special_tokens=False).count(reference.unk_token_id) for d in docs for s in d)
+               for docs in (english, greek)]
+    assert unknown[0] == 0 and unknown[1] >= 5  # the Greek words, each one [UNK]
+
+    with caplog.at_level("INFO", logger="workflow.data.tokenize"):
+        counts = tokenize_shard(text, tmp_path / "vocab.txt", tmp_path / "shard_0.npz")
+    with np.load(tmp_path / "shard_0.npz") as shard:
+        assert shard["corpus_unknown_tokens"].tolist() == unknown
+        ids = shard["ids"]
+    assert counts["unknown_tokens"] == unknown[1] == int((ids == reference.unk_token_id).sum())
+    share = 100 * unknown[1] / len(ids)
+    assert f"{share:.2f}% of the tokens are the unknown token [UNK]" in caplog.text
+
+    caplog.clear()  # English alone: none, and no warning
+    text.write_text("\n\n".join("\n".join(d) for d in english) + "\n", encoding="utf-8")
+    (tmp_path / "corpora.json").write_text(json.dumps({"corpora": ["en"], "training": [[2]], "test": []}))
+    with caplog.at_level("INFO", logger="workflow.data.tokenize"):
+        assert tokenize_shard(text, tmp_path / "vocab.txt", tmp_path / "shard_0.npz")["unknown_tokens"] == 0
+    assert "(0 unknown)" in caplog.text and "unknown token" not in caplog.text

@@ -6,7 +6,11 @@ Input: one sentence per line, a blank line between documents (UTF-8). Output: an
   document_offsets  [D+1]      int64: document d is sentences document_offsets[d] to document_offsets[d+1]
   corpus_tokens     [C]        int64: the tokens of each corpus, in the order of shard's corpora.json beside the splits
                                (absent without one)
-Sentences that tokenize to nothing and documents without sentences are dropped (as Google's script does).
+  corpus_unknown_tokens [C]    int64: of those, the vocab's unknown token ([UNK]: text the vocab cannot spell; absent
+                               without corpora.json)
+Sentences that tokenize to nothing and documents without sentences are dropped (as Google's script does). Text that
+becomes the unknown token is counted and logged, and a shard where it passes UNKNOWN_WARNING_SHARE of the tokens
+warns: a vocab that does not fit the text (another script, a cased text on an uncased vocab's accents stripped...).
 Ids are those of `tokenizers`' BERT pipeline, token for token; each distinct word is tokenized once (WordCache).
 With a byte-level BPE, those of its tokenizer.json on each sentence, a space before each (before a document's first
 only where the file adds a prefix space): the ids of the whole document, cut at its sentences (ByteLevelCache).
@@ -32,6 +36,7 @@ from workflow.data.vocab import Normalization
 log = logging.getLogger(__name__)
 
 BATCH_LINES = 8192  # sentences per batch: bounds memory, amortises the per-batch numpy work
+UNKNOWN_WARNING_SHARE = 0.005  # Google's uncased vocab on English Wikipedia: well under 0.1% of the tokens
 WORDS_PER_SEQUENCE = 1024  # unseen chunks per encode_batch sequence
 CACHE_WORDS = 1 << 19  # distinct chunks cached (~70 MB); a full-size shard may hold ~1 M, the frequent ones first
 
@@ -222,6 +227,8 @@ def tokenize_shard(
     else:
         ids, lengths = tokenize_lines(tokenizer, lines, dtype)
     corpus_tokens = tokens_per_corpus(text_path, lengths, line_documents)
+    line_unknown = unknown_per_line(ids, lengths, vocab.special_ids.get("unk"))
+    corpus_unknown = tokens_per_corpus(text_path, line_unknown, line_documents)
     # Drop sentences with no tokens, then documents left with no sentences.
     kept = lengths > 0
     lengths = lengths[kept]
@@ -230,20 +237,38 @@ def tokenize_shard(
     np.cumsum(lengths, out=sentence_offsets[1:])
     starts = np.flatnonzero(np.diff(line_documents, prepend=-1)) if len(line_documents) else np.zeros(0, np.int64)
     document_offsets = np.append(starts, len(lengths)).astype(np.int64)
-    counts = {"tokens": int(len(ids)), "sentences": int(len(lengths)), "documents": int(len(starts))}
+    counts = {"tokens": int(len(ids)), "sentences": int(len(lengths)), "documents": int(len(starts)),
+              "unknown_tokens": int(line_unknown.sum())}
     try:
         with atomic_path(output) as temporary, open(temporary, "wb") as handle:
-            extra = {} if corpus_tokens is None else {"corpus_tokens": corpus_tokens}
+            extra = {} if corpus_tokens is None else {"corpus_tokens": corpus_tokens,
+                                                      "corpus_unknown_tokens": corpus_unknown}
             np.savez(handle, ids=ids, sentence_offsets=sentence_offsets, document_offsets=document_offsets, **extra)
     except OSError as error:
         raise UserError(f"{output}: cannot write ({error.strerror})") from None
-    log.info("%s: %d tokens, %d sentences, %d documents", text_path, *counts.values())
+    log.info("%s: %d tokens (%d unknown), %d sentences, %d documents", text_path, counts["tokens"],
+             counts["unknown_tokens"], counts["sentences"], counts["documents"])
+    share = counts["unknown_tokens"] / max(counts["tokens"], 1)
+    if share > UNKNOWN_WARNING_SHARE:
+        log.warning("%s: %.2f%% of the tokens are the unknown token %s: %s does not spell this text (another script "
+                    "or language, or the vocab.lowercase / vocab.strip_accents it was made with?)", text_path,
+                    100 * share, vocab.special_tokens["unk"], vocab_path)
     return counts
 
 
+def unknown_per_line(ids: np.ndarray, lengths: np.ndarray, unknown_id: int | None) -> np.ndarray:
+    """How many of each line's tokens are the unknown token (none where the vocab has no such token)."""
+    if unknown_id is None:
+        return np.zeros(len(lengths), np.int64)
+    seen = np.concatenate([[0], np.cumsum(ids == unknown_id, dtype=np.int64)])
+    ends = np.cumsum(lengths, dtype=np.int64)
+    return seen[ends] - seen[ends - lengths]
+
+
 def tokens_per_corpus(text_path: str | os.PathLike, lengths: np.ndarray, line_documents: list[int]) -> np.ndarray | None:
-    """The tokens of each corpus in a shard: its documents are the corpora's in order, as many of each as shard's
-    corpora.json beside the splits says (None without one: a shard cut outside the workflow)."""
+    """The tokens (`lengths`: of each line) of each corpus in a shard: its documents are the corpora's in order, as
+    many of each as shard's corpora.json beside the splits says (None without one: a shard cut outside the
+    workflow)."""
     text_path = Path(text_path)
     manifest = text_path.parent.parent / MANIFEST
     if not manifest.is_file():

@@ -1,10 +1,11 @@
-"""What each corpus gave the pretraining data: documents (read and kept), sentences and WordPiece tokens.
+"""What each corpus gave the pretraining data: documents (read and kept), sentences and tokens, and how many of the
+tokens are the vocab's unknown token (text the vocab cannot spell).
 
     python -m workflow.report.corpora --formatted data/formatted/wikipedia/whole.summary.json ... \
         --manifest data/shards/corpora.json --tokenized data/tokenized --output results/corpora.csv
 
 Documents and sentences are format's (summed over a dump's parts); tokens are tokenize's, both splits, each shard's
-`corpus_tokens` in the order of shard's corpora.json. A formatted summary is named by its corpus as shard names
+`corpus_tokens` and `corpus_unknown_tokens` in the order of shard's corpora.json. A formatted summary is named by its corpus as shard names
 its input (workflow.data.shard.corpus_of).
 """
 import argparse
@@ -24,7 +25,7 @@ from workflow.report.summary import read_json
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ("corpus", "documents_read", "documents", "sentences", "tokens")
+COLUMNS = ("corpus", "documents_read", "documents", "sentences", "tokens", "unknown_tokens")
 
 
 def corpus_statistics(formatted: Sequence[str | Path], manifest: str | Path, tokenized: str | Path) -> list[dict]:
@@ -37,19 +38,23 @@ def corpus_statistics(formatted: Sequence[str | Path], manifest: str | Path, tok
         row["documents_read"] += summary["documents"]["read"]
         row["documents"] += summary["documents"]["kept"]
         row["sentences"] += summary["sentences"]
+    blank = set()  # columns some shard lacks: tokenized by an older version (the other counts still hold)
     for split in SPLITS:
         for index in range(len(manifest[split])):
             path = Path(tokenized) / split / f"shard_{index}.npz"
             load_tokenized(path)  # one error line if it is not a tokenized shard
             with np.load(path) as shard:
-                if "corpus_tokens" not in shard:  # tokenized by an older version: the other counts still hold
-                    log.warning("%s: no corpus_tokens (tokenized before shards had corpora.json): tokens left "
-                                "blank", path)
-                    for row in rows.values():
-                        row["tokens"] = ""
-                    return list(rows.values())
-                for name, tokens in zip(manifest["corpora"], shard["corpus_tokens"]):
-                    rows[name]["tokens"] += int(tokens)
+                for column in ("tokens", "unknown_tokens"):
+                    if f"corpus_{column}" not in shard:
+                        if column not in blank:
+                            log.warning("%s: no corpus_%s (tokenized by an older version): %s left blank", path,
+                                        column, column)
+                        blank.add(column)
+                        continue
+                    for name, tokens in zip(manifest["corpora"], shard[f"corpus_{column}"]):
+                        rows[name][column] += int(tokens)
+    for row in rows.values():
+        row.update(dict.fromkeys(blank, ""))
     return list(rows.values())
 
 
