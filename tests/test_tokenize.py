@@ -65,7 +65,9 @@ def test_ids_equal_the_reference_bert_tokenizer_per_sentence(tokenized, referenc
     sentences = [ids[s:e].tolist() for s, e in zip(sentence_offsets[:-1], sentence_offsets[1:])]
     documents = [sentences[s:e] for s, e in zip(document_offsets[:-1], document_offsets[1:])]
     assert documents == expected_documents
-    assert counts == {"tokens": len(ids), "sentences": 8, "documents": 4, "unknown_tokens": int((ids == 1).sum())}
+    # dropped: the control characters' line and the zero-width space's, and the latter's document
+    assert counts == {"tokens": len(ids), "sentences": 8, "documents": 4, "unknown_tokens": int((ids == 1).sum()),
+                      "dropped_sentences": 2, "dropped_documents": 1}
     assert ids.dtype == np.uint16 and sentence_offsets.dtype == document_offsets.dtype == np.int64
 
 

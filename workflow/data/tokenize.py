@@ -8,9 +8,9 @@ Input: one sentence per line, a blank line between documents (UTF-8). Output: an
                                (absent without one)
   corpus_unknown_tokens [C]    int64: of those, the vocab's unknown token ([UNK]: text the vocab cannot spell; absent
                                without corpora.json)
-Sentences that tokenize to nothing and documents without sentences are dropped (as Google's script does). Text that
-becomes the unknown token is counted and logged, and a shard where it passes UNKNOWN_WARNING_SHARE of the tokens
-warns: a vocab that does not fit the text (another script, a cased text on an uncased vocab's accents stripped...).
+Sentences that tokenize to nothing and documents without sentences are dropped (as Google's script does), counted in
+the log. Text that becomes the unknown token is counted and logged, and a shard where it passes UNKNOWN_WARNING_SHARE
+of the tokens warns: a vocab that does not fit the text (another script or language, or other normalisation).
 Ids are those of `tokenizers`' BERT pipeline, token for token; each distinct word is tokenized once (WordCache).
 With a byte-level BPE, those of its tokenizer.json on each sentence, a space before each (before a document's first
 only where the file adds a prefix space): the ids of the whole document, cut at its sentences (ByteLevelCache).
@@ -230,6 +230,7 @@ def tokenize_shard(
     line_unknown = unknown_per_line(ids, lengths, vocab.special_ids.get("unk"))
     corpus_unknown = tokens_per_corpus(text_path, line_unknown, line_documents)
     # Drop sentences with no tokens, then documents left with no sentences.
+    documents_read = line_documents[-1] + 1 if line_documents else 0  # numbered from 0, each with a line
     kept = lengths > 0
     lengths = lengths[kept]
     line_documents = np.asarray(line_documents, dtype=np.int64)[kept]
@@ -238,7 +239,8 @@ def tokenize_shard(
     starts = np.flatnonzero(np.diff(line_documents, prepend=-1)) if len(line_documents) else np.zeros(0, np.int64)
     document_offsets = np.append(starts, len(lengths)).astype(np.int64)
     counts = {"tokens": int(len(ids)), "sentences": int(len(lengths)), "documents": int(len(starts)),
-              "unknown_tokens": int(line_unknown.sum())}
+              "unknown_tokens": int(line_unknown.sum()), "dropped_sentences": int(len(kept) - kept.sum()),
+              "dropped_documents": documents_read - int(len(starts))}
     try:
         with atomic_path(output) as temporary, open(temporary, "wb") as handle:
             extra = {} if corpus_tokens is None else {"corpus_tokens": corpus_tokens,
@@ -246,8 +248,9 @@ def tokenize_shard(
             np.savez(handle, ids=ids, sentence_offsets=sentence_offsets, document_offsets=document_offsets, **extra)
     except OSError as error:
         raise UserError(f"{output}: cannot write ({error.strerror})") from None
-    log.info("%s: %d tokens (%d unknown), %d sentences, %d documents", text_path, counts["tokens"],
-             counts["unknown_tokens"], counts["sentences"], counts["documents"])
+    log.info("%s: %d tokens (%d unknown), %d sentences, %d documents; dropped: %d sentences and %d documents that "
+             "tokenize to nothing", text_path, counts["tokens"], counts["unknown_tokens"], counts["sentences"],
+             counts["documents"], counts["dropped_sentences"], counts["dropped_documents"])
     share = counts["unknown_tokens"] / max(counts["tokens"], 1)
     if share > UNKNOWN_WARNING_SHARE:
         log.warning("%s: %.2f%% of the tokens are the unknown token %s: %s does not spell this text (another script "
