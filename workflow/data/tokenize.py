@@ -260,12 +260,13 @@ def tokenize_shard(
 
 
 def unknown_per_line(ids: np.ndarray, lengths: np.ndarray, unknown_id: int | None) -> np.ndarray:
-    """How many of each line's tokens are the unknown token (none where the vocab has no such token)."""
+    """How many of each line's tokens are the unknown token (none where the vocab has no such token). Memory: a bool
+    per token and an int per unknown token, not an int64 per token."""
     if unknown_id is None:
         return np.zeros(len(lengths), np.int64)
-    seen = np.concatenate([[0], np.cumsum(ids == unknown_id, dtype=np.int64)])
-    ends = np.cumsum(lengths, dtype=np.int64)
-    return seen[ends] - seen[ends - lengths]
+    positions = np.flatnonzero(ids == unknown_id)
+    lines = np.searchsorted(np.cumsum(lengths, dtype=np.int64), positions, side="right")
+    return np.bincount(lines, minlength=len(lengths)).astype(np.int64)
 
 
 def tokens_per_corpus(text_path: str | os.PathLike, lengths: np.ndarray, line_documents: list[int]) -> np.ndarray | None:
