@@ -5,8 +5,8 @@ tokens are the vocab's unknown token (text the vocab cannot spell).
         --manifest data/shards/corpora.json --tokenized data/tokenized --output results/corpora.csv
 
 Documents and sentences are format's (summed over a dump's parts); tokens are tokenize's, both splits, each shard's
-`corpus_tokens` and `corpus_unknown_tokens` in the order of shard's corpora.json. A formatted summary is named by its corpus as shard names
-its input (workflow.data.shard.corpus_of).
+`corpus_tokens` and `corpus_unknown_tokens` in the order of shard's corpora.json. A formatted summary is named by its
+corpus as shard names its input (workflow.data.shard.corpus_of).
 """
 import argparse
 import csv
