@@ -412,7 +412,8 @@ def train_phase(s: TrainSettings, env) -> dict:
     log.info("held-out evaluation set: %s", evaluation_set.identity)
     next_sentence_prediction = train_shards[0].objective == "nsp"
     held_out = functools.partial(evaluate, evaluation_set=evaluation_set, env=env, precision=precision,
-                                 batch_size=phase.micro_batch_size * 2, next_sentence_prediction=next_sentence_prediction,
+                                 batch_size=phase.micro_batch_size * 2,
+                                 next_sentence_prediction=next_sentence_prediction,
                                  host_indices=model_family.host_indices)
     loop = LoopSettings(config_key=phase.key, run_dir=s.run_dir, total_steps=phase.total_steps,
                         global_batch_size=phase.global_batch_size, micro_batch_size=phase.micro_batch_size,
