@@ -168,3 +168,32 @@ def test_no_host_sync_in_a_finetuning_step_between_log_lines_and_checkpoints(hea
     # 3 steps of 4 micro-batches (16 rows in 4s): steps 1-2 between boundaries, step 3 logs and checkpoints.
     assert (syncs["between_steps"], syncs["boundary_steps"]) == (2, 1)
     assert syncs["between_syncs"] == 0, repr(syncs["calls"])[:3000]
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert", "roberta"])
+def test_the_gpu_paths_loss_and_backward_read_nothing_back_from_the_device(family):
+    """The step a GPU trains (packed rows unpadded through the varlen custom ops, bf16 autocast, the MLM loss as
+    PretrainingTask computes it) on CPU's stand-ins: nothing in the model, its loss or its backward would make the
+    host wait for the GPU. (The optimizers' CPU paths read host-side state; their CUDA paths are fused.)"""
+    from types import SimpleNamespace
+
+    from benchmarks.compile_cpu import build, micro_batches
+    from benchmarks.gpu_measure import Device
+    from workflow.train.models.family import family as model_family
+    from workflow.train.precision import autocast
+    from workflow.train.pretrain import PretrainingTask
+
+    torch.manual_seed(0)
+    args = SimpleNamespace(batches=3, rows=4, seq=128, vocab=1024)
+    config, model = build(family, args.vocab, args.seq)
+    task = PretrainingTask(None, args.seq, family == "bert", model_family(family).host_indices)
+    cpu = Device("cpu")
+    with cpu.packed_path():
+        for batch in micro_batches(family, config, args):
+            totals = task.count(batch)
+            with accelerator.counting_host_syncs(cpu.torch) as calls:
+                with autocast(cpu.torch, "bf16"):
+                    loss = task.loss(model, batch, totals)["loss"]
+                loss.backward()
+            assert calls == [] and loss.isfinite()
+            assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
