@@ -274,3 +274,17 @@ def test_curated_abbreviations_and_initials_hold_in_both_punkt_modes(adverse_cor
         model = str(write_punkt_tab(params, tmp_path / "punkt_tab"))
     format_corpus(adverse_corpus, tmp_path / "out.txt", punkt_model=model)
     assert documents_of(tmp_path / "out.txt")[-1] == INITIALS_AND_TITLES
+
+ET_AL = ["Dobson et al. propose a method for the assay.", "Kelly et al. have shown that it works at scale.",
+         "The method was first tested by Smith et al.", "The results were good."]
+
+
+def test_et_al_ends_a_sentence_only_where_the_next_word_starts_one(adverse_corpus, tmp_path):
+    """"et al." (curated: a small corpus's Punkt does not learn it) is no sentence end before a lower-case verb, and is
+    one before a word that starts sentences."""
+    records = adverse_corpus.read_text(encoding="utf-8") + json.dumps(
+        {"id": "3", "title": "Assays", "text": " ".join(ET_AL)}) + "\n"
+    corpus = tmp_path / "wikipedia.jsonl"
+    corpus.write_text(records, encoding="utf-8")
+    format_corpus(corpus, tmp_path / "out.txt", min_article_chars=100)
+    assert documents_of(tmp_path / "out.txt")[-1] == ET_AL

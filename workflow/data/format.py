@@ -50,7 +50,7 @@ INITIALS = frozenset("abcdefghjklmnopqrstuvwxyz")
 # Deliberately absent: ones that usually end a sentence (etc, a.m, p.m, b.c, a.d).
 ABBREVIATIONS = NEVER_SENTENCE_FINAL | INITIALS | frozenset(
     """
-    sr jr st mt ft no nos vol vols pp p ed eds ch sec art op
+    sr jr st mt ft no nos vol vols pp p ed eds ch sec art op al
     jan feb mar apr jun jul aug sep sept oct nov dec mon tue wed thu fri sat sun
     inc ltd co corp bros dept univ assn inst est intl natl govt
     u.s u.s.a u.k u.n e.u d.c n.y l.a ph.d m.d b.a m.a b.sc m.sc
