@@ -275,6 +275,7 @@ def test_curated_abbreviations_and_initials_hold_in_both_punkt_modes(adverse_cor
     format_corpus(adverse_corpus, tmp_path / "out.txt", punkt_model=model)
     assert documents_of(tmp_path / "out.txt")[-1] == INITIALS_AND_TITLES
 
+
 ET_AL = ["Dobson et al. propose a method for the assay.", "Kelly et al. have shown that it works at scale.",
          "The method was first tested by Smith et al.", "The results were good."]
 

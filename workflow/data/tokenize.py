@@ -226,9 +226,8 @@ def tokenize_shard(
                                       cache_class=byte_level_cache(tokenizer))
     else:
         ids, lengths = tokenize_lines(tokenizer, lines, dtype)
-    corpus_tokens = tokens_per_corpus(text_path, lengths, line_documents)
     line_unknown = unknown_per_line(ids, lengths, vocab.special_ids.get("unk"))
-    corpus_unknown = tokens_per_corpus(text_path, line_unknown, line_documents)
+    corpus_sums = per_corpus(text_path, line_documents, lengths, line_unknown)
     # Drop sentences with no tokens, then documents left with no sentences.
     documents_read = line_documents[-1] + 1 if line_documents else 0  # numbered from 0, each with a line
     kept = lengths > 0
@@ -243,8 +242,7 @@ def tokenize_shard(
               "dropped_documents": documents_read - int(len(starts))}
     try:
         with atomic_path(output) as temporary, open(temporary, "wb") as handle:
-            extra = {} if corpus_tokens is None else {"corpus_tokens": corpus_tokens,
-                                                      "corpus_unknown_tokens": corpus_unknown}
+            extra = {} if corpus_sums is None else dict(zip(("corpus_tokens", "corpus_unknown_tokens"), corpus_sums))
             np.savez(handle, ids=ids, sentence_offsets=sentence_offsets, document_offsets=document_offsets, **extra)
     except OSError as error:
         raise UserError(f"{output}: cannot write ({error.strerror})") from None
@@ -269,21 +267,25 @@ def unknown_per_line(ids: np.ndarray, lengths: np.ndarray, unknown_id: int | Non
     return np.bincount(lines, minlength=len(lengths)).astype(np.int64)
 
 
-def tokens_per_corpus(text_path: str | os.PathLike, lengths: np.ndarray, line_documents: list[int]) -> np.ndarray | None:
-    """The tokens (`lengths`: of each line) of each corpus in a shard: its documents are the corpora's in order, as
-    many of each as shard's corpora.json beside the splits says (None without one: a shard cut outside the
-    workflow)."""
+def per_corpus(text_path: str | os.PathLike, line_documents: list[int], *line_counts: np.ndarray) -> list | None:
+    """Each of `line_counts` (a number per line: tokens, unknown tokens) summed per corpus of the shard: its
+    documents are the corpora's in order, as many of each as shard's corpora.json beside the splits says (None
+    without one: a shard cut outside the workflow)."""
     text_path = Path(text_path)
     manifest = text_path.parent.parent / MANIFEST
     if not manifest.is_file():
         return None
     counts = json.loads(manifest.read_text(encoding="utf-8"))[text_path.parent.name][int(text_path.stem.split("_")[-1])]
-    document_tokens = np.bincount(np.asarray(line_documents, np.int64), weights=lengths, minlength=sum(counts))
-    if len(document_tokens) != sum(counts):
-        raise UserError(f"{text_path}: {len(document_tokens)} documents, but {manifest} lists {sum(counts)}")
-    cumulative = np.concatenate([[0], np.cumsum(document_tokens, dtype=np.int64)])
+    documents = np.asarray(line_documents, np.int64)
     ends = np.cumsum(counts, dtype=np.int64)
-    return cumulative[ends] - cumulative[ends - np.asarray(counts, np.int64)]
+    sums = []
+    for values in line_counts:
+        per_document = np.bincount(documents, weights=values, minlength=sum(counts))
+        if len(per_document) != sum(counts):
+            raise UserError(f"{text_path}: {len(per_document)} documents, but {manifest} lists {sum(counts)}")
+        cumulative = np.concatenate([[0], np.cumsum(per_document, dtype=np.int64)])
+        sums.append(cumulative[ends] - cumulative[ends - np.asarray(counts, np.int64)])
+    return sums
 
 
 def load_tokenized(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
