@@ -9,7 +9,13 @@ PYPY_VENV := .venv-pypy
 
 .PHONY: setup pypy-venv demo test lint run-dir
 
+# The pins (Snakemake 9, numpy 2.4, pandas 3, ...) need Python >= 3.11; the suite passes on 3.11, 3.12 and 3.13.
+PYTHON_FLOOR := 3.11
 $(INSTALLED): requirements.txt requirements-test.txt
+	@$(PYTHON) -c 'import sys; floor = "$(PYTHON_FLOOR)"; \
+	  need = f"snakebert needs Python >= {floor} (its pins Snakemake 9, numpy and pandas do)"; \
+	  sys.exit(None if sys.version_info >= tuple(map(int, floor.split("."))) else \
+	  f"error: {need}; $(PYTHON) is {sys.version.split()[0]}: pick another, e.g. make PYTHON=python3.12")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements-test.txt

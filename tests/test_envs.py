@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import shutil
+import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -209,6 +211,36 @@ def test_env_pins_are_the_requirements_files_pins_and_no_deprecated_channel(env_
     assert not differing, f"{Path(env_file).name}: (env, requirements) pins differ: {differing}"
     channels = yaml.safe_load(Path(env_file).read_text(encoding="utf-8")).get("channels", [])
     assert not {"pytorch", "nvidia"} & set(channels), channels
+
+
+def python_floor(requires_python: str | None) -> tuple[int, ...]:
+    match = re.search(r">=\s*(\d+(?:\.\d+)*)", requires_python or "")
+    return tuple(int(part) for part in match[1].split("."))[:2] if match else (0,)
+
+
+def test_makes_python_floor_is_the_highest_floor_of_the_pinned_packages():
+    """The Makefile's PYTHON_FLOOR is what the CPU venv's pins need: the highest `Requires-Python` among them."""
+    floors = {name: python_floor(importlib.metadata.metadata(name).get("Requires-Python"))
+              for name in requirement_pins("requirements.txt", "requirements-test.txt")}
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    floor = tuple(int(part) for part in re.search(r"^PYTHON_FLOOR := (\S+)$", makefile, re.M)[1].split("."))
+    assert floor == max(floors.values()), {name: value for name, value in floors.items() if value > floor}
+    assert floor <= sys.version_info[:2]
+
+
+def test_make_setup_below_the_python_floor_stops_with_one_error_line_before_making_a_venv(tmp_path):
+    """A Python below the floor (here: the floor raised above this interpreter) stops `make setup` with one `error:`
+    line naming the interpreter, its version and the floor, before any venv or download."""
+    for name in ("Makefile", *REQUIREMENTS):
+        shutil.copy2(REPO / name, tmp_path / name)
+    made = subprocess.run(["make", "-C", str(tmp_path), "setup", f"PYTHON={sys.executable}", "PYTHON_FLOOR=99.0"],
+                          capture_output=True, text=True, timeout=60)
+    version = sys.version.split()[0]
+    errors = [line for line in made.stderr.splitlines() if line.startswith("error:")]
+    assert made.returncode != 0 and errors == [
+        f"error: snakebert needs Python >= 99.0 (its pins Snakemake 9, numpy and pandas do); {sys.executable} is "
+        f"{version}: pick another, e.g. make PYTHON=python3.12"], made.stderr
+    assert not (tmp_path / ".venv").exists()
 
 
 def test_gpu_rules_use_the_cuda_env():
