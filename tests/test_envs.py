@@ -214,11 +214,12 @@ def test_env_pins_are_the_requirements_files_pins_and_no_deprecated_channel(env_
 
 
 def python_floor(requires_python: str | None) -> tuple[int, ...]:
+    """(major, minor) of a `Requires-Python`'s `>=` bound; (0,) where it has none."""
     match = re.search(r">=\s*(\d+(?:\.\d+)*)", requires_python or "")
     return tuple(int(part) for part in match[1].split("."))[:2] if match else (0,)
 
 
-def test_makes_python_floor_is_the_highest_floor_of_the_pinned_packages():
+def test_the_makefiles_python_floor_is_the_highest_floor_of_the_pinned_packages():
     """The Makefile's PYTHON_FLOOR is what the CPU venv's pins need: the highest `Requires-Python` among them."""
     floors = {name: python_floor(importlib.metadata.metadata(name).get("Requires-Python"))
               for name in requirement_pins("requirements.txt", "requirements-test.txt")}
