@@ -4,15 +4,21 @@ Proves: at BERT-large phase 1's batch sizes (global batch 65,536 sequences, micr
 micro-batches per rank and step unpacked) a step crosses from a loader worker to the trainer under the common
 `ulimit -n 1024` (each tensor's storage travels as its own file descriptor: the micro-batches of a step are
 stacked into one tensor per field), and the trainer gets exactly the micro-batches of a read in its own process.
-A rank whose step raises shuts its loader workers down, so it exits instead of hanging at Python's exit.
+A rank whose step raises shuts its loader workers down, so it exits instead of hanging at Python's exit; a rank that
+SIGKILL takes (the out-of-memory killer) leaves no process behind, whatever the start method: fork, spawn, or
+forkserver (Python 3.14's default on Linux).
 """
 from __future__ import annotations
 
 import multiprocessing
+import os
 import resource
+import signal
 import subprocess
 import sys
+import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +26,7 @@ import torch
 from tests.test_pretrain import data, settings  # noqa: F401  (the data fixture)
 from workflow.data.synthetic_shards import write_synthetic_shards
 from workflow.train import engine
-from workflow.train.pretrain import pretrain
+from workflow.train.pretrain import PretrainingTask, pretrain
 from workflow.train.pretraining_data import PretrainingSequences, list_shards
 
 GLOBAL_BATCH, MICRO_BATCH, WORLD = 65_536, 64, 8  # BERT-large phase 1 (config.yaml) on 8 ranks
@@ -109,47 +115,49 @@ def test_a_step_that_raises_leaves_no_loader_worker_behind(data, tmp_path, monke
     assert set(multiprocessing.active_children()) == before
 
 
-# A rank as `python -m workflow.train.pretrain` runs it, but its loader worker raises (a damaged shard) at one step:
-# each worker notes its pid, the failing one the time of its error.
-FAILING_WORKER = """
-import os, sys, time
-from pathlib import Path
+class FailingTask(PretrainingTask):
+    """A rank's task whose loader worker raises (a damaged shard) at its fifth step in rank $FAILING_RANK: each read
+    notes its worker's pid in $FAILING_NOTES/workers, the failing one the time of its error. A class that the workers
+    import by name, so that it reaches them under every start method."""
+
+    def micro_batches(self, start, count, rank, world, rows):
+        notes = Path(os.environ["FAILING_NOTES"])
+        with open(notes / "workers", "a") as handle:
+            handle.write(f"{os.getpid()}\n")
+        if start >= 4 * count and os.environ.get("RANK", "0") == os.environ.get("FAILING_RANK", "0"):
+            (notes / "error_at").write_text(repr(time.time()))
+            raise OSError(f"{notes}/shard_1.hdf5: damaged")
+        return super().micro_batches(start, count, rank, world, rows)
+
+
+# A rank as `python -m workflow.train.pretrain` runs it: its processes started by the start method $START_METHOD names
+# (else Python's default), its task FailingTask where $FAILING_NOTES is set.
+RANK = """
+import multiprocessing, os, sys
 from workflow.cli import run
 from workflow.train import pretrain
 
-notes, real = Path(sys.argv[1]), pretrain.PretrainingTask.micro_batches
-
-def micro_batches(self, start, count, rank, world, rows):
-    with open(notes / "workers", "a") as handle:
-        handle.write(f"{os.getpid()}\\n")
-    if start >= 4 * count and os.environ.get("RANK", "0") == os.environ.get("FAILING_RANK", "0"):
-        (notes / "error_at").write_text(repr(time.time()))
-        raise OSError(f"{notes}/shard_1.hdf5: damaged")
-    return real(self, start, count, rank, world, rows)
-
-pretrain.PretrainingTask.micro_batches = micro_batches
-run(pretrain.main, sys.argv[2:])
+if os.environ.get("START_METHOD"):
+    multiprocessing.set_start_method(os.environ["START_METHOD"], force=True)
+if os.environ.get("FAILING_NOTES"):
+    from tests.test_input_pipeline import FailingTask
+    pretrain.PretrainingTask = FailingTask
+run(pretrain.main, sys.argv[1:])
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return " Z " not in open(f"/proc/{pid}/stat").read().split(")")[-1][:4]  # a zombie is gone but for its reaper
-    except FileNotFoundError:
-        return False
-
-
-def test_a_rank_whose_loader_worker_raises_exits_non_zero_within_seconds_and_leaves_no_worker(data, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])  # Python 3.14's default on Linux: forkserver
+def test_a_rank_whose_loader_worker_raises_exits_non_zero_within_seconds_and_leaves_no_worker(data, tmp_path,  # noqa: F811
+                                                                                              start_method):
     # The error leaves next() of the DataLoader's iterator with a traceback that holds the iterator: left to Python's
     # exit, its workers (which ignore SIGTERM) were terminated in vain and joined forever, and the rank never exited.
-    import time
-
     from tests.test_pretrain import command, environment
 
     notes = tmp_path / "notes"
     notes.mkdir()
     argv = command(settings(data, tmp_path / "out", total_steps=12, loader_workers=2, eval_max_sequences=16))
-    rank = subprocess.Popen([sys.executable, "-c", FAILING_WORKER, str(notes), *argv[3:]], env=environment(),
+    rank = subprocess.Popen([sys.executable, "-c", RANK, *argv[3:]],
+                            env=environment(FAILING_NOTES=str(notes), START_METHOD=start_method),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _, stderr = rank.communicate(timeout=90)
@@ -170,16 +178,14 @@ def test_a_rank_whose_loader_worker_raises_exits_non_zero_within_seconds_and_lea
 def test_two_local_ranks_end_within_seconds_of_one_ranks_loader_worker_error(data, tmp_path):  # noqa: F811
     # Rank 1's worker raises; rank 1 exits, torchrun stops rank 0 (blocked in its next collective, not for the
     # collective timeout's 30 minutes), and the launcher exits non-zero, leaving no worker of either rank.
-    import time
-
     from tests.test_pretrain import command, environment
 
     notes = tmp_path / "notes"
     notes.mkdir()
     argv = command(settings(data, tmp_path / "out", total_steps=12, loader_workers=2, eval_max_sequences=16))
-    launcher = [sys.executable, "-m", "workflow.slurm.launch", "--", sys.executable, "-c", FAILING_WORKER, str(notes),
-                *argv[3:]]
-    result = subprocess.run(launcher, env=environment(SNAKEBERT_LOCAL_RANKS="2", FAILING_RANK="1"),
+    launcher = [sys.executable, "-m", "workflow.slurm.launch", "--", sys.executable, "-c", RANK, *argv[3:]]
+    result = subprocess.run(launcher, env=environment(SNAKEBERT_LOCAL_RANKS="2", FAILING_RANK="1",
+                                                      FAILING_NOTES=str(notes)),
                             capture_output=True, text=True, timeout=120)
     exited = time.time()
     assert result.returncode != 0 and "damaged" in result.stderr
@@ -189,3 +195,51 @@ def test_two_local_ranks_end_within_seconds_of_one_ranks_loader_worker_error(dat
     assert len(workers) == 4  # two per rank
     time.sleep(1)
     assert not [pid for pid in workers if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return " Z " not in open(f"/proc/{pid}/stat").read().split(")")[-1][:4]  # a zombie is gone but for its reaper
+    except FileNotFoundError:
+        return False
+
+
+def processes_marked(mark: bytes) -> set[int]:
+    """The live processes whose environment holds `mark` (every process a rank starts inherits it)."""
+    pids = set()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in environ.read_bytes().split(b"\0") and _alive(int(environ.parent.name)):
+                pids.add(int(environ.parent.name))
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_a_rank_killed_by_sigkill_leaves_no_process_behind_under_every_start_method(data, tmp_path, start_method):  # noqa: F811
+    # Python 3.14 starts processes by forkserver on Linux. The workers are then the fork server's children, so
+    # torch's check that their parent changed never fires: they and the fork server outlived a rank that the
+    # out-of-memory killer took, forever, holding its memory and its output pipes.
+    from tests.test_pretrain import command, environment
+
+    mark = f"SNAKEBERT_TEST_RANK={tmp_path}".encode()
+    argv = command(settings(data, tmp_path / "out", total_steps=12, loader_workers=2, eval_max_sequences=16))
+    with open(tmp_path / "stderr", "w") as stderr:
+        rank = subprocess.Popen([sys.executable, "-c", RANK, *argv[3:]],
+                                env=environment(SNAKEBERT_FAIL_AT_STEP="7", SNAKEBERT_TEST_RANK=str(tmp_path),
+                                                START_METHOD=start_method),
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        seen, deadline = set(), time.time() + 150
+        while rank.poll() is None and time.time() < deadline:
+            seen |= processes_marked(mark) - {rank.pid}
+            time.sleep(0.1)
+        if rank.poll() is None:
+            rank.kill()
+            pytest.fail(f"the rank did not reach step 7 within 150 s: {(tmp_path / 'stderr').read_text()[-2000:]}")
+    assert rank.returncode == -signal.SIGKILL, (tmp_path / "stderr").read_text()[-2000:]
+    assert len(seen) >= 2  # its two loader workers (and under forkserver the fork server, the resource tracker)
+    deadline = time.time() + 30  # torch's own check runs every 5 s
+    while (left := processes_marked(mark)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, f"{len(left)} of the rank's {len(seen)} processes outlived it"

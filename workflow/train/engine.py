@@ -63,8 +63,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
+import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,10 +347,21 @@ class _Steps(torch.utils.data.Dataset):
         return stack_micro_batches(self.micro_batches(start))
 
 
-def _ignore_stop_signals(_worker: int) -> None:
-    # A stop signal is the rank's to handle (finish the step, checkpoint); its readers must outlive it.
+def _start_loader_worker(_worker: int) -> None:
+    """A loader worker ignores stop signals: they are the rank's to handle (finish the step, checkpoint), and its
+    readers must outlive them. It ends with its rank, however the rank ends. torch's own check, that getppid()
+    changed, misses a rank that SIGKILL or the out-of-memory killer took when the workers are not its children:
+    under forkserver (Python 3.14's default start method on Linux) their parent is the fork server, which they keep
+    alive, so they would outlive the rank forever, holding its memory and its output pipes."""
     for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
+    threading.Thread(target=_exit_with, args=(multiprocessing.parent_process(),), name="exit with the rank",
+                     daemon=True).start()
+
+
+def _exit_with(rank: multiprocessing.process.BaseProcess) -> None:
+    rank.join()  # its sentinel, a pipe that only the rank holds open, under every start method
+    os._exit(1)
 
 
 def step_batches(task: Task, starts, s: LoopSettings, env):
@@ -360,14 +374,14 @@ def step_batches(task: Task, starts, s: LoopSettings, env):
     The workers start here, before the caller starts its own threads. The result is a generator that shuts its
     workers down when it ends: closed (train does, also when a step raises), exhausted, or when a worker's error
     leaves it (a damaged shard, a worker the out-of-memory killer took), whose traceback would otherwise hold the
-    DataLoader's iterator alive. The workers ignore SIGTERM (_ignore_stop_signals), so left to Python's exit they
+    DataLoader's iterator alive. The workers ignore SIGTERM (_start_loader_worker), so left to Python's exit they
     would be terminated in vain and joined forever: a rank that failed would hang, not exit."""
     workers = s.loader_workers
     loader = torch.utils.data.DataLoader(
         _Steps(task, s.global_batch_size, env.rank, env.world_size, s.micro_batch_size), batch_size=None,
         sampler=starts, num_workers=workers,
         prefetch_factor=max(1, -(-s.prefetch_steps // workers)) if workers else None,
-        pin_memory=env.device.type == "cuda", worker_init_fn=_ignore_stop_signals if workers else None,
+        pin_memory=env.device.type == "cuda", worker_init_fn=_start_loader_worker if workers else None,
         generator=torch.Generator())  # its own seed draw: the global RNG (dropout) must not move
     return _unstacked(iter(loader))
 
