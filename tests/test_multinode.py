@@ -45,7 +45,10 @@ MODERNBERT_FOUR_RANKS = {
 FAMILIES = {"bert": (FOUR_RANKS, "demo_data", "one_machine"),
             "modernbert": (MODERNBERT_FOUR_RANKS, "modernbert_one_machine", "modernbert_one_machine")}
 RANK_LINE = re.compile(r"rank (\d+)/(\d+) \(local (\d+)\) on host (\S+), \S+, backend \S+, master (\S+) \((\S+)\):\d+")
-TOLERANCE = 1e-5  # fp32 sums in another order: 4 ranks' all-reduce vs one process
+# fp32 sums in another order (4 ranks' all-reduce vs one process), grown by the optimizer's steps: up to 1.03e-5
+# (ModernBERT, AdamW) on a Xeon with AVX-512 FP16, where the bound was 1e-5. A lost or doubled micro-batch
+# moves weights by the learning rate's scale (1e-2 here), orders of magnitude more.
+TOLERANCE = 5e-5
 
 
 def without_dropout(workdir: Path) -> None:
