@@ -147,8 +147,8 @@ run(pretrain.main, sys.argv[1:])
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])  # Python 3.14's default on Linux: forkserver
-def test_a_rank_whose_loader_worker_raises_exits_non_zero_within_seconds_and_leaves_no_worker(data, tmp_path,  # noqa: F811
-                                                                                              start_method):
+def test_a_rank_whose_loader_worker_raises_exits_non_zero_within_seconds_and_leaves_no_worker(  # noqa: F811
+        data, tmp_path, start_method):
     # The error leaves next() of the DataLoader's iterator with a traceback that holds the iterator: left to Python's
     # exit, its workers (which ignore SIGTERM) were terminated in vain and joined forever, and the rank never exited.
     from tests.test_pretrain import command, environment
@@ -217,7 +217,8 @@ def processes_marked(mark: bytes) -> set[int]:
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-def test_a_rank_killed_by_sigkill_leaves_no_process_behind_under_every_start_method(data, tmp_path, start_method):  # noqa: F811
+def test_a_rank_killed_by_sigkill_leaves_no_process_behind_under_every_start_method(  # noqa: F811
+        data, tmp_path, start_method):
     # Python 3.14 starts processes by forkserver on Linux. The workers are then the fork server's children, so
     # torch's check that their parent changed never fires: they and the fork server outlived a rank that the
     # out-of-memory killer took, forever, holding its memory and its output pipes.

@@ -91,7 +91,8 @@ def test_pretraining_continues_the_published_encoder_with_hfs_outputs_on_packed_
     monkeypatch.setattr(kit, "VARLEN_DEVICE_TYPES", ("cpu",) if path == "varlen" else ())
     arrays = real_instances(real_text)
     packed = pack_arrays(arrays, max_sequences_per_pack="auto", masked_lm_prob=0.15)
-    assert len(packed["input_ids"]) <= len(arrays["input_ids"]) // 2 and (packed["sequence_lengths"] > 0).sum(1).max() >= 3
+    assert len(packed["input_ids"]) <= len(arrays["input_ids"]) // 2
+    assert (packed["sequence_lengths"] > 0).sum(1).max() >= 3
     hf = transformers.BertModel.from_pretrained(PUBLISHED).eval()
     model = continued()
     tensor = {name: torch.from_numpy(array.astype(np.int64)) for name, array in packed.items()}
