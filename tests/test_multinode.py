@@ -274,6 +274,51 @@ def test_without_slurm_a_live_process_owns_the_run_directory_and_a_dead_one_is_t
     assert not (tmp_path / "owner.json").exists()
 
 
+def test_a_slurm_owner_that_slurm_no_longer_lists_is_taken_over(cluster, tmp_path):
+    from workflow.slurm import owner
+
+    holder = {"slurm_job": "999999999", "host": "node1", "pid": 4242}  # squeue: "Invalid job id specified"
+    (tmp_path / "owner.json").write_text(json.dumps(holder) + "\n")
+    assert owner.claim(tmp_path) == holder
+
+
+def unreachable_controller(directory: Path) -> Path:
+    """A copy of the installed slurm.conf whose controller is a closed port of this host, asked with no retry."""
+    installed = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf"))
+    if not shutil.which("squeue") or not installed.is_file():
+        pytest.skip("Slurm's client commands are not installed here")
+    lines = [line for line in installed.read_text().splitlines()
+             if not line.startswith(("SlurmctldHost", "SlurmctldPort", "MessageTimeout", "TCPTimeout"))]
+    conf = directory / "slurm.conf"
+    conf.write_text("\n".join(["SlurmctldHost=localhost(127.0.0.1)", "SlurmctldPort=9", "MessageTimeout=1",
+                               "TCPTimeout=1", *lines]) + "\n")
+    return conf
+
+
+@pytest.mark.parametrize("squeue", ["absent", "controller unreachable"])
+def test_a_slurm_owner_whose_state_squeue_cannot_tell_is_never_taken_over(tmp_path, monkeypatch, squeue):
+    # A run directory from the cluster rerun where Slurm is not installed, or squeue timing out on a busy
+    # controller: neither proves the owner gone, and taking over a live job's directory would mix two runs.
+    from workflow.cli import UserError
+    from workflow.slurm import owner
+
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run_dir.mkdir(), elsewhere.mkdir()
+    holder = {"slurm_job": "812", "host": "node1", "pid": 4242}
+    (run_dir / "owner.json").write_text(json.dumps(holder) + "\n")
+    if squeue == "absent":
+        monkeypatch.setenv("PATH", str(elsewhere))
+        why = r"`squeue` cannot run here \(\[Errno 2\]"
+    else:
+        monkeypatch.setenv("SLURM_CONF", str(unreachable_controller(elsewhere)))
+        monkeypatch.setattr(owner, "SQUEUE_RETRY_S", 0.0)
+        why = r"`squeue -j 812` failed 3 times \(slurm_load_jobs error: Unable to contact slurm controller"
+    with pytest.raises(UserError, match=f"in use by Slurm job 812 .*cannot be told: {why}.*delete {run_dir}/owner.json"):
+        owner.claim(run_dir)
+    assert json.loads((run_dir / "owner.json").read_text()) == holder
+    assert [path.name for path in run_dir.iterdir()] == ["owner.json"]
+
+
 def trainer_pid(job_id: str, rank: int) -> int | None:
     """The pid of the trainer of rank `rank` in Slurm job `job_id` (the nodes share this host's process table): the
     child of the launcher's guard of that rank, not one of its loader workers."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -414,10 +415,18 @@ def test_a_gpu_job_launched_with_fewer_ranks_than_gpus_stops_with_one_error_line
         assert "on 2 GPU(s)" in lines[0] and "tasks_per_node" in lines[0] and "mpi" in lines[0], lines
 
 
-def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_decision(tmp_path):
+@pytest.mark.parametrize("scontrol", ["on PATH", "not installed"])
+def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_decision(tmp_path, scontrol):
     # A run stopped by the time-limit signal after a new checkpoint asks to be requeued; outside a real job
     # `scontrol requeue` fails, which is reported on one `error:` line and ends the run with the trainer's status.
+    # So does a missing scontrol (a container without Slurm's commands): the trainer's status is never lost.
     (tmp_path / "logs").mkdir()
+    env = clean_env()
+    if scontrol == "not installed":
+        (tmp_path / "bin").mkdir()
+        for command in ("sh", "mkdir", "touch"):  # the trainer's, and no Slurm command
+            (tmp_path / "bin" / command).symlink_to(shutil.which(command))
+        env["PATH"] = str(tmp_path / "bin")
     checkpoints = tmp_path / "run" / "checkpoints"
     script = ("import sys; from workflow.cli import configure_logging; from workflow.slurm.attempts import "
               "run_attempt; from workflow.slurm.launch import SlurmJob; configure_logging(); "
@@ -426,7 +435,7 @@ def test_every_run_keeps_its_log_and_a_history_line_with_its_exit_status_and_dec
     job = SCONTROL_2x4.replace("JobId=812", "JobId=999999999")
     with open(tmp_path / "logs" / "pretrain.log", "w") as log:
         result = subprocess.run([sys.executable, "-c", script, job, trainer, str(tmp_path / "run")], cwd=REPO,
-                                stderr=log, env=clean_env())
+                                stderr=log, env=env)
     assert result.returncode == 138
     kept = tmp_path / "logs" / "attempts" / "pretrain.job999999999.run0.log"
     assert kept.read_text() == (tmp_path / "logs" / "pretrain.log").read_text()  # the same file, hard-linked

@@ -72,7 +72,10 @@ def newest_step(run_dir: str | Path | None) -> int | None:
 
 def job_state(job_id: str) -> str:
     """The job's state from slurmctld (RUNNING, or e.g. NODE_FAIL / REQUEUED / PENDING when Slurm took over)."""
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    except OSError:  # scontrol cannot start here (e.g. not on a container's PATH)
+        out = ""
     match = re.search(r"\bJobState=(\S+)", out)
     return match.group(1) if match else "RUNNING"  # no answer: judge by the exit status alone
 
@@ -138,10 +141,14 @@ def run_attempt(job, command: list[str], rendezvous: dict, run_dir: str | Path |
                                   "requeue": decision.requeue}) + "\n")
     log.info("Slurm job %s run %s %s", job.job_id, job.restarts, decision.why)
     if decision.requeue:
-        requeue = subprocess.run(["scontrol", "requeue", job.job_id], capture_output=True, text=True)
-        if requeue.returncode != 0:
-            print(f"error: `scontrol requeue {job.job_id}` failed ({requeue.stderr.strip()}): is `slurm-requeue: true` "
-                  "in the profile? Run snakemake again to resume", file=sys.stderr, flush=True)
+        try:
+            requeue = subprocess.run(["scontrol", "requeue", job.job_id], capture_output=True, text=True)
+            failure = requeue.stderr.strip() if requeue.returncode != 0 else None
+        except OSError as error:
+            failure = str(error)
+        if failure is not None:
+            print(f"error: `scontrol requeue {job.job_id}` failed ({failure}): is `slurm-requeue: true` in the "
+                  "profile? Run snakemake again to resume", file=sys.stderr, flush=True)
         else:  # Slurm ends this run now; exiting first would race the requeue with a job failure
             _wait_for_slurm(job.job_id, REQUEUE_WAIT_S)
     sys.exit(status if status < 256 else 1)

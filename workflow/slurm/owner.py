@@ -7,7 +7,7 @@ refuses while the owner lives.
 An owner is a Slurm job (alive while Slurm lists it as pending, running, requeued, suspended or completing: a
 requeued run of the same job is the same owner) or, without Slurm, a process (host, pid and its start time, so a
 recycled pid is not taken for it; alive while that process is). A dead owner's directory is taken over, with a
-log line. Claims are atomic (a hard link that fails if the file exists), so of two jobs starting at once one wins.
+log line; a Slurm owner whose state squeue cannot tell never is. Claims are atomic (a hard link that fails if the file exists), so of two jobs starting at once one wins.
 
     claim(run_dir, me=this_owner())   raises UserError naming the live owner; returns the owner taken over
 """
@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 OWNER_FILE = "owner.json"
 TAKEOVER_WAIT_S = 600  # for a cancelled job to end: Slurm's KillWait (30 s by default) and its epilog
+SQUEUE_ATTEMPTS, SQUEUE_RETRY_S = 3, 5.0  # a controller that does not answer is asked again, then refused
 SLURM_ALIVE = {"PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
                "SUSPENDED", "COMPLETING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
 
@@ -47,11 +48,26 @@ def this_owner(environ=os.environ) -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid())}
 
 
+class SlurmUnanswered(Exception):
+    """squeue could not tell a job's state: not installed here, or the controller did not answer."""
+
+
 def slurm_job_state(job_id: str) -> str | None:
-    """The job's state as squeue reports it, None when Slurm no longer lists it."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    states = out.stdout.split()
-    return states[0] if out.returncode == 0 and states else None
+    """The job's state as squeue reports it, None when Slurm no longer lists it. Raises SlurmUnanswered when
+    squeue cannot tell after SQUEUE_ATTEMPTS tries: a busy controller's timeout is no proof the job is gone."""
+    for attempt in range(SQUEUE_ATTEMPTS):
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+        except OSError as error:  # e.g. a run directory from the cluster, rerun on a machine without Slurm
+            raise SlurmUnanswered(f"`squeue` cannot run here ({error})") from None
+        states = out.stdout.split()
+        if out.returncode == 0:
+            return states[0] if states else None
+        if "Invalid job id specified" in out.stderr:  # squeue's answer for one job it no longer lists
+            return None
+        if attempt + 1 < SQUEUE_ATTEMPTS:
+            time.sleep(SQUEUE_RETRY_S)
+    raise SlurmUnanswered(f"`squeue -j {job_id}` failed {SQUEUE_ATTEMPTS} times ({out.stderr.strip()})")
 
 
 def is_alive(owner: dict) -> bool:
@@ -96,9 +112,15 @@ def claim(run_dir: str | Path, me: dict | None = None) -> dict | None:
             current = {}
         if same_owner(current, me):
             return None  # e.g. Slurm requeued this very job
-        if current.get("slurm_job") and me.get("slurm_job") and is_alive(current):
+        try:
+            alive = bool(current) and is_alive(current)
+        except SlurmUnanswered as error:
+            raise UserError(f"{run_dir}: in use by {describe(current)}, and whether it is still alive cannot be told: "
+                            f"{error}. Rerun when Slurm answers; if you know it is gone, delete {path} (nothing was "
+                            "changed)") from None
+        if alive and current.get("slurm_job") and me.get("slurm_job"):
             cancel(current, run_dir)
-        elif current and is_alive(current):
+        elif alive:
             raise UserError(f"{run_dir}: in use by {describe(current)}, which is still alive; two jobs on one run "
                             f"directory would overwrite each other's checkpoints. Wait for it or cancel it, then "
                             f"rerun; if you know it is gone, delete {path} (nothing was changed)")
@@ -118,11 +140,18 @@ def cancel(owner: dict, run_dir: Path, wait_s: float = TAKEOVER_WAIT_S) -> None:
                 "checkpoint) to take the run directory over", run_dir, describe(owner))
     subprocess.run(["scancel", owner["slurm_job"]], capture_output=True, text=True)
     deadline = time.monotonic() + wait_s
-    while is_alive(owner):
+    while _alive_or_unanswered(owner):
         if time.monotonic() > deadline:
-            raise UserError(f"{run_dir}: {describe(owner)} is still alive {wait_s:.0f} s after `scancel`; cancel it, "
-                            "then rerun (nothing was changed)")
+            raise UserError(f"{run_dir}: {describe(owner)} is still alive (or Slurm does not answer) {wait_s:.0f} s "
+                            "after `scancel`; cancel it, then rerun (nothing was changed)")
         time.sleep(2)
+
+
+def _alive_or_unanswered(owner: dict) -> bool:
+    try:
+        return is_alive(owner)
+    except SlurmUnanswered:
+        return True
 
 
 def release(run_dir: str | Path, me: dict | None = None) -> None:
