@@ -313,7 +313,8 @@ def test_a_slurm_owner_whose_state_squeue_cannot_tell_is_never_taken_over(tmp_pa
         monkeypatch.setenv("SLURM_CONF", str(unreachable_controller(elsewhere)))
         monkeypatch.setattr(owner, "SQUEUE_RETRY_S", 0.0)
         why = r"`squeue -j 812` failed 3 times \(slurm_load_jobs error: Unable to contact slurm controller"
-    with pytest.raises(UserError, match=f"in use by Slurm job 812 .*cannot be told: {why}.*delete {run_dir}/owner.json"):
+    refusal = f"in use by Slurm job 812 .*cannot be told: {why}.*delete {run_dir}/owner.json"
+    with pytest.raises(UserError, match=refusal):
         owner.claim(run_dir)
     assert json.loads((run_dir / "owner.json").read_text()) == holder
     assert [path.name for path in run_dir.iterdir()] == ["owner.json"]

@@ -7,7 +7,8 @@ refuses while the owner lives.
 An owner is a Slurm job (alive while Slurm lists it as pending, running, requeued, suspended or completing: a
 requeued run of the same job is the same owner) or, without Slurm, a process (host, pid and its start time, so a
 recycled pid is not taken for it; alive while that process is). A dead owner's directory is taken over, with a
-log line; a Slurm owner whose state squeue cannot tell never is. Claims are atomic (a hard link that fails if the file exists), so of two jobs starting at once one wins.
+log line; a Slurm owner whose state squeue cannot tell never is. Claims are atomic (a hard link that fails if the
+file exists), so of two jobs starting at once one wins.
 
     claim(run_dir, me=this_owner())   raises UserError naming the live owner; returns the owner taken over
 """
