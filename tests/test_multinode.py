@@ -303,7 +303,8 @@ def test_a_slurm_owner_whose_state_squeue_cannot_tell_is_never_taken_over(tmp_pa
     from workflow.slurm import owner
 
     run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
-    run_dir.mkdir(), elsewhere.mkdir()
+    run_dir.mkdir()
+    elsewhere.mkdir()
     holder = {"slurm_job": "812", "host": "node1", "pid": 4242}
     (run_dir / "owner.json").write_text(json.dumps(holder) + "\n")
     if squeue == "absent":
