@@ -3,11 +3,10 @@
     python benchmarks/modernbert_projection.py            # modernbert-base; --preset modernbert-large
 
 Measured here (CPU, the model's own code, bf16 autocast):
-  - activation memory: the bytes autograd saves for the backward of one training forward (the MLM head and its
-    cross-entropy at 30% of the tokens included; parameters left out), counted once per storage, on full rows at
-    three lengths, fitted as c + a * N + b * N * L for N tokens in rows of L: c is autocast's bf16 copy of the
-    weights (once per forward), b the dense CPU path's attention probabilities, which a flash kernel does not keep
-    (it recomputes them from its log-sum-exp, a few bytes a token): a GPU keeps a per token;
+  - activation memory (benchmarks/activation_memory.py): the bytes autograd saves for the backward of one training
+    forward (the MLM head and its cross-entropy at 30% of the tokens included), on full rows at three lengths,
+    fitted as c + a * N + b * N * L for N tokens in rows of L: c the bf16 weight copy, a the bytes a token keeps
+    with a flash kernel, b the dense CPU path's attention probabilities;
   - the parameter count of the preset.
 Computed: training FLOPs per token (workflow.train.models.modernbert.flops_per_sequence: the GLU's three products, the
 local layers' attention within the window, the head at the predicted tokens).
@@ -31,10 +30,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.activation_memory import activation_fit  # noqa: E402
 from workflow.train import accelerator  # noqa: E402
 from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMaskedLM, flops_per_sequence  # noqa: E402
 
@@ -45,45 +44,6 @@ RECIPE_TOKENS = {1024: 1_719e9, 8192: 300e9}  # recipes/modernbert-base.yaml: ph
 TOKENS_PER_BYTE = 3.5e9 / 17.9e9  # full_dump_projection.py: enwiki's 3.5 B tokens of 17.9 GB of text
 HDF5_BYTES_PER_TOKEN = (1.49, 1.38)  # benchmarks/long_context.py at 1,024 and 8,192 (python docs, rows packed auto)
 CORPORA = {"English Wikipedia (17.9 GB of text)": 17.9e9, "100 GB of text": 100e9}
-
-
-def saved_bytes(model: ModernBertForMaskedLM, rows: int, length: int) -> int:
-    """Bytes autograd saves for the backward of one bf16 training forward on `rows` full rows of `length` tokens."""
-    generator = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    input_ids = torch.randint(5, vocab, (rows, length), generator=generator)
-    predicted = torch.rand(rows, length, generator=generator) < MASKING
-    positions = [row.nonzero().flatten() for row in predicted]
-    width = max(len(p) for p in positions)
-    masked_lm_positions = torch.zeros(rows, width, dtype=torch.long)
-    valid = torch.zeros(rows, width, dtype=torch.bool)
-    for row, p in enumerate(positions):
-        masked_lm_positions[row, :len(p)], valid[row, :len(p)] = p, True
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
-            torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, _ = model(input_ids, None, torch.ones_like(input_ids), masked_lm_positions, masked_lm_valid=valid)
-        loss = F.cross_entropy(logits.float(), input_ids.gather(1, masked_lm_positions)[valid])
-    del loss, logits
-    return sum(storages.values())
-
-
-def activation_fit(model: ModernBertForMaskedLM, lengths, rows: int = 2) -> tuple[list[int], tuple[float, ...]]:
-    """(saved bytes at each of three `lengths`, (c, a, b)): the fit c + a * N + b * N * L of the saved bytes for N
-    tokens in rows of L; c is autocast's bf16 weight copy, a the bytes a token keeps with a flash kernel, b the dense
-    CPU path's attention probabilities (per token per token of row)."""
-    measured = [saved_bytes(model, rows, length) for length in lengths]
-    design = torch.tensor([[1.0, rows * length, rows * length * length] for length in lengths], dtype=torch.float64)
-    fit = torch.linalg.solve(design, torch.tensor(measured, dtype=torch.float64)).tolist()
-    return measured, tuple(fit)
 
 
 def base_model(preset: str = "modernbert-base", vocab: int = 50368) -> ModernBertForMaskedLM:
@@ -114,7 +74,7 @@ def main(argv=None) -> None:
     config = model.config
     parameters = sum(p.numel() for p in model.parameters())
     rows = 2
-    measured, (constant, kept, quadratic) = activation_fit(model, args.measure, rows)
+    measured, (constant, kept, quadratic) = activation_fit(model, args.measure, rows, MASKING)
     peak = accelerator.peak_flops(H100, "bf16")
     static = 16 * parameters + constant
     print(f"{args.preset}: {parameters / 1e6:.1f} M parameters; window {config.local_attention}, a global layer "
