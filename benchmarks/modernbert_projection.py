@@ -3,17 +3,19 @@
     python benchmarks/modernbert_projection.py            # modernbert-base; --preset modernbert-large
 
 Measured here (CPU, the model's own code, bf16 autocast):
-  - activation memory (benchmarks/activation_memory.py): the bytes autograd saves for the backward of one training
-    forward (the MLM head and its cross-entropy at 30% of the tokens included), on full rows at three lengths,
-    fitted as c + a * N + b * N * L for N tokens in rows of L: c the bf16 weight copy, a the bytes a token keeps
-    with a flash kernel, b the dense CPU path's attention probabilities;
+  - activation memory (benchmarks/activation_memory.py): the bytes one training forward keeps for its backward as
+    a GPU trains it (rows laid end to end through flash_varlen's ops, which keep what the flash kernels keep; the
+    MLM loss at 30% of the tokens through liger's fused linear cross-entropy, pretrain.fused_loss: no logits), on
+    full rows at three lengths, fitted as c + a * N + b * N * L for N tokens in rows of L: c once per forward (the
+    bf16 weight copy, the fused loss's decoder gradient), a per token, b ~0 on this path;
   - the parameter count of the preset.
 Computed: training FLOPs per token (workflow.train.models.modernbert.flops_per_sequence: the GLU's three products, the
 local layers' attention within the window, the head at the predicted tokens).
 Assumed, and printed: the H100 SXM's datasheet bf16 dense peak (workflow.train.accelerator), a model FLOPs
 utilisation (MFU; 40% by default, --mfu), AdamW with fp32 weights, gradients and two moments (16 bytes a
-parameter, and the measured bf16 copy; DDP keeps a whole replica on each GPU), no activation checkpointing, and the gradients' all-reduce at an
-NCCL bus bandwidth of --bus-gbps over NVLink, overlapped with nothing (an upper bound on its cost).
+parameter, beside the measured c; DDP keeps a whole replica on each GPU), no activation checkpointing, and the
+gradients' all-reduce at an NCCL bus bandwidth of --bus-gbps over NVLink, overlapped with nothing (an upper bound on
+its cost). Eager: torch.compile keeps less (its partitioner recomputes casts and element-wise ops).
 The ratio of our step time to Hugging Face's on the same batch is benchmarks/modernbert_step.py's.
 
 At full size (corpus_table): recipes/modernbert-base.yaml on the English Wikipedia (17.9 GB of text) and on 100 GB
@@ -63,7 +65,7 @@ def main(argv=None) -> None:
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--step-tokens", type=int, default=4_718_592,
                         help="tokens per optimizer step, all GPUs (ModernBERT's 4,608 x 1,024)")
-    parser.add_argument("--measure", type=int, nargs=3, default=(64, 128, 256), help="the row lengths measured")
+    parser.add_argument("--measure", type=int, nargs=3, default=(80, 160, 320), help="the row lengths measured")
     parser.add_argument("--tokens-per-byte", type=float, default=TOKENS_PER_BYTE,
                         help="tokens a byte of text (full_dump_projection.py's enwiki: 3.5 B tokens of 17.9 GB)")
     parser.add_argument("--hdf5-bytes-per-token", type=float, nargs=2, default=HDF5_BYTES_PER_TOKEN,
@@ -74,17 +76,18 @@ def main(argv=None) -> None:
     config = model.config
     parameters = sum(p.numel() for p in model.parameters())
     rows = 2
-    measured, (constant, kept, quadratic) = activation_fit(model, args.measure, rows, MASKING)
+    measured, (constant, kept, quadratic) = activation_fit(model, args.measure, rows, MASKING, fused_loss=True,
+                                                           varlen=True)
     peak = accelerator.peak_flops(H100, "bf16")
     static = 16 * parameters + constant
     print(f"{args.preset}: {parameters / 1e6:.1f} M parameters; window {config.local_attention}, a global layer "
           f"every {config.global_attn_every_n_layers}")
     print(f"measured: saved for backward {', '.join(f'{b / 2**20:.0f} MiB' for b in measured)} at "
-          f"{rows} rows of {', '.join(map(str, args.measure))} tokens -> {constant / 2**20:.0f} MiB a forward (the "
-          f"bf16 weights), {kept / 1e3:.1f} KB a token kept with flash attention, and {quadratic:.1f} B a token per "
-          f"token of row on the dense CPU path")
-    print(f"assumed: {H100} bf16 peak {peak / 1e12:.1f} TFLOPS, MFU {args.mfu:.0%}, AdamW 16 B/parameter + the bf16 "
-          f"copy ({static / 2**30:.1f} GiB), all-reduce bus {args.bus_gbps:.0f} GB/s, {args.step_tokens:,} tokens a step")
+          f"{rows} rows of {', '.join(map(str, args.measure))} tokens (varlen attention, fused loss) -> "
+          f"{constant / 2**20:.0f} MiB a forward (the bf16 weights, the decoder's gradient), {kept / 1e3:.1f} KB a "
+          f"token, {quadratic:.1f} B a token per token of row")
+    print(f"assumed: {H100} bf16 peak {peak / 1e12:.1f} TFLOPS, MFU {args.mfu:.0%}, AdamW 16 B/parameter + a forward's "
+          f"({static / 2**30:.1f} GiB), all-reduce bus {args.bus_gbps:.0f} GB/s, {args.step_tokens:,} tokens a step")
     print("| tokens a sequence | training GFLOP a token | tokens/s a GPU | tokens/s on 8 | all-reduce share "
           "| activations GiB per 64k tokens | most tokens a micro-batch in 80 GB |")
     print("|---:|---:|---:|---:|---:|---:|---:|")

@@ -81,27 +81,6 @@ def test_the_phase_export_is_what_hf_loads_and_computes(run):
         assert best == int(ours(encoded["input_ids"], attention_mask=encoded["attention_mask"])[0][0, slot].argmax())
 
 
-def test_the_projections_memory_fit_finds_the_bf16_weight_copy_and_a_flat_per_token_cost():
-    """benchmarks/activation_memory.py's fit (modernbert_projection.py's) on the tiny preset: its constant is autocast's bf16 copy of the
-    weights (2 bytes a parameter of every matrix: the tied decoder casts the embeddings too), and the per-token cost it keeps predicts a fourth
-    length's saved bytes once the dense path's quadratic term is added back."""
-    from benchmarks.activation_memory import saved_bytes
-    from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMaskedLM
-
-    torch.manual_seed(0)
-    config = ModernBertConfig.preset("modernbert-tiny", vocab_size=512, pad_token_id=0, cls_token_id=1,
-                                     sep_token_id=2, bos_token_id=1, eos_token_id=2)
-    model = ModernBertForMaskedLM(config).train()
-    lengths, rows = (32, 64, 128), 2
-    design = torch.tensor([[1.0, rows * n, rows * n * n] for n in lengths], dtype=torch.float64)
-    measured = torch.tensor([saved_bytes(model, rows, n, 0.3) for n in lengths], dtype=torch.float64)
-    constant, per_token, quadratic = torch.linalg.solve(design, measured).tolist()
-    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # the tied decoder casts the embeddings
-    assert abs(constant - 2 * matrices) / (2 * matrices) < 0.05
-    predicted = constant + per_token * rows * 256 + quadratic * rows * 256 * 256
-    assert abs(saved_bytes(model, rows, 256, 0.3) - predicted) / predicted < 0.02
-
-
 TASK = {"sentiment": {"type": "classification", "train": "own/train.csv", "dev": "own/dev.csv", "test": "own/test.csv",
                       "format": "csv", "text_fields": ["text"], "label_field": "label"}}
 
