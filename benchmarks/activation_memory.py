@@ -19,6 +19,8 @@ API:
     fused_loss_bytes(hidden, weight, bias) -> int   what liger's kernel keeps from its forward to its backward
     cuda_dropout(), gpu_attention()   the contexts that make a CPU forward keep what a CUDA one keeps
     saved_storages(excluded) -> {data_ptr: bytes}   a context: the storages autograd saves inside it
+    most_rows(static, per_token, length) -> [int]   the most rows of `length` tokens whose kept bytes fit beside
+        `static` bytes in USABLE of each of MEMORY_GB (eager: the backward's transients live in the rest)
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from workflow.train.models import kit
+
+MEMORY_GB = (40, 80, 141)  # A100 40GB; A100 80GB, H100; H200
+USABLE = 0.9  # of a GPU's memory; the rest for the allocator's fragments, CUDA's context and workspaces
 
 
 def saved_bytes(model, rows: int, length: int, masking: float, fused_loss: bool = False, varlen: bool = False) -> int:
@@ -112,3 +117,8 @@ def activation_fit(model, lengths, rows: int, masking: float, fused_loss: bool =
     design = torch.tensor([[1.0, rows * length, rows * length * length] for length in lengths], dtype=torch.float64)
     fit = torch.linalg.solve(design, torch.tensor(measured, dtype=torch.float64)).tolist()
     return measured, tuple(fit)
+
+
+def most_rows(static: float, per_token: float, length: int) -> list[int]:
+    """See the module docstring."""
+    return [int((gb * 1e9 * USABLE - static) // (per_token * length)) for gb in MEMORY_GB]

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.activation_memory import activation_fit  # noqa: E402
+from benchmarks.activation_memory import MEMORY_GB, activation_fit, most_rows  # noqa: E402
 from benchmarks.train_step import CONFIG, instances  # noqa: E402
 from workflow.config import PHASES, load_config  # noqa: E402
 from workflow.train import accelerator  # noqa: E402
@@ -42,8 +42,6 @@ from workflow.train.models.bert import BertConfig, BertForPreTraining, flops_per
 
 H200 = "NVIDIA H200"
 MFU = (0.17, 0.44, 0.50)  # the H200's eager step as last measured; issue 43's phase-1 goal; MLPerf's H200
-MEMORY_GB = (40, 80, 141)  # A100 40GB; A100/H100 80GB; H200
-USABLE = 0.9  # of a GPU's memory, the rest for the allocator's fragments, CUDA's context and workspaces
 MASKING = 0.15  # encode.masked_lm_prob
 FP32 = 4
 LAMB_BYTES = 16  # a parameter's fp32 weight, gradient and two moments
@@ -76,7 +74,7 @@ def memory_table(phase_list, parameters: int, fused: tuple, logits: tuple, args)
     print("|---|---|---:|---:|---:|")
     for p in phase_list:
         slots = p["rows"] * p["length"]
-        most = [int((gb * 1e9 * USABLE - static) // (per_slot * p["length"])) for gb in MEMORY_GB]
+        most = most_rows(static, per_slot, p["length"])
         print(f"| {p['phase']} | {p['rows']} x {p['length']} | {per_slot * slots / 2**30:.1f} GiB "
               f"| {(static + per_slot * slots) / 2**30:.1f} GiB | {' / '.join(map(str, most))} |")
     benchmark_static = (LAMB_BYTES - FP32) * parameters + logits[0]  # its steps clear the gradients (set_to_none)

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.activation_memory import activation_fit  # noqa: E402
+from benchmarks.activation_memory import MEMORY_GB, activation_fit, most_rows  # noqa: E402
 from workflow.train import accelerator  # noqa: E402
 from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMaskedLM, flops_per_sequence  # noqa: E402
 
@@ -89,7 +89,8 @@ def main(argv=None) -> None:
     print(f"assumed: {H100} bf16 peak {peak / 1e12:.1f} TFLOPS, MFU {args.mfu:.0%}, AdamW 16 B/parameter + a forward's "
           f"({static / 2**30:.1f} GiB), all-reduce bus {args.bus_gbps:.0f} GB/s, {args.step_tokens:,} tokens a step")
     print("| tokens a sequence | training GFLOP a token | tokens/s a GPU | tokens/s on 8 | all-reduce share "
-          "| activations GiB per 64k tokens | most tokens a micro-batch in 80 GB |")
+          f"| activations GiB per 64k tokens | most sequences a micro-batch in "
+          f"{' / '.join(f'{gb} GB' for gb in MEMORY_GB)} |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     on_gpus = {}
     for length in LENGTHS:
@@ -98,10 +99,10 @@ def main(argv=None) -> None:
         step_s = args.step_tokens / (per_gpu * args.gpus)
         allreduce_s = 2 * (args.gpus - 1) / args.gpus * 2 * parameters / (args.bus_gbps * 1e9)  # bf16 gradients
         total = args.gpus * per_gpu * step_s / (step_s + allreduce_s)
-        fits = int((80e9 * 0.9 - static) / kept) // length * length
+        fits = " / ".join(map(str, most_rows(static, kept, length)))
         on_gpus[length] = total
         print(f"| {length:,} | {flops / 1e9:.2f} | {per_gpu:,.0f} | {total:,.0f} | {allreduce_s / step_s:.2%} "
-              f"| {kept * 65536 / 2**30:.1f} | {fits:,} |")
+              f"| {kept * 65536 / 2**30:.1f} | {fits} |")
     corpus_table(on_gpus, args)
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from benchmarks import bert_projection
-from benchmarks.activation_memory import activation_fit, cuda_dropout, fused_loss_bytes, saved_bytes, saved_storages
+from benchmarks.activation_memory import (USABLE, activation_fit, cuda_dropout, fused_loss_bytes, saved_bytes,
+                                          saved_storages)
 from workflow.train.models.bert import BertConfig, BertForPreTraining
 from workflow.train.models.modernbert import ModernBertConfig, ModernBertForMaskedLM
 
@@ -96,6 +97,6 @@ def test_bert_projection_prints_hours_that_follow_flops_and_rows_that_fit(capsys
     per_slot = float(re.search(r"and ([\d.]+) KB a token slot", out).group(1)) * 1e3
     static = float(re.search(r"= ([\d.]+) GiB, and", out).group(1)) * 2**30
     most_40 = int(re.search(r"^\| phase1 \| \d+ x 128 \| .* \| (\d+) / \d+ / \d+ \|$", out, re.M).group(1))
-    usable = 40e9 * bert_projection.USABLE
+    usable = 40e9 * USABLE
     assert static + per_slot * most_40 * 128 <= usable * 1.01
     assert static + per_slot * (most_40 + 1) * 128 > usable * 0.99
