@@ -106,8 +106,8 @@ def gpu_attention():
 def fused_loss_bytes(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
     """See the module docstring (liger-kernel 0.8.5, reduction "sum": grad_input like the hidden states, grad_weight
     and grad_bias accumulated in fp32, as fused_loss.py calls it, then cast to the parameters' fp32)."""
-    fp32 = torch.finfo(torch.float32).bits // 8
-    return hidden.numel() * hidden.element_size() + (weight.numel() + (0 if bias is None else bias.numel())) * fp32
+    fp32_parameters = weight.numel() + (0 if bias is None else bias.numel())
+    return hidden.numel() * hidden.element_size() + 4 * fp32_parameters
 
 
 def activation_fit(model, lengths, rows: int, masking: float, fused_loss: bool = False, varlen: bool = False

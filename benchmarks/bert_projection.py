@@ -63,7 +63,7 @@ def phases(config_path) -> list[dict]:
     return out
 
 
-def memory_table(phase_list, parameters: int, fused: tuple, logits: tuple, args) -> None:
+def memory_table(phase_list, parameters: int, fused: tuple, logits: tuple) -> None:
     """Per phase: the projected peak of a micro-batch of the configured rows, and the most rows that fit."""
     constant, per_slot = fused[0], fused[1]
     static = LAMB_BYTES * parameters + constant
@@ -137,7 +137,7 @@ def main(argv=None) -> None:
           f"forward, {fused[1] / 1e3:.1f} KB a token slot, {fused[2]:.1f} B a slot per slot of row; real tokens a "
           f"sequence " + ", ".join(f"{p['real']:.1f} of {p['length']} ({p['predictions']:.1f} predicted)"
                                    for p in phase_list))
-    memory_table(phase_list, parameters, fused, logits, args)
+    memory_table(phase_list, parameters, fused, logits)
     time_table(phase_list, config, parameters, args)
 
 
